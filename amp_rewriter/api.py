@@ -1,0 +1,110 @@
+"""The Python entry points; the CLI is a thin shell over these."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+import onnx
+
+from .emitters.onnx import emit_onnx, save_onnx
+from .errors import AmpError
+from .loaders.onnx import PROTOBUF_LIMIT, load_onnx, read_model_file
+from .op_lists import OpLists, Overrides
+from .passes.base import ConversionOptions, PassContext
+from .pipeline import run_pipeline
+from .report import Report, build_report
+
+
+def build_overrides(allow: Iterable[str] = (), infer: Iterable[str] = (),
+                    deny: Iterable[str] = (), clear: Iterable[str] = (),
+                    keep_nodes: Iterable[str] = (), config: str | os.PathLike | None = None
+                    ) -> Overrides:
+    """Collect op-class moves and pinned nodes; the config file first, explicit options win."""
+    overrides = Overrides.from_config(config) if config is not None else Overrides()
+    for op_class, ops in (("allow", allow), ("infer", infer), ("deny", deny), ("clear", clear)):
+        for op in ops:
+            overrides.move(op, op_class, f"--{op_class}")
+    overrides.keep_nodes.extend(keep_nodes)
+    return overrides
+
+
+def _load(model_or_path: onnx.ModelProto | str | os.PathLike
+          ) -> tuple[onnx.ModelProto, Path | None]:
+    if isinstance(model_or_path, onnx.ModelProto):
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model_or_path)  # the caller's model is never modified
+        return copy, None
+    path = Path(model_or_path)
+    return read_model_file(path), path.resolve().parent
+
+
+def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "fp16",
+            backend: str = "ort-cuda", *, keep_io_types: bool = True, clamp: bool = False,
+            allow: Iterable[str] = (), infer: Iterable[str] = (), deny: Iterable[str] = (),
+            clear: Iterable[str] = (), keep_nodes: Iterable[str] = (),
+            config: str | os.PathLike | None = None, check: bool = True,
+            _base_dir_out: list | None = None) -> tuple[onnx.ModelProto, Report]:
+    """Convert an fp32 ONNX model to mixed precision.
+
+    Args:
+        model_or_path: a ModelProto (left unmodified) or the path of an .onnx file.
+        target: "fp16" or "bf16".
+        backend: "ort-cuda" or "ort-cpu": which kernels the op lists assume.
+        keep_io_types: keep graph inputs and outputs in their original dtype.
+        clamp: saturate constants beyond the target's range instead of keeping them fp32.
+        allow/infer/deny/clear: op types to move into that class.
+        keep_nodes: node names or regexes pinned to fp32.
+        config: a TOML file with the same overrides.
+        check: run onnx.checker (full check) on the result.
+
+    Returns:
+        The converted ModelProto and the Report of every decision.
+    """
+    model, base_dir = _load(model_or_path)
+    if _base_dir_out is not None:
+        _base_dir_out.append(base_dir)
+    overrides = build_overrides(allow, infer, deny, clear, keep_nodes, config)
+    lists = OpLists.load("onnx", target, backend, overrides)
+    options = ConversionOptions(target=target, backend=backend, keep_io_types=keep_io_types,
+                                clamp=clamp, keep_nodes=overrides.keep_node_patterns())
+    ir_model = load_onnx(model, base_dir)
+    original_nodes = [(node, graph.name) for graph in ir_model.graph.walk_graphs()
+                      for node in graph.nodes]
+    ctx = PassContext(ir_model, lists, options)
+    results = run_pipeline(ctx)
+    converted = emit_onnx(ir_model)
+    report = build_report(ctx, original_nodes, results)
+    if check:
+        check_valid(converted, base_dir)
+    return converted, report
+
+
+def check_valid(model: onnx.ModelProto, base_dir: Path | None) -> None:
+    """onnx.checker with full check (type and shape inference); failures raise AmpError."""
+    if model.ByteSize() > PROTOBUF_LIMIT:
+        return  # checked from the saved file by convert_file instead
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as exc:  # the checker raises several exception types
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AmpError(f"the converted model fails the ONNX checker: {first_line}") from None
+
+
+def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
+                 **options) -> tuple[onnx.ModelProto, Report]:
+    """Convert a model file and write the result atomically; the input is never touched."""
+    input_path, output_path = Path(input_path), Path(output_path)
+    if output_path.exists() and input_path.exists() and os.path.samefile(input_path, output_path):
+        raise AmpError("the output path is the input file: refusing to overwrite the input")
+    if output_path.resolve() == input_path.resolve():
+        raise AmpError("the output path is the input file: refusing to overwrite the input")
+    if output_path.is_dir():
+        raise AmpError(f"{output_path}: is a directory, expected an output file name")
+    if not output_path.resolve().parent.is_dir():
+        raise AmpError(f"{output_path}: output folder does not exist")
+    base_dirs: list = []
+    model, report = convert(input_path, _base_dir_out=base_dirs, **options)
+    save_onnx(model, output_path, source_dir=base_dirs[0])
+    return model, report

@@ -1,0 +1,18 @@
+"""Errors that the CLI turns into one-line messages and exit codes."""
+
+from __future__ import annotations
+
+
+class AmpError(Exception):
+    """A problem with the user's input or options (exit code 2).
+
+    The message is a single line meant for the user; the CLI prints it without a traceback.
+    """
+
+    exit_code = 2
+
+
+class CheckFailed(AmpError):
+    """A `check` or `--validate` found a problem in a converted model (exit code 1)."""
+
+    exit_code = 1

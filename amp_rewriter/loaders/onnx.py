@@ -1,0 +1,456 @@
+"""ONNX ModelProto -> IR.
+
+Type groups come from the op schema's type constraints at the model's opset; If/Loop/Scan get
+groups that tie their outer slots to their bodies' inputs and outputs. Dtypes come from our own
+inference over the schemas; shape inference and existing value_info only fill what that cannot
+decide, so no correctness depends on them.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..errors import AmpError
+from ..ir import FLOAT32, Graph, LazyTensor, Model, Node, TypeGroup, Value
+
+#: 2 GiB: the protobuf limit on one serialized message.
+PROTOBUF_LIMIT = 2**31 - 1
+
+_ELEM_TYPE_NAMES = {
+    "FLOAT": "float32", "DOUBLE": "float64", "FLOAT16": "float16", "BFLOAT16": "bfloat16",
+}
+
+
+def dtype_name(elem_type: int) -> str | None:
+    """Our dtype name for an ONNX TensorProto elem_type code (None for UNDEFINED)."""
+    if not elem_type:
+        return None
+    name = onnx.TensorProto.DataType.Name(elem_type)
+    return _ELEM_TYPE_NAMES.get(name, name.lower())
+
+
+def elem_type_code(dtype: str) -> int:
+    """The ONNX elem_type code for one of our dtype names."""
+    for onnx_name, ours in _ELEM_TYPE_NAMES.items():
+        if ours == dtype:
+            return getattr(onnx.TensorProto, onnx_name)
+    return getattr(onnx.TensorProto, dtype.upper())
+
+
+def _type_str_dtype(type_str: str) -> str | None:
+    """'tensor(float16)' -> 'float16'; sequence/optional/map types -> None."""
+    if not type_str.startswith("tensor(") or not type_str.endswith(")"):
+        return None
+    inner = type_str[len("tensor("):-1]
+    return {"float": "float32", "double": "float64"}.get(inner, inner)
+
+
+#: Slots whose dtype carries meaning rather than precision: never repainted.
+#: (op, type constraint) -> why.
+FIXED_TYPE_PARAMS: dict[tuple[str, str], str] = {
+    ("Resize", "T2"): "Resize scales/roi are coordinates, not activations",
+    ("Dropout", "T1"): "Dropout ratio is a probability input",
+    ("LayerNormalization", "U"): "LayerNormalization mean/inv-std outputs are fp32 statistics",
+    ("GroupNormalization", "U"): "GroupNormalization statistics stay fp32",
+}
+
+
+class _Formal:
+    """How a schema's formal inputs/outputs map onto a node's slots."""
+
+    __slots__ = ("inputs", "outputs", "constraints")
+
+    def __init__(self, schema: onnx.defs.OpSchema):
+        def formals(params: list[Any]) -> list[tuple[str, bool, bool]]:
+            result = []
+            for p in params:
+                variadic = p.option == onnx.defs.OpSchema.FormalParameterOption.Variadic
+                result.append((p.type_str, variadic, bool(getattr(p, "is_homogeneous", True))))
+            return result
+
+        self.inputs = formals(schema.inputs)
+        self.outputs = formals(schema.outputs)
+        self.constraints: dict[str, frozenset[str]] = {}
+        for constraint in schema.type_constraints:
+            allowed = {_type_str_dtype(t) for t in constraint.allowed_type_strs}
+            allowed.discard(None)
+            self.constraints[constraint.type_param_str] = frozenset(allowed)  # type: ignore[arg-type]
+
+    def slot_params(self, formals: list[tuple[str, bool, bool]], count: int) -> list[tuple[str, bool]]:
+        """(type_str, homogeneous) for each of `count` actual slots."""
+        result: list[tuple[str, bool]] = []
+        for index in range(count):
+            if index < len(formals):
+                type_str, _variadic, homogeneous = formals[index]
+            elif formals and formals[-1][1]:
+                type_str, _variadic, homogeneous = formals[-1]
+            else:
+                type_str, homogeneous = "", True
+            result.append((type_str, homogeneous))
+        return result
+
+
+@lru_cache(maxsize=None)
+def _formal(op_type: str, domain: str, opset: int) -> _Formal | None:
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, domain)
+    except Exception:  # onnx raises SchemaError for unknown ops; any failure means "no schema"
+        return None
+    return _Formal(schema)
+
+
+def _check_external_location(tensor: onnx.TensorProto, base_dir: Path) -> None:
+    """Refuse external data that points outside the model's folder (path traversal)."""
+    location = next((e.value for e in tensor.external_data if e.key == "location"), None)
+    if location is None:
+        raise AmpError(f"tensor {tensor.name!r} is marked external but has no location")
+    if os.path.isabs(location) or location.startswith(("\\", "/")) or ":" in location:
+        raise AmpError(f"tensor {tensor.name!r}: external data location {location!r} is not "
+                       f"a relative path inside the model's folder")
+    resolved = (base_dir / location).resolve()
+    try:
+        resolved.relative_to(base_dir.resolve())
+    except ValueError:
+        raise AmpError(f"tensor {tensor.name!r}: external data location {location!r} points "
+                       f"outside the model's folder") from None
+    if not resolved.is_file():
+        raise AmpError(f"tensor {tensor.name!r}: external data file {location!r} not found")
+
+
+def _tensor_loader(tensor: onnx.TensorProto, base_dir: Path | None):
+    def load() -> np.ndarray:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            return numpy_helper.to_array(tensor, str(base_dir) if base_dir else "")
+        return numpy_helper.to_array(tensor)
+    return load
+
+
+def lazy_tensor(tensor: onnx.TensorProto, base_dir: Path | None) -> LazyTensor:
+    """Wrap a TensorProto without reading its (possibly external) data."""
+    return LazyTensor(dtype_name(tensor.data_type) or "undefined", tuple(tensor.dims),
+                      _tensor_loader(tensor, base_dir), handle=tensor)
+
+
+def read_model_file(path: str | os.PathLike) -> onnx.ModelProto:
+    """Parse an .onnx file without loading external data; bad files raise AmpError."""
+    path = Path(path)
+    if not path.exists():
+        raise AmpError(f"{path}: no such file")
+    if path.is_dir():
+        raise AmpError(f"{path}: is a directory, expected an .onnx file")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise AmpError(f"{path}: cannot read ({exc.strerror})") from None
+    return parse_model_bytes(data, str(path))
+
+
+def parse_model_bytes(data: bytes, label: str) -> onnx.ModelProto:
+    """Parse serialized ModelProto bytes; anything that is not a sound ONNX model raises AmpError."""
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except Exception:
+        raise AmpError(f"{label}: not an ONNX model (the protobuf does not parse; truncated or "
+                       f"another format?)") from None
+    if model.ir_version <= 0 or not model.HasField("graph") or not model.opset_import:
+        raise AmpError(f"{label}: not an ONNX model (no graph, IR version or opset import)")
+    return model
+
+
+def _all_tensors(graph: onnx.GraphProto):
+    """Every TensorProto in a graph and its subgraphs (initializers and attribute tensors)."""
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        yield from g.initializer
+        for node in g.node:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+                if attr.HasField("g"):
+                    stack.append(attr.g)
+                stack.extend(attr.graphs)
+
+
+class OnnxLoader:
+    """Builds the IR for one ONNX model. Use `load_onnx`."""
+
+    def __init__(self, model: onnx.ModelProto, base_dir: Path | None):
+        self.model = model
+        self.base_dir = base_dir
+        self.opsets = {(imp.domain or ""): imp.version for imp in model.opset_import}
+        if "ai.onnx" in self.opsets:
+            self.opsets.setdefault("", self.opsets["ai.onnx"])
+        self.local_functions = {(f.domain, f.name) for f in model.functions}
+        self.hints: dict[str, tuple[str | None, tuple | None]] = {}
+        self.ir_model = Model(graph=Graph("main"), format="onnx", handle=model)
+        self.order = 0
+
+    # -- dtype hints from value_info and shape inference ------------------------------------
+    def _collect_hints(self) -> None:
+        def add(infos):
+            for info in infos:
+                if info.type.HasField("tensor_type"):
+                    tt = info.type.tensor_type
+                    shape = None
+                    if tt.HasField("shape"):
+                        shape = tuple(d.dim_value if d.HasField("dim_value") else
+                                      (d.dim_param or None) for d in tt.shape.dim)
+                    self.hints.setdefault(info.name, (dtype_name(tt.elem_type), shape))
+
+        stack = [self.model.graph]
+        while stack:
+            g = stack.pop()
+            add(g.value_info)
+            add(g.input)
+            add(g.output)
+            for node in g.node:
+                for attr in node.attribute:
+                    if attr.HasField("g"):
+                        stack.append(attr.g)
+                    stack.extend(attr.graphs)
+        try:
+            inferred = onnx.shape_inference.infer_shapes(self.model, strict_mode=False)
+        except Exception:  # inference is only a hint source; our own dtype rules come first
+            return
+        stack = [inferred.graph]
+        while stack:
+            g = stack.pop()
+            add(g.value_info)
+            for node in g.node:
+                for attr in node.attribute:
+                    if attr.HasField("g"):
+                        stack.append(attr.g)
+                    stack.extend(attr.graphs)
+
+    # -- graphs ---------------------------------------------------------------------------
+    def load(self) -> Model:
+        for tensor in _all_tensors(self.model.graph):
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                if self.base_dir is None:
+                    raise AmpError(f"tensor {tensor.name!r} has external data, but the model was "
+                                   f"not given as a file path")
+                _check_external_location(tensor, self.base_dir)
+        self._collect_hints()
+        self._load_graph(self.model.graph, self.ir_model.graph)
+        return self.ir_model
+
+    def _new_value(self, graph: Graph, name: str, dtype: str | None = None,
+                   shape: tuple | None = None) -> Value:
+        hint_dtype, hint_shape = self.hints.get(name, (None, None))
+        value = Value(name, graph, dtype or hint_dtype, shape if shape is not None else hint_shape)
+        graph.values[name] = value
+        self.ir_model.used_names.add(name)
+        return value
+
+    def _load_graph(self, proto: onnx.GraphProto, graph: Graph) -> None:
+        graph.handle = proto
+        for init in proto.initializer:
+            value = self._new_value(graph, init.name, dtype_name(init.data_type), tuple(init.dims))
+            value.const = lazy_tensor(init, self.base_dir)
+            graph.initializers[init.name] = value
+        for info in proto.input:
+            value = graph.values.get(info.name) or self._new_value(graph, info.name)
+            tt = info.type.tensor_type
+            if info.type.HasField("tensor_type") and tt.elem_type:
+                value.dtype = value.original_dtype = dtype_name(tt.elem_type)
+            value.is_graph_input = True
+            graph.inputs.append(value)
+        for index, node_proto in enumerate(proto.node):
+            graph.nodes.append(self._load_node(node_proto, graph, index))
+        for index, info in enumerate(proto.output):
+            value = graph.lookup(info.name)
+            if value is None:
+                raise AmpError(f"graph {proto.name or graph.name!r}: output {info.name!r} is "
+                               f"never produced")
+            if value.dtype is None and info.type.tensor_type.elem_type:
+                value.dtype = value.original_dtype = dtype_name(info.type.tensor_type.elem_type)
+            value.graph_output_uses.append((graph, index))
+            graph.outputs.append(value)
+
+    def _load_node(self, proto: onnx.NodeProto, graph: Graph, index: int) -> Node:
+        name = proto.name or f"{proto.op_type}_{graph.depth()}_{index}"
+        node = Node(name, proto.op_type, proto.domain, graph)
+        node.handle = proto
+        node.order = self.order
+        self.order += 1
+        self.ir_model.used_names.add(name)
+        for slot, input_name in enumerate(proto.input):
+            if not input_name:
+                node.inputs.append(None)
+                continue
+            value = graph.lookup(input_name)
+            if value is None:
+                raise AmpError(f"node {name!r} ({proto.op_type}): input {input_name!r} is not "
+                               f"produced before it (graph not in topological order, or a "
+                               f"missing graph input)")
+            value.uses.append((node, slot))
+            node.inputs.append(value)
+        for attr in proto.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                sub = Graph(f"{name}/{attr.name}", parent=graph, owner=node)
+                self._load_graph(attr.g, sub)
+                node.subgraphs[attr.name] = sub
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                raise AmpError(f"node {name!r}: graph-list attributes are not supported")
+            elif attr.type == onnx.AttributeProto.TENSOR:
+                node.attrs[attr.name] = lazy_tensor(attr.t, self.base_dir)
+            elif attr.type == onnx.AttributeProto.INT:
+                node.attrs[attr.name] = attr.i
+            elif attr.type == onnx.AttributeProto.FLOAT:
+                node.attrs[attr.name] = attr.f
+        for output_name in proto.output:
+            if not output_name:
+                node.outputs.append(None)
+                continue
+            value = self._new_value(graph, output_name)
+            value.producer = node
+            value.producer_slot = len(node.outputs)
+            node.outputs.append(value)
+            if proto.op_type == "Constant" and "value" in node.attrs:
+                value.const = node.attrs["value"]
+        self._build_type_groups(node)
+        self._infer_output_dtypes(node)
+        return node
+
+    # -- type groups ------------------------------------------------------------------------
+    def _build_type_groups(self, node: Node) -> None:
+        node.input_group = [None] * len(node.inputs)
+        node.output_group = [None] * len(node.outputs)
+        if node.op_type in ("If", "Loop", "Scan") and node.domain in ("", "ai.onnx"):
+            self._control_flow_groups(node)
+            return
+        formal = None
+        if (node.domain, node.op_type) not in self.local_functions:
+            opset = self.opsets.get(node.domain or "")
+            if opset is not None:
+                formal = _formal(node.op_type, node.domain or "", opset)
+        if formal is None:
+            node.has_schema = False
+            return
+        groups: dict[str, TypeGroup] = {}
+
+        def group_for(type_str: str, homogeneous: bool, key: str) -> TypeGroup | None:
+            if type_str not in formal.constraints:
+                return None  # a fixed type such as tensor(int64)
+            group_key = type_str if homogeneous else key
+            group = groups.get(group_key)
+            if group is None:
+                fixed = (node.op_type, type_str) in FIXED_TYPE_PARAMS
+                group = TypeGroup(node, group_key, allowed=formal.constraints[type_str], fixed=fixed)
+                if fixed:
+                    group.reason = FIXED_TYPE_PARAMS[(node.op_type, type_str)]
+                groups[group_key] = group
+                node.type_groups.append(group)
+            return group
+
+        for slot, (type_str, homogeneous) in enumerate(formal.slot_params(formal.inputs,
+                                                                          len(node.inputs))):
+            if node.inputs[slot] is None:
+                continue
+            group = group_for(type_str, homogeneous, f"{type_str}[in{slot}]")
+            if group is not None:
+                group.input_slots.append(slot)
+                node.input_group[slot] = group
+        for slot, (type_str, homogeneous) in enumerate(formal.slot_params(formal.outputs,
+                                                                          len(node.outputs))):
+            if node.outputs[slot] is None:
+                continue
+            group = group_for(type_str, homogeneous, f"{type_str}[out{slot}]")
+            if group is not None:
+                group.output_slots.append(slot)
+                node.output_group[slot] = group
+
+    def _control_flow_groups(self, node: Node) -> None:
+        """Tie each loop-carried / branch / scan value to one group across the body boundary."""
+
+        def add(name: str, inputs: list[int], outputs: list[int], defs: list[Value],
+                uses: list[tuple[Graph, int]]) -> None:
+            group = TypeGroup(node, name, list(inputs), list(outputs), inner_defs=defs,
+                              inner_uses=uses)
+            node.type_groups.append(group)
+            for slot in inputs:
+                node.input_group[slot] = group
+            for slot in outputs:
+                node.output_group[slot] = group
+
+        if node.op_type == "If":
+            then_g, else_g = node.subgraphs.get("then_branch"), node.subgraphs.get("else_branch")
+            for i in range(len(node.outputs)):
+                add(f"out{i}", [], [i], [], [(then_g, i), (else_g, i)])
+        elif node.op_type == "Loop":
+            body = node.subgraphs["body"]
+            carried = len(node.inputs) - 2
+            for i in range(carried):
+                add(f"carried{i}", [2 + i], [i], [body.inputs[2 + i]], [(body, 1 + i)])
+            for k in range(len(node.outputs) - carried):
+                add(f"scan_out{k}", [], [carried + k], [], [(body, 1 + carried + k)])
+        else:  # Scan (opset >= 9 layout)
+            body = node.subgraphs["body"]
+            scan_inputs = int(node.attrs.get("num_scan_inputs", 0))
+            states = len(node.inputs) - scan_inputs
+            for i in range(states):
+                add(f"state{i}", [i], [i], [body.inputs[i]], [(body, i)])
+            for j in range(scan_inputs):
+                add(f"scan_in{j}", [states + j], [], [body.inputs[states + j]], [])
+            for k in range(len(node.outputs) - states):
+                add(f"scan_out{k}", [], [states + k], [], [(body, states + k)])
+
+    # -- dtypes -----------------------------------------------------------------------------
+    def _infer_output_dtypes(self, node: Node) -> None:
+        """Our own dtype rule for each output; hints only fill what the schema leaves open."""
+        for slot, value in enumerate(node.outputs):
+            if value is None:
+                continue
+            dtype = self._output_dtype(node, slot)
+            if dtype is not None:
+                value.dtype = dtype
+            value.original_dtype = value.dtype
+
+    def _output_dtype(self, node: Node, slot: int) -> str | None:
+        op = node.op_type
+        if node.domain in ("", "ai.onnx"):
+            if op == "Cast" and "to" in node.attrs:
+                return dtype_name(node.attrs["to"])
+            if op == "CastLike" and len(node.inputs) > 1 and node.inputs[1] is not None:
+                return node.inputs[1].dtype
+            if op in ("Constant", "ConstantOfShape"):
+                tensor = node.attrs.get("value")
+                if tensor is not None:
+                    return tensor.dtype
+                return FLOAT32 if op == "ConstantOfShape" else None
+            if op in ("RandomNormal", "RandomUniform", "EyeLike", "RandomNormalLike",
+                      "RandomUniformLike", "Bernoulli", "Multinomial") and "dtype" in node.attrs:
+                return dtype_name(node.attrs["dtype"])
+        group = node.output_group[slot] if slot < len(node.output_group) else None
+        if group is None:
+            formal = (_formal(op, node.domain or "", self.opsets.get(node.domain or "", 0))
+                      if node.has_schema and op not in ("If", "Loop", "Scan") else None)
+            if formal is not None:
+                params = formal.slot_params(formal.outputs, len(node.outputs))
+                return _type_str_dtype(params[slot][0]) or node.outputs[slot].dtype
+            return node.outputs[slot].dtype
+        for in_slot in group.input_slots:
+            source = node.inputs[in_slot]
+            if source is not None and source.dtype is not None:
+                return source.dtype
+        for sub, index in group.inner_uses:
+            if sub is not None and index < len(sub.outputs) and sub.outputs[index].dtype:
+                return sub.outputs[index].dtype
+        if group.allowed is not None and len(group.allowed) == 1:
+            return next(iter(group.allowed))
+        return node.outputs[slot].dtype
+
+
+def load_onnx(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None) -> Model:
+    """Build the IR for `model`. `base_dir` is the folder external data is relative to."""
+    return OnnxLoader(model, Path(base_dir) if base_dir is not None else None).load()

@@ -1,0 +1,165 @@
+"""Op lists: which class (allow / infer / deny / clear) an op has for a format, target and backend.
+
+The lists are data (`onnx.toml` beside this file). `OpLists.load` merges the generic list for the
+target with the backend profile and the user's overrides, remembering for every op where its class
+came from, so `explain` can say why.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from ..errors import AmpError
+from ..ir import ALLOW, CLEAR, DENY, FP32, INFER
+
+CLASSES = (ALLOW, INFER, DENY, CLEAR)
+TARGETS = ("fp16", "bf16")
+_DATA_DIR = Path(__file__).parent
+
+
+@dataclass
+class Overrides:
+    """What the user changed: ops moved between classes and nodes pinned to fp32."""
+
+    moves: dict[str, str] = field(default_factory=dict)  # op -> class
+    keep_nodes: list[str] = field(default_factory=list)  # node names or regexes
+    source: dict[str, str] = field(default_factory=dict)  # op -> "--deny" / "config x.toml"
+
+    def move(self, op: str, op_class: str, source: str) -> None:
+        if op_class not in CLASSES and op_class != FP32:
+            raise AmpError(f"{source}: unknown op class {op_class!r} (expected one of "
+                           f"{', '.join(CLASSES)})")
+        self.moves[op] = op_class
+        self.source[op] = source
+
+    @classmethod
+    def from_config(cls, path: str | Path, into: "Overrides | None" = None) -> "Overrides":
+        """Read a TOML file: `allow = [..]`, `infer`, `deny`, `clear`, `keep_nodes = [..]`.
+
+        The lists may also sit under an `[ops]` table; unknown keys are refused so typos surface.
+        """
+        overrides = into or cls()
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise AmpError(f"{path}: config file not found") from None
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise AmpError(f"{path}: not a valid TOML config ({exc})") from None
+        table = data.get("ops", data)
+        for key, entries in table.items():
+            if key == "keep_nodes":
+                overrides.keep_nodes.extend(_str_list(entries, path, key))
+            elif key in CLASSES:
+                for op in _str_list(entries, path, key):
+                    overrides.move(op, key, f"config {path.name}")
+            elif key != "ops":
+                raise AmpError(f"{path}: unknown key {key!r} (expected allow, infer, deny, "
+                               f"clear, keep_nodes)")
+        return overrides
+
+    def keep_node_patterns(self) -> list[re.Pattern[str]]:
+        """`--keep-node` entries as anchored regexes (a plain name matches itself)."""
+        patterns = []
+        for entry in self.keep_nodes:
+            try:
+                patterns.append(re.compile(entry))
+            except re.error as exc:
+                raise AmpError(f"--keep-node {entry!r}: not a valid regex ({exc})") from None
+        return patterns
+
+
+def _str_list(entries: object, path: Path, key: str) -> list[str]:
+    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        raise AmpError(f"{path}: {key} must be a list of strings")
+    return list(entries)
+
+
+@dataclass
+class OpLists:
+    """The merged op classes for one (format, target, backend)."""
+
+    format: str
+    target: str
+    backend: str
+    classes: dict[str, str]
+    reasons: dict[str, str]
+    #: Ops the backend has no low-precision kernel for (None: the backend runs every op).
+    no_kernel: frozenset[str]
+    #: When set, only these ops have a low-precision kernel on the backend.
+    kernels: frozenset[str] | None = None
+
+    @classmethod
+    def load(cls, fmt: str, target: str, backend: str,
+             overrides: Overrides | None = None) -> "OpLists":
+        """Merge generic lists, backend profile and overrides for `fmt`/`target`/`backend`."""
+        if target not in TARGETS:
+            raise AmpError(f"unknown target {target!r} (expected fp16 or bf16)")
+        data = _read_list_file(fmt)
+        backends = data.get("backends", {})
+        if backend not in backends:
+            raise AmpError(f"unknown backend {backend!r} for {fmt} (expected one of "
+                           f"{', '.join(sorted(backends))})")
+        classes: dict[str, str] = {}
+        reasons: dict[str, str] = {}
+        generic_reasons = data.get("reasons", {})
+        for op_class in CLASSES:
+            for op in data[target].get(op_class, []):
+                classes[op] = op_class
+                reasons[op] = generic_reasons.get(op, f"{op_class} in the generic {target} list")
+        profile = backends[backend].get(target, {})
+        profile_reasons = backends[backend].get("reasons", {})
+        for op_class in CLASSES:
+            for op in profile.get(op_class, []):
+                classes[op] = op_class
+                reasons[op] = profile_reasons.get(op, f"{op_class} for backend {backend}")
+        for op, why in profile_reasons.items():
+            if op in classes and op not in profile.get(classes[op], []):
+                reasons[op] = why
+        kernels = frozenset(profile["kernels"]) if "kernels" in profile else None
+        lists = cls(fmt, target, backend, classes, reasons, frozenset(profile.get("no_kernel", [])),
+                    kernels)
+        if overrides is not None:
+            for op, op_class in overrides.moves.items():
+                lists.classes[op] = op_class
+                lists.reasons[op] = f"{op_class} by user override ({overrides.source[op]})"
+        return lists
+
+    def class_of(self, op: str) -> tuple[str, str]:
+        """(class, reason) for an op; unlisted ops are fp32."""
+        if op in self.classes:
+            return self.classes[op], self.reasons[op]
+        return FP32, f"{op} is on no list: unlisted ops stay fp32 and block propagation"
+
+    def has_kernel(self, op: str) -> bool:
+        """Whether the backend can run `op` in the target precision."""
+        if op in self.no_kernel:
+            return False
+        return self.kernels is None or op in self.kernels
+
+    def listed(self, op_class: str) -> Iterable[str]:
+        return sorted(op for op, c in self.classes.items() if c == op_class)
+
+
+_LIST_CACHE: dict[str, dict] = {}
+
+
+def _read_list_file(fmt: str) -> dict:
+    if fmt not in _LIST_CACHE:
+        path = _DATA_DIR / f"{fmt}.toml"
+        _LIST_CACHE[fmt] = tomllib.loads(path.read_text())
+    return _LIST_CACHE[fmt]
+
+
+def backends_for(fmt: str) -> list[str]:
+    """Backend profile names available for a format."""
+    return sorted(_read_list_file(fmt).get("backends", {}))

@@ -1,0 +1,164 @@
+"""Apply the precision decisions: set dtypes and insert the casts they need.
+
+One cast per (value, dtype), placed right after the value's producer and shared by every consumer
+that needs it. Graph inputs and outputs keep their dtype when `keep_io_types` is on; a graph output
+whose producer now runs low precision gets a cast that takes over the output's name.
+"""
+
+from __future__ import annotations
+
+from ..ir import FLOAT_DTYPES, Graph, Model, Node, Value
+from .base import PassContext, PassResult
+
+CAST_SUFFIX = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+
+
+class CastBuilder:
+    """Creates cast nodes and remembers where each goes, to splice them in one sweep."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.cache: dict[tuple[int, str], Value] = {}
+        #: id(producer node) -> casts to emit right after it; id(graph) -> casts at its start.
+        self.after_node: dict[int, list[Node]] = {}
+        self.at_start: dict[int, list[Node]] = {}
+        self.created = 0
+
+    def cast(self, value: Value, dtype: str) -> Value:
+        """The value converted to `dtype`, creating the cast on first request."""
+        key = (id(value), dtype)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        graph = value.graph
+        cast = Node(self.model.unique_name(f"{value.name}/cast_to_{CAST_SUFFIX.get(dtype, dtype)}"),
+                    "Cast", "", graph)
+        cast.attrs["to"] = dtype
+        cast.op_class, cast.class_reason = "cast", "inserted at a precision boundary"
+        output = Value(self.model.unique_name(f"{value.name}_{CAST_SUFFIX.get(dtype, dtype)}"),
+                       graph, dtype, value.shape)
+        output.original_dtype = dtype
+        output.producer, output.producer_slot = cast, 0
+        graph.values[output.name] = output
+        cast.inputs.append(value)
+        cast.outputs.append(output)
+        value.uses.append((cast, 0))
+        cast.input_group, cast.output_group = [None], [None]
+        if value.producer is not None and value.producer.graph is graph:
+            cast.order = value.producer.order
+            self.after_node.setdefault(id(value.producer), []).append(cast)
+        else:
+            self.at_start.setdefault(id(graph), []).append(cast)
+        self.cache[key] = output
+        self.created += 1
+        return output
+
+    def splice(self, root: Graph) -> None:
+        """Put the new casts into the node lists, keeping them topologically sorted."""
+        for graph in root.walk_graphs():
+            start = self.at_start.get(id(graph), [])
+            if not start and not any(id(n) in self.after_node for n in graph.nodes):
+                continue
+            nodes = list(start)
+            for node in graph.nodes:
+                nodes.append(node)
+                nodes.extend(self.after_node.get(id(node), ()))
+            graph.nodes = nodes
+
+
+def _required_dtype(value: Value, consumer: Node, slot: int) -> str | None:
+    group = consumer.input_group[slot] if slot < len(consumer.input_group) else None
+    if group is not None and group.precision is not None:
+        return group.precision
+    return value.original_dtype
+
+
+def _replace_use(value: Value, consumer: Node, slot: int, replacement: Value) -> None:
+    value.uses.remove((consumer, slot))
+    consumer.inputs[slot] = replacement
+    replacement.uses.append((consumer, slot))
+
+
+def insert_casts(ctx: PassContext) -> PassResult:
+    """Set every value's dtype from its group's decision and cast where producer and user differ."""
+    model = ctx.model
+    builder = CastBuilder(model)
+    root = model.graph
+
+    # Values defined by painted groups take the group's dtype.
+    for node in root.walk_nodes():
+        for group in node.type_groups:
+            if group.precision is None or group.precision == group.dtype:
+                continue
+            for slot in group.output_slots:
+                if node.outputs[slot] is not None:
+                    node.outputs[slot].dtype = group.precision
+            for value in group.inner_defs:
+                value.dtype = group.precision
+
+    if not ctx.options.keep_io_types:
+        _lower_graph_inputs(root)
+
+    for graph in list(root.walk_graphs()):
+        candidates = list(graph.inputs) + list(graph.initializers.values())
+        for node in graph.nodes:
+            candidates.extend(v for v in node.outputs if v is not None)
+        for value in candidates:
+            if value.dtype not in FLOAT_DTYPES:
+                continue
+            for consumer, slot in list(value.uses):
+                needed = _required_dtype(value, consumer, slot)
+                if needed is not None and needed != value.dtype and needed in FLOAT_DTYPES:
+                    _replace_use(value, consumer, slot, builder.cast(value, needed))
+            for sub, index in list(value.graph_output_uses):
+                needed = _graph_output_dtype(sub, index, value, ctx.options.keep_io_types)
+                if needed != value.dtype:
+                    _retarget_graph_output(model, builder, value, sub, index, needed)
+
+    builder.splice(root)
+    ctx.casts_inserted += builder.created
+    return PassResult("insert_casts", builder.created)
+
+
+def _graph_output_dtype(sub: Graph, index: int, value: Value, keep_io_types: bool) -> str | None:
+    if sub.parent is None:
+        return value.original_dtype if keep_io_types else value.dtype
+    owner = sub.owner
+    for group in owner.type_groups if owner is not None else ():
+        if (sub, index) in group.inner_uses:
+            return group.precision or group.dtype
+    return value.original_dtype
+
+
+def _retarget_graph_output(model: Model, builder: CastBuilder, value: Value, sub: Graph,
+                           index: int, dtype: str | None) -> None:
+    """Make output `index` of `sub` carry `dtype`: the cast takes over the output's name."""
+    if dtype is None:
+        return
+    original_name = value.name
+    if value.producer is not None and value.producer.graph is sub and not value.is_graph_input:
+        # The producer's value gets a fresh name; the cast output carries the public name.
+        del value.graph.values[value.name]
+        value.name = model.unique_name(f"{original_name}_{CAST_SUFFIX.get(value.dtype)}")
+        value.graph.values[value.name] = value
+        cast_out = builder.cast(value, dtype)
+        del cast_out.graph.values[cast_out.name]
+        cast_out.name = original_name
+        cast_out.graph.values[original_name] = cast_out
+    else:
+        cast_out = builder.cast(value, dtype)
+    value.graph_output_uses.remove((sub, index))
+    cast_out.graph_output_uses.append((sub, index))
+    sub.outputs[index] = cast_out
+
+
+def _lower_graph_inputs(root: Graph) -> None:
+    """Without keep-io-types, a float input whose every user wants one low dtype takes it."""
+    for value in root.inputs:
+        if value.dtype not in FLOAT_DTYPES or not value.uses or value.graph_output_uses:
+            continue
+        wanted = {_required_dtype(value, c, s) for c, s in value.uses}
+        if len(wanted) == 1:
+            (dtype,) = wanted
+            if dtype is not None and dtype != value.dtype:
+                value.dtype = dtype

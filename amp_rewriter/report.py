@@ -1,0 +1,136 @@
+"""Decisions and reasons as a JSON report, and `explain` over it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import AmpError
+from .ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, Model, Node, TypeGroup
+from .passes.base import PassContext, PassResult
+
+PRECISION_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+
+
+def _group_chain(group: TypeGroup, limit: int = 12) -> list[str]:
+    chain, seen, current = [], set(), group.via
+    while current is not None and id(current) not in seen and len(chain) < limit:
+        seen.add(id(current))
+        chain.append(f"{current.node.name} ({current.node.op_type}, {current.name}): "
+                     f"{PRECISION_NAMES.get(current.precision, current.precision)} - "
+                     f"{current.reason}")
+        current = current.via
+    return chain
+
+
+def node_entry(node: Node, graph_name: str) -> dict[str, Any]:
+    """One node's precision, class and reasons for the report."""
+    decided = [g for g in node.type_groups if g.precision is not None]
+    dtypes = {g.precision for g in decided}
+    if not decided:
+        has_float = any(v is not None and v.dtype in FLOAT_DTYPES for v in node.outputs + node.inputs)
+        low = any(v is not None and v.dtype in LOW_PRECISION_DTYPES for v in node.outputs)
+        precision = ("low" if low else "fp32") if has_float else "n/a"
+        reason = node.class_reason or "no float tensors"
+    elif len(dtypes) == 1:
+        precision = PRECISION_NAMES.get(next(iter(dtypes)), next(iter(dtypes)))
+        reason = decided[0].reason
+    else:
+        precision = "mixed"
+        reason = "; ".join(f"{g.name}: {g.reason}" for g in decided)
+    entry: dict[str, Any] = {"name": node.name, "op": node.qualified_op, "precision": precision,
+                             "class": node.op_class, "reason": reason}
+    if graph_name != "main":
+        entry["graph"] = graph_name
+    groups = [{"group": g.name, "precision": PRECISION_NAMES.get(g.precision, g.precision),
+               "reason": g.reason, "chain": _group_chain(g)} for g in decided]
+    if groups:
+        entry["groups"] = groups
+    if node.class_reason and node.class_reason != reason:
+        entry["class_reason"] = node.class_reason
+    return entry
+
+
+@dataclass
+class Report:
+    """What a conversion decided and changed."""
+
+    target: str
+    backend: str
+    summary: dict[str, Any]
+    nodes: list[dict[str, Any]]
+    constants: list[dict[str, Any]] = field(default_factory=list)
+    passes: list[dict[str, Any]] = field(default_factory=list)
+    validation: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        if data["validation"] is None:
+            del data["validation"]
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+
+    def node(self, name: str) -> dict[str, Any] | None:
+        return next((n for n in self.nodes if n["name"] == name), None)
+
+
+def build_report(ctx: PassContext, original_nodes: list[tuple[Node, str]],
+                 results: list[PassResult]) -> Report:
+    """Summarise a conversion: every original node's decision plus the counts users ask for."""
+    entries = [node_entry(node, graph) for node, graph in original_nodes]
+    low = sum(1 for e in entries if e["precision"] in ("fp16", "bf16", "mixed", "low"))
+    kept = sum(1 for c in ctx.constants if c.action == "kept_fp32")
+    final_ids = {id(n) for n in ctx.model.graph.walk_nodes()}
+    original_casts = [n for n, _ in original_nodes if n.op_type == "Cast"]
+    new_casts = sum(1 for n in ctx.model.graph.walk_nodes()
+                    if n.op_type == "Cast" and n.handle is None)
+    summary = {
+        "nodes": len(entries),
+        "low_precision_nodes": low,
+        "casts_inserted": new_casts,
+        "casts_removed": sum(1 for n in original_casts if id(n) not in final_ids),
+        "constants_converted": sum(1 for c in ctx.constants if c.action in ("converted", "clamped")),
+        "constants_kept_fp32": kept,
+        "constants_clamped": sum(1 for c in ctx.constants if c.action == "clamped"),
+        "values_flushed_to_zero": sum(c.flushed_to_zero for c in ctx.constants),
+    }
+    return Report(ctx.options.target, ctx.options.backend, summary, entries,
+                  [asdict(c) for c in ctx.constants],
+                  [{"name": r.name, "changed": r.changed, "notes": r.notes} for r in results])
+
+
+def load_report(path: str | Path) -> Report:
+    """Read a report written by `convert --report`."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return Report(data["target"], data["backend"], data["summary"], data["nodes"],
+                      data.get("constants", []), data.get("passes", []), data.get("validation"))
+    except FileNotFoundError:
+        raise AmpError(f"{path}: no such report") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise AmpError(f"{path}: not an amp-rewriter report ({exc.__class__.__name__})") from None
+
+
+def explain_text(report: Report, node_name: str) -> str:
+    """Human-readable answer to "why does this node run in this precision?"."""
+    entry = report.node(node_name)
+    if entry is None:
+        close = [n["name"] for n in report.nodes if node_name.lower() in n["name"].lower()][:5]
+        hint = f" (did you mean: {', '.join(close)})" if close else ""
+        raise AmpError(f"no node named {node_name!r} in the report{hint}")
+    lines = [f"{entry['name']} ({entry['op']})",
+             f"  class:     {entry['class']}",
+             f"  precision: {entry['precision']}  [target {report.target}, backend {report.backend}]",
+             f"  reason:    {entry['reason']}"]
+    if entry.get("class_reason"):
+        lines.append(f"  op list:   {entry['class_reason']}")
+    for group in entry.get("groups", []):
+        if len(entry.get("groups", [])) > 1:
+            lines.append(f"  type group {group['group']}: {group['precision']} - {group['reason']}")
+        for step in group.get("chain", []):
+            lines.append(f"    because {step}")
+    return "\n".join(lines)

