@@ -224,9 +224,9 @@ class Graph:
         while stack:
             graph = stack.pop()
             yield graph
-            for node in reversed(graph.nodes):
-                for sub in reversed(list(node.subgraphs.values())):
-                    stack.append(sub)
+            nested = [sub for node in graph.nodes if node.subgraphs
+                      for sub in node.subgraphs.values()]
+            stack.extend(reversed(nested))
 
     def walk_nodes(self) -> Iterator[Node]:
         """Every node of this graph and its nested graphs."""

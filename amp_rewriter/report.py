@@ -8,21 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import AmpError
-from .ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, Model, Node, TypeGroup
+from .ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, Node
 from .passes.base import PassContext, PassResult
 
 PRECISION_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
-
-
-def _group_chain(group: TypeGroup, limit: int = 12) -> list[str]:
-    chain, seen, current = [], set(), group.via
-    while current is not None and id(current) not in seen and len(chain) < limit:
-        seen.add(id(current))
-        chain.append(f"{current.node.name} ({current.node.op_type}, {current.name}): "
-                     f"{PRECISION_NAMES.get(current.precision, current.precision)} - "
-                     f"{current.reason}")
-        current = current.via
-    return chain
 
 
 def node_entry(node: Node, graph_name: str) -> dict[str, Any]:
@@ -44,8 +33,13 @@ def node_entry(node: Node, graph_name: str) -> dict[str, Any]:
                              "class": node.op_class, "reason": reason}
     if graph_name != "main":
         entry["graph"] = graph_name
-    groups = [{"group": g.name, "precision": PRECISION_NAMES.get(g.precision, g.precision),
-               "reason": g.reason, "chain": _group_chain(g)} for g in decided]
+    groups = []
+    for g in decided:
+        group = {"group": g.name, "precision": PRECISION_NAMES.get(g.precision, g.precision),
+                 "reason": g.reason}
+        if g.via is not None:  # the decision this one followed; explain walks these links
+            group["via"] = {"node": g.via.node.name, "group": g.via.name}
+        groups.append(group)
     if groups:
         entry["groups"] = groups
     if node.class_reason and node.class_reason != reason:
@@ -128,9 +122,29 @@ def explain_text(report: Report, node_name: str) -> str:
              f"  reason:    {entry['reason']}"]
     if entry.get("class_reason"):
         lines.append(f"  op list:   {entry['class_reason']}")
+    by_name = {n["name"]: n for n in report.nodes}
     for group in entry.get("groups", []):
         if len(entry.get("groups", [])) > 1:
             lines.append(f"  type group {group['group']}: {group['precision']} - {group['reason']}")
-        for step in group.get("chain", []):
+        for step in _chain(by_name, group):
             lines.append(f"    because {step}")
     return "\n".join(lines)
+
+
+def _chain(by_name: dict[str, dict], group: dict, limit: int = 12) -> list[str]:
+    """Follow `via` links back to the decision that started the propagation."""
+    steps: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    link = group.get("via")
+    while link and (link["node"], link["group"]) not in seen and len(steps) < limit:
+        seen.add((link["node"], link["group"]))
+        node = by_name.get(link["node"])
+        if node is None:
+            break
+        source = next((g for g in node.get("groups", []) if g["group"] == link["group"]), None)
+        if source is None:
+            break
+        steps.append(f"{node['name']} ({node['op']}, {source['group']}): {source['precision']} - "
+                     f"{source['reason']}")
+        link = source.get("via")
+    return steps

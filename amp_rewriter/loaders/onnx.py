@@ -98,6 +98,23 @@ class _Formal:
 
 
 @lru_cache(maxsize=None)
+def _group_plan(formal: _Formal, op_type: str, inputs: int, outputs: int
+                ) -> tuple[tuple[bool, int, str, str], ...]:
+    """(is_input, slot, group key, type param) for every slot bound to a type constraint.
+
+    Homogeneous params share one group per type param; heterogeneous variadic slots get one each.
+    """
+    plan = []
+    for is_input, formals, count in ((True, formal.inputs, inputs), (False, formal.outputs, outputs)):
+        for slot, (type_str, homogeneous) in enumerate(formal.slot_params(formals, count)):
+            if type_str not in formal.constraints:
+                continue  # a fixed type such as tensor(int64)
+            key = type_str if homogeneous else f"{type_str}[{'in' if is_input else 'out'}{slot}]"
+            plan.append((is_input, slot, key, type_str))
+    return tuple(plan)
+
+
+@lru_cache(maxsize=None)
 def _formal(op_type: str, domain: str, opset: int) -> _Formal | None:
     try:
         schema = onnx.defs.get_schema(op_type, opset, domain)
@@ -337,36 +354,23 @@ class OnnxLoader:
         if formal is None:
             node.has_schema = False
             return
+        plan = _group_plan(formal, node.op_type, len(node.inputs), len(node.outputs))
         groups: dict[str, TypeGroup] = {}
-
-        def group_for(type_str: str, homogeneous: bool, key: str) -> TypeGroup | None:
-            if type_str not in formal.constraints:
-                return None  # a fixed type such as tensor(int64)
-            group_key = type_str if homogeneous else key
-            group = groups.get(group_key)
-            if group is None:
-                fixed = (node.op_type, type_str) in FIXED_TYPE_PARAMS
-                group = TypeGroup(node, group_key, allowed=formal.constraints[type_str], fixed=fixed)
-                if fixed:
-                    group.reason = FIXED_TYPE_PARAMS[(node.op_type, type_str)]
-                groups[group_key] = group
-                node.type_groups.append(group)
-            return group
-
-        for slot, (type_str, homogeneous) in enumerate(formal.slot_params(formal.inputs,
-                                                                          len(node.inputs))):
-            if node.inputs[slot] is None:
+        for is_input, slot, key, type_str in plan:
+            values = node.inputs if is_input else node.outputs
+            if values[slot] is None:
                 continue
-            group = group_for(type_str, homogeneous, f"{type_str}[in{slot}]")
-            if group is not None:
+            group = groups.get(key)
+            if group is None:
+                fixed_reason = FIXED_TYPE_PARAMS.get((node.op_type, type_str))
+                group = TypeGroup(node, key, allowed=formal.constraints[type_str],
+                                  fixed=fixed_reason is not None, reason=fixed_reason or "")
+                groups[key] = group
+                node.type_groups.append(group)
+            if is_input:
                 group.input_slots.append(slot)
                 node.input_group[slot] = group
-        for slot, (type_str, homogeneous) in enumerate(formal.slot_params(formal.outputs,
-                                                                          len(node.outputs))):
-            if node.outputs[slot] is None:
-                continue
-            group = group_for(type_str, homogeneous, f"{type_str}[out{slot}]")
-            if group is not None:
+            else:
                 group.output_slots.append(slot)
                 node.output_group[slot] = group
 

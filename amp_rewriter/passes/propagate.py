@@ -11,8 +11,9 @@ group that consumes it, across subgraph boundaries (captured values, If/Loop/Sca
 4. (bf16 only, as in Grappler) an infer group fed by an allow group and no deny group becomes allow.
 5. allow spreads through clear groups in both directions.
 6. allow-list groups the backend cannot run in low precision go back to fp32.
-7. existing Cast(to=float) nodes whose consumers are all low precision are retargeted, and inputs
-   that merely inspect a value (Shape, Cast's source) follow their producer.
+7. existing Cast(to=float) nodes whose consumers are all low precision are retargeted, inputs
+   that merely inspect a value (Shape, Cast's source) follow their producer, and constant-only
+   parameter groups (BatchNormalization's scale/mean/var) follow the node's data group.
 """
 
 from __future__ import annotations
@@ -128,8 +129,12 @@ def propagate_precision(ctx: PassContext) -> PassResult:
         return (g.paintable and g not in deny and g not in allow
                 and _op_class(g) in classes)
 
+    def allow_in_order() -> list[TypeGroup]:
+        # Graph order, not set order, so the output never depends on object addresses.
+        return [g for g in gg.vertices if g in allow]
+
     downstream_of_allow: set[TypeGroup] = set()
-    for a in sorted(allow):
+    for a in allow_in_order():
         stack = [a]
         while stack:
             g = stack.pop()
@@ -137,7 +142,7 @@ def propagate_precision(ctx: PassContext) -> PassResult:
                 if s not in downstream_of_allow and can_join(s, (CLEAR, INFER)):
                     downstream_of_allow.add(s)
                     stack.append(s)
-    for a in sorted(allow):
+    for a in allow_in_order():
         stack = [a]
         while stack:
             g = stack.pop()
@@ -160,7 +165,7 @@ def propagate_precision(ctx: PassContext) -> PassResult:
                     reason[g] = f"infer op fed by low-precision {_label(fed[0])} (bf16 rule)"
 
     # 5. allow through clear ops, both ways.
-    for a in sorted(allow):
+    for a in allow_in_order():
         stack = [a]
         while stack:
             g = stack.pop()
@@ -172,7 +177,7 @@ def propagate_precision(ctx: PassContext) -> PassResult:
                     stack.append(n)
 
     # 6. what the backend cannot run in low precision goes back to fp32.
-    for g in sorted(allow):
+    for g in allow_in_order():
         op = g.node.qualified_op
         if not ctx.lists.has_kernel(op):
             allow.discard(g)
@@ -204,6 +209,20 @@ def propagate_precision(ctx: PassContext) -> PassResult:
             allow.add(g)
             via[g] = producers[0]
             reason[g] = "reads its producer's dtype as is (no numeric effect)"
+
+    # 7c. parameter-only groups (BatchNormalization's scale/mean/var) follow the node's data group,
+    # so one kernel type serves the whole node.
+    for g in gg.vertices:
+        node = g.node
+        if g in allow or g.output_slots or g.inner_defs or not g.paintable or g in deny:
+            continue
+        inputs = [node.inputs[s] for s in g.input_slots if node.inputs[s] is not None]
+        data_groups = [d for d in node.type_groups if d.output_slots and d is not g]
+        if inputs and all(v.const is not None for v in inputs) and data_groups \
+                and all(d in allow for d in data_groups):
+            allow.add(g)
+            via[g] = data_groups[0]
+            reason[g] = f"constant parameters follow the node's {data_groups[0].name} group"
 
     for g in gg.vertices:
         if g in allow:

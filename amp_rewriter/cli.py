@@ -1,0 +1,188 @@
+"""Command line: convert / check / explain.
+
+Exit codes: 0 ok, 1 a check or validation failed, 2 bad input or usage. Every error is one line
+on stderr; set AMP_REWRITER_DEBUG=1 to see the traceback of an unexpected failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from .errors import AmpError, CheckFailed
+
+PROG = "amp-rewriter"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as one line and exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise AmpError(f"{message} (see {self.prog} --help)")
+
+
+def _add_lists_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="fp16", help="fp16 (default) or bf16")
+    parser.add_argument("--backend", default="ort-cuda",
+                        help="ort-cuda (default) or ort-cpu: whose kernels the op lists assume")
+    for op_class in ("allow", "infer", "deny", "clear"):
+        parser.add_argument(f"--{op_class}", action="append", default=[], metavar="OP",
+                            help=f"move OP to the {op_class} class (repeatable)")
+    parser.add_argument("--keep-node", action="append", default=[], metavar="NAME_OR_REGEX",
+                        help="pin matching nodes to fp32 (repeatable)")
+    parser.add_argument("--config", metavar="TOML", help="op-list overrides from a TOML file")
+    parser.add_argument("--keep-io-types", dest="keep_io_types", action="store_true",
+                        default=True, help="keep graph inputs/outputs fp32 (default)")
+    parser.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false",
+                        help="let graph inputs/outputs take the low-precision dtype")
+    parser.add_argument("--clamp", action="store_true",
+                        help="saturate constants beyond the target's range instead of keeping "
+                             "them fp32")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Automatic mixed precision for ONNX models.")
+    commands = parser.add_subparsers(dest="command", parser_class=_Parser, required=True)
+
+    convert = commands.add_parser("convert", help="convert an fp32 model to mixed precision")
+    convert.add_argument("input", help="the fp32 .onnx model")
+    convert.add_argument("output", help="where to write the converted model")
+    _add_lists_options(convert)
+    convert.add_argument("--report", metavar="JSON", help="write the decisions as JSON")
+    convert.add_argument("--validate", action="store_true",
+                         help="run both models in onnxruntime (CPU) and compare outputs")
+    convert.add_argument("--inputs", metavar="NPZ", help="inputs for --validate (.npz)")
+    convert.add_argument("--rtol", type=float, default=None,
+                         help="largest relative error --validate accepts (fp16 2e-2, bf16 1e-1)")
+    convert.add_argument("--quiet", action="store_true", help="print only errors")
+
+    check = commands.add_parser("check", help="check a converted model (for CI)")
+    check.add_argument("model", help="the mixed-precision .onnx model")
+    check.add_argument("--target", default=None, help="fp16 or bf16 (default: detected)")
+    check.add_argument("--backend", default="ort-cuda", help="ort-cuda (default) or ort-cpu")
+    check.add_argument("--reference", metavar="FP32_ONNX", help="the fp32 model to compare with")
+    check.add_argument("--rtol", type=float, default=None, help="tolerance with --reference")
+    check.add_argument("--report", metavar="JSON", help="write the findings as JSON")
+
+    explain = commands.add_parser("explain", help="why does a node run in its precision?")
+    explain.add_argument("source", help="a report JSON from convert, or an .onnx model")
+    explain.add_argument("node", help="the node name")
+    _add_lists_options(explain)
+    return parser
+
+
+def _write_text_atomically(path: str, text: str) -> None:
+    target = Path(path)
+    if not target.resolve().parent.is_dir():
+        raise AmpError(f"{path}: folder does not exist")
+    fd, tmp = tempfile.mkstemp(dir=target.resolve().parent, prefix=".amp-rewriter-")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _options(args: argparse.Namespace) -> dict:
+    return dict(target=args.target, backend=args.backend, keep_io_types=args.keep_io_types,
+                clamp=args.clamp, allow=args.allow, infer=args.infer, deny=args.deny,
+                clear=args.clear, keep_nodes=args.keep_node, config=args.config)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from .api import convert_file
+    from .validate import compare_models, default_rtol, load_inputs, random_inputs
+    from .loaders.onnx import read_model_file
+
+    if args.inputs and not args.validate:
+        raise AmpError("--inputs only makes sense with --validate")
+    if args.report and Path(args.report).resolve() in (Path(args.input).resolve(),
+                                                         Path(args.output).resolve()):
+        raise AmpError("--report must not be the input or output model path")
+    model, report = convert_file(args.input, args.output, **_options(args))
+    status = 0
+    if args.validate:
+        rtol = default_rtol(args.target) if args.rtol is None else args.rtol
+        feeds = (load_inputs(args.inputs) if args.inputs
+                 else random_inputs(read_model_file(args.input)))
+        comparisons = compare_models(str(args.input), str(args.output), feeds)
+        failed = [c for c in comparisons if c.relative > rtol or c.nonfinite_new]
+        report.validation = {"rtol": rtol, "passed": not failed,
+                             "outputs": [c.to_dict() for c in comparisons]}
+        if not args.quiet:
+            for c in comparisons:
+                mark = "FAIL" if c in failed else "ok"
+                print(f"validate {c.name}: max_abs={c.max_abs:.3g} relative={c.relative:.3g} "
+                      f"{mark}")
+        status = 1 if failed else 0
+    if args.report:
+        _write_text_atomically(args.report, report.to_json())
+    if not args.quiet:
+        s = report.summary
+        print(f"converted {s['low_precision_nodes']}/{s['nodes']} nodes to {args.target} "
+              f"(backend {args.backend}): {s['casts_inserted']} casts inserted, "
+              f"{s['casts_removed']} removed, {s['constants_converted']} constants converted, "
+              f"{s['constants_kept_fp32']} kept fp32 -> {args.output}")
+    if status:
+        print(f"{PROG}: validation failed: relative error above rtol", file=sys.stderr)
+    return status
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    from .check import check_model
+
+    result = check_model(args.model, args.target, args.backend, args.reference, args.rtol)
+    for problem in result.problems:
+        print(f"{problem['kind']}: {problem['message']}")
+    for output in result.outputs:
+        print(f"output {output['name']}: relative error {output['relative_error']:.3g}")
+    if args.report:
+        _write_text_atomically(args.report, json.dumps(result.to_dict(), indent=2) + "\n")
+    print(f"check: {'ok' if result.ok else f'{len(result.problems)} problem(s)'}")
+    if not result.ok:
+        raise CheckFailed(f"{len(result.problems)} problem(s) in {args.model}")
+    return 0
+
+
+def _run_explain(args: argparse.Namespace) -> int:
+    from .report import explain_text, load_report
+
+    if args.source.endswith(".onnx"):
+        from .api import convert
+        _model, report = convert(args.source, check=False, **_options(args))
+    else:
+        report = load_report(args.source)
+    print(explain_text(report, args.node))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+        runner = {"convert": _run_convert, "check": _run_check, "explain": _run_explain}
+        return runner[args.command](args)
+    except AmpError as exc:
+        print(f"{PROG}: error: {exc}" if exc.exit_code == 2 else f"{PROG}: {exc}",
+              file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug or an input we did not foresee: still one line, exit 2
+        if os.environ.get("AMP_REWRITER_DEBUG"):
+            raise
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"{PROG}: error: unexpected {type(exc).__name__}: {detail} "
+              f"(set AMP_REWRITER_DEBUG=1 for a traceback)", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

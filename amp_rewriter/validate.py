@@ -1,0 +1,163 @@
+"""Run an fp32 model and its converted version in onnxruntime (CPU) on the same inputs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from .errors import AmpError
+
+_NUMPY_OF_ELEM = {
+    onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
+    onnx.TensorProto.DOUBLE: np.float64, onnx.TensorProto.INT64: np.int64,
+    onnx.TensorProto.INT32: np.int32, onnx.TensorProto.INT8: np.int8,
+    onnx.TensorProto.UINT8: np.uint8, onnx.TensorProto.BOOL: np.bool_,
+}
+#: Symbolic dims are resolved to this size (small, so validation is quick).
+SYMBOLIC_DIM_SIZE = 2
+SEQUENCE_DIM_SIZE = 8
+
+
+@dataclass
+class OutputComparison:
+    """Errors of one output of the converted model against the fp32 one."""
+
+    name: str
+    max_abs: float
+    relative: float
+    nonfinite_new: bool
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "max_abs_error": self.max_abs, "relative_error": self.relative,
+                "new_nan_or_inf": self.nonfinite_new}
+
+
+def _embedding_rows(model: onnx.ModelProto) -> dict[str, int]:
+    """For integer inputs that index an embedding table (Gather on an initializer), its row count."""
+    inits = {t.name: t for t in model.graph.initializer}
+    rows: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and len(node.input) > 1 and node.input[0] in inits:
+            table = inits[node.input[0]]
+            if table.dims:
+                name = node.input[1]
+                rows[name] = min(rows.get(name, table.dims[0]), table.dims[0])
+    return rows
+
+
+def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded inputs of the right dtype and shape; symbolic dims get small sizes."""
+    rng = np.random.default_rng(seed)
+    initializer_names = {t.name for t in model.graph.initializer}
+    rows = _embedding_rows(model)
+    feeds: dict[str, np.ndarray] = {}
+    for info in model.graph.input:
+        if info.name in initializer_names:
+            continue
+        tt = info.type.tensor_type
+        dtype = _NUMPY_OF_ELEM.get(tt.elem_type)
+        if dtype is None:
+            raise AmpError(f"input {info.name!r}: cannot make random data of elem_type "
+                           f"{tt.elem_type}; pass --inputs")
+        shape = []
+        for index, dim in enumerate(tt.shape.dim):
+            if dim.HasField("dim_value") and dim.dim_value > 0:
+                shape.append(dim.dim_value)
+            else:
+                shape.append(SYMBOLIC_DIM_SIZE if index == 0 else SEQUENCE_DIM_SIZE)
+        lower = info.name.lower()
+        if dtype == np.bool_:
+            data = rng.random(shape) > 0.5
+        elif np.issubdtype(dtype, np.integer):
+            if "mask" in lower:
+                data = np.ones(shape, dtype)
+                if data.ndim >= 2 and data.shape[-1] > 1:
+                    data[..., -1, data.shape[-1] // 2:] = 0  # some padding in the last row
+            else:
+                high = rows.get(info.name, 2)
+                data = rng.integers(0, high, size=shape).astype(dtype)
+        else:
+            data = rng.standard_normal(shape).astype(dtype)
+        feeds[info.name] = np.asarray(data, dtype=dtype)
+    return feeds
+
+
+def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Inputs from an .npz file, keyed by graph input name."""
+    try:
+        with np.load(path) as data:
+            return {k: data[k] for k in data.files}
+    except FileNotFoundError:
+        raise AmpError(f"{path}: inputs file not found") from None
+    except Exception as exc:  # numpy raises several types for a bad file
+        raise AmpError(f"{path}: not an .npz file of inputs ({type(exc).__name__})") from None
+
+
+def _session(model: onnx.ModelProto | str, label: str):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        source = model if isinstance(model, str) else model.SerializeToString()
+        return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AmpError(f"onnxruntime cannot load the {label} model: {message}") from None
+
+
+def compare_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto | str,
+                   feeds: dict[str, np.ndarray]) -> list[OutputComparison]:
+    """Run both models on `feeds`; per-output max-abs and relative (max-abs / max|ref|) errors."""
+    ref_session = _session(reference, "fp32")
+    new_session = _session(candidate, "converted")
+    names = [o.name for o in ref_session.get_outputs()]
+    wanted = {i.name for i in ref_session.get_inputs()}
+    ref_feeds = {k: v for k, v in feeds.items() if k in wanted}
+    new_feeds = {}
+    for info in new_session.get_inputs():
+        if info.name not in feeds:
+            raise AmpError(f"no data for input {info.name!r}")
+        value = feeds[info.name]
+        if info.type == "tensor(float16)" and value.dtype == np.float32:
+            value = value.astype(np.float16)
+        new_feeds[info.name] = value
+    try:
+        ref_outputs = ref_session.run(names, ref_feeds)
+        new_outputs = new_session.run(names, new_feeds)
+    except Exception as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AmpError(f"onnxruntime failed to run a model: {message}") from None
+    results = []
+    for name, ref, new in zip(names, ref_outputs, new_outputs):
+        ref = np.asarray(ref)
+        new = np.asarray(new)
+        if not np.issubdtype(ref.dtype, np.floating):
+            mismatch = float(np.count_nonzero(ref != new))
+            results.append(OutputComparison(name, mismatch, mismatch / max(ref.size, 1), False))
+            continue
+        ref64, new64 = ref.astype(np.float64), new.astype(np.float64)
+        finite = np.isfinite(ref64)
+        nonfinite_new = bool(np.any(finite & ~np.isfinite(new64)))
+        diff = np.abs(ref64[finite] - new64[finite]) if finite.any() else np.zeros(1)
+        max_abs = float(diff.max()) if diff.size else 0.0
+        scale = float(np.abs(ref64[finite]).max()) if finite.any() else 0.0
+        relative = max_abs / scale if scale > 0 else max_abs
+        if nonfinite_new:
+            relative = float("inf")
+        results.append(OutputComparison(name, max_abs, relative, nonfinite_new))
+    return results
+
+
+def default_rtol(target: str) -> float:
+    """Tolerance on the relative error: fp16 keeps ~3 decimal digits, bf16 ~2."""
+    return 2e-2 if target == "fp16" else 1e-1
+
+
+def model_source(model: onnx.ModelProto, path: Path | None) -> onnx.ModelProto | str:
+    """Give onnxruntime a path when the model has external data, the proto otherwise."""
+    return str(path) if path is not None else model
