@@ -8,9 +8,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
+spec="."
 if [ "$#" -gt 0 ]; then
-  extras=$(IFS=,; echo "$*")
-  .venv/bin/python -m pip install --quiet -e ".[${extras}]"
-else
-  .venv/bin/python -m pip install --quiet -e .
+  spec=".[$(IFS=,; echo "$*")]"
+fi
+# pip's build chatter goes to a log; it is shown only if the install fails.
+if ! .venv/bin/python -m pip install --quiet -e "$spec" >.venv/pip-install.log 2>&1; then
+  cat .venv/pip-install.log >&2
+  exit 1
 fi
