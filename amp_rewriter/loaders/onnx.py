@@ -235,6 +235,9 @@ class OnnxLoader:
                     if attr.HasField("g"):
                         stack.append(attr.g)
                     stack.extend(attr.graphs)
+
+    def _add_inferred_hints(self) -> None:
+        """Dtypes from onnx shape inference, for values our own schema rules left open."""
         try:
             inferred = onnx.shape_inference.infer_shapes(self.model, strict_mode=False)
         except Exception:  # inference is only a hint source; our own dtype rules come first
@@ -242,7 +245,10 @@ class OnnxLoader:
         stack = [inferred.graph]
         while stack:
             g = stack.pop()
-            add(g.value_info)
+            for info in g.value_info:
+                tt = info.type.tensor_type
+                if info.type.HasField("tensor_type") and tt.elem_type:
+                    self.hints.setdefault(info.name, (dtype_name(tt.elem_type), None))
             for node in g.node:
                 for attr in node.attribute:
                     if attr.HasField("g"):
@@ -259,7 +265,17 @@ class OnnxLoader:
                 _check_external_location(tensor, self.base_dir)
         self._collect_hints()
         self._load_graph(self.model.graph, self.ir_model.graph)
+        if self._has_unknown_dtypes():
+            # Only now pay for shape inference, and rebuild with its answers as hints.
+            self._add_inferred_hints()
+            self.ir_model = Model(graph=Graph("main"), format="onnx", handle=self.model)
+            self.order = 0
+            self._load_graph(self.model.graph, self.ir_model.graph)
         return self.ir_model
+
+    def _has_unknown_dtypes(self) -> bool:
+        return any(value is not None and value.dtype is None
+                   for node in self.ir_model.graph.walk_nodes() for value in node.outputs)
 
     def _new_value(self, graph: Graph, name: str, dtype: str | None = None,
                    shape: tuple | None = None) -> Value:
