@@ -161,3 +161,56 @@ def default_rtol(target: str) -> float:
 def model_source(model: onnx.ModelProto, path: Path | None) -> onnx.ModelProto | str:
     """Give onnxruntime a path when the model has external data, the proto otherwise."""
     return str(path) if path is not None else model
+
+
+def emulate_bfloat16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """An fp32 model that rounds every bf16 tensor of `model` to bf16 where it is produced.
+
+    onnxruntime's CPU provider has almost no bf16 kernels, so a bf16 model cannot run there. This
+    copy computes each op in fp32 and rounds its bf16 outputs (Cast to bf16 and back), which is
+    what a bf16 kernel with fp32 accumulation does; validation runs it in place of the bf16 model.
+    """
+    from .loaders.onnx import load_onnx
+
+    emulated = onnx.ModelProto()
+    emulated.CopyFrom(model)
+    ir_model = load_onnx(emulated)
+    bf16, f32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+    # Inner graphs first: re-adding an outer node copies its body, so bodies must be final by then.
+    for graph in reversed(list(ir_model.graph.walk_graphs())):
+        proto = graph.handle
+        nodes = []
+        for node in graph.nodes:
+            nodes.append(node.handle)
+            for slot, value in enumerate(node.outputs):
+                if value is None or value.dtype != "bfloat16":
+                    continue
+                raw = f"{value.name}__bf16_emulation"
+                node.handle.output[slot] = raw
+                if node.op_type == "Cast":
+                    nodes.append(onnx.helper.make_node("Cast", [raw], [value.name], to=f32))
+                else:
+                    rounded = f"{raw}_rounded"
+                    nodes.append(onnx.helper.make_node("Cast", [raw], [rounded], to=bf16))
+                    nodes.append(onnx.helper.make_node("Cast", [rounded], [value.name], to=f32))
+        del proto.node[:]
+        proto.node.extend(nodes)
+        for index, tensor in enumerate(proto.initializer):
+            if tensor.data_type == bf16:
+                array = onnx.numpy_helper.to_array(tensor).astype(np.float32)
+                proto.initializer[index].CopyFrom(onnx.numpy_helper.from_array(array, tensor.name))
+        for info in list(proto.input) + list(proto.output):
+            if info.type.tensor_type.elem_type == bf16:
+                info.type.tensor_type.elem_type = f32
+        del proto.value_info[:]
+    return emulated
+
+
+def has_bfloat16(model: onnx.ModelProto) -> bool:
+    """Whether any node output, initializer or Cast in the main graph uses bf16."""
+    graph = model.graph
+    return (any(t.data_type == onnx.TensorProto.BFLOAT16 for t in graph.initializer)
+            or any(n.op_type == "Cast" and any(a.name == "to" and a.i == onnx.TensorProto.BFLOAT16
+                                               for a in n.attribute) for n in graph.node)
+            or any(i.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+                   for i in list(graph.input) + list(graph.output)))
