@@ -8,7 +8,7 @@ from typing import Iterable
 
 import onnx
 
-from .emitters.onnx import emit_onnx, save_onnx
+from .emitters.onnx import emit_onnx, has_external_data, save_onnx
 from .errors import AmpError
 from .loaders.onnx import PROTOBUF_LIMIT, load_onnx, read_model_file
 from .op_lists import OpLists, Overrides
@@ -76,15 +76,16 @@ def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "f
     results = run_pipeline(ctx)
     converted = emit_onnx(ir_model)
     report = build_report(ctx, original_nodes, results)
-    if check:
-        check_valid(converted, base_dir)
+    if check and not has_external_data(converted) and converted.ByteSize() <= PROTOBUF_LIMIT:
+        check_valid(converted)  # else convert_file checks the saved file
     return converted, report
 
 
-def check_valid(model: onnx.ModelProto, base_dir: Path | None) -> None:
-    """onnx.checker with full check (type and shape inference); failures raise AmpError."""
-    if model.ByteSize() > PROTOBUF_LIMIT:
-        return  # checked from the saved file by convert_file instead
+def check_valid(model: onnx.ModelProto | str) -> None:
+    """onnx.checker with full check (type and shape inference); failures raise AmpError.
+
+    A path is checked from disk, which is the only way for external data or models over 2 GB.
+    """
     try:
         onnx.checker.check_model(model, full_check=True)
     except Exception as exc:  # the checker raises several exception types
@@ -105,6 +106,16 @@ def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
     if not output_path.resolve().parent.is_dir():
         raise AmpError(f"{output_path}: output folder does not exist")
     base_dirs: list = []
-    model, report = convert(input_path, _base_dir_out=base_dirs, **options)
-    save_onnx(model, output_path, source_dir=base_dirs[0])
+    external_input = has_external_data(read_model_file(input_path))
+    check = options.pop("check", True)
+    model, report = convert(input_path, _base_dir_out=base_dirs, check=check, **options)
+    external = external_input or model.ByteSize() > PROTOBUF_LIMIT
+    save_onnx(model, output_path, source_dir=base_dirs[0], external=external)
+    if check and external:
+        try:
+            check_valid(str(output_path))
+        except AmpError:
+            output_path.unlink(missing_ok=True)
+            Path(str(output_path) + ".data").unlink(missing_ok=True)
+            raise
     return model, report

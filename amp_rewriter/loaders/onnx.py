@@ -311,7 +311,7 @@ class OnnxLoader:
             graph.outputs.append(value)
 
     def _load_node(self, proto: onnx.NodeProto, graph: Graph, index: int) -> Node:
-        name = proto.name or f"{proto.op_type}_{graph.depth()}_{index}"
+        name = proto.name or self.ir_model.unique_name(f"{proto.op_type}_{index}")
         node = Node(name, proto.op_type, proto.domain, graph)
         node.handle = proto
         node.order = self.order

@@ -106,14 +106,16 @@ def insert_casts(ctx: PassContext) -> PassResult:
         for value in candidates:
             if value.dtype not in FLOAT_DTYPES:
                 continue
-            for consumer, slot in list(value.uses):
-                needed = _required_dtype(value, consumer, slot)
-                if needed is not None and needed != value.dtype and needed in FLOAT_DTYPES:
-                    _replace_use(value, consumer, slot, builder.cast(value, needed))
+            users = list(value.uses)  # before any cast of ours becomes a user too
+            # Outputs first: their cast takes over the public name, and internal users share it.
             for sub, index in list(value.graph_output_uses):
                 needed = _graph_output_dtype(sub, index, value, ctx.options.keep_io_types)
                 if needed != value.dtype:
                     _retarget_graph_output(model, builder, value, sub, index, needed)
+            for consumer, slot in users:
+                needed = _required_dtype(value, consumer, slot)
+                if needed is not None and needed != value.dtype and needed in FLOAT_DTYPES:
+                    _replace_use(value, consumer, slot, builder.cast(value, needed))
 
     builder.splice(root)
     ctx.casts_inserted += builder.created
@@ -136,7 +138,10 @@ def _retarget_graph_output(model: Model, builder: CastBuilder, value: Value, sub
     if dtype is None:
         return
     original_name = value.name
-    if value.producer is not None and value.producer.graph is sub and not value.is_graph_input:
+    cast_out = builder.cache.get((id(value), dtype))
+    if cast_out is not None:  # the same value listed as an output twice
+        pass
+    elif value.producer is not None and value.producer.graph is sub and not value.is_graph_input:
         # The producer's value gets a fresh name; the cast output carries the public name.
         del value.graph.values[value.name]
         value.name = model.unique_name(f"{original_name}_{CAST_SUFFIX.get(value.dtype)}")

@@ -92,6 +92,11 @@ def propagate_precision(ctx: PassContext) -> PassResult:
     # 1. allow-list ops.
     for g in gg.vertices:
         if _op_class(g) == ALLOW and g.paintable:
+            if not ctx.lists.has_kernel(g.node.qualified_op):
+                # Kept out from the start, so it cannot pull its neighbours into low precision.
+                reason[g] = (f"{ctx.lists.backend} has no {ctx.options.target} kernel for "
+                             f"{g.node.qualified_op}")
+                continue
             allow.add(g)
             reason[g] = f"allow list: {g.node.class_reason}"
 
