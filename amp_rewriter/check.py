@@ -52,17 +52,23 @@ def check_model(path: str | os.PathLike, target: str | None = None, backend: str
                 ) -> CheckResult:
     """Check a converted model; see the CLI's `check` for what counts as a problem."""
     path = Path(path)
-    model = read_model_file(path)
+    model = read_model_file(path)  # not ONNX at all: bad input (exit 2), not a failed check
     base_dir = path.resolve().parent
-    model_ir = load_onnx(model, base_dir)
+    invalid = None
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as exc:  # the checker raises several exception types
+        invalid = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    try:
+        model_ir = load_onnx(model, base_dir)
+    except AmpError as exc:
+        return CheckResult(target or "fp16", [{"kind": "invalid_model",
+                                                "message": invalid or str(exc)}])
     target = target or _detect_target(model_ir) or "fp16"
     lists = OpLists.load("onnx", target, backend)
     result = CheckResult(target)
-    try:
-        onnx.checker.check_model(str(path), full_check=True)
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        result.problems.append({"kind": "invalid_model", "message": first})
+    if invalid is not None:
+        result.problems.append({"kind": "invalid_model", "message": invalid})
 
     for node in model_ir.graph.walk_nodes():
         op_class, why = lists.class_of(node.qualified_op)
