@@ -235,6 +235,12 @@ def _format_megabytes(measurement: Measurement | None) -> str:
     return f"{measurement.details['convert_peak_delta_mb']:.0f}"
 
 
+def _format_casts(measurement: Measurement | None) -> str:
+    if measurement is None or measurement.status != "ok":
+        return "-"
+    return str(measurement.details["cast_nodes_out"])
+
+
 def speed_ratio(theirs: Measurement | None, ours: Measurement | None, timeout_s: float) -> str:
     """onnxconverter-common time / our time, as text (a lower bound when theirs timed out)."""
     if ours is None or ours.convert_seconds is None or ours.convert_seconds <= 0:
@@ -282,11 +288,10 @@ def markdown_table(
     for size in sizes:
         ours = results.get(("ours", size))
         theirs = results.get(("theirs", size))
-        casts = lambda m: str(m.details["cast_nodes_out"]) if m and m.status == "ok" else "-"  # noqa: E731
         lines.append(
             f"| {size} | {_format_seconds(ours)} | {_format_seconds(ours, 'load_convert_save_seconds')} "
-            f"| {_format_megabytes(ours)} | {casts(ours)} | {_format_seconds(theirs)} "
-            f"| {_format_megabytes(theirs)} | {casts(theirs)} | {speed_ratio(theirs, ours, timeout_s)} |"
+            f"| {_format_megabytes(ours)} | {_format_casts(ours)} | {_format_seconds(theirs)} "
+            f"| {_format_megabytes(theirs)} | {_format_casts(theirs)} | {speed_ratio(theirs, ours, timeout_s)} |"
         )
     return "\n".join(lines)
 
@@ -326,8 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(args.worker, args.model, args.result, args.theirs_op_block_list)
         return 0
 
-    from synthetic_graph import build_synthetic_model  # noqa: E402 - only the driver needs it
+    # Imported here so the worker processes start without them.
     import onnx
+    from synthetic_graph import build_synthetic_model
 
     converters = [args.only] if args.only else list(CONVERTERS)
     results: dict[tuple[str, int], Measurement] = {}
@@ -358,9 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(args.sizes, results, args.timeout)
     print()
     print(table)
+    if scaling:
+        print()
     for step in scaling:
         print(
-            f"\nours {step['to_nodes']}/{step['from_nodes']} nodes: time x{step['time_ratio']:.2f} "
+            f"ours {step['to_nodes']}/{step['from_nodes']} nodes: time x{step['time_ratio']:.2f} "
             f"for size x{step['size_ratio']:.2f}"
         )
 

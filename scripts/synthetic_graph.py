@@ -80,13 +80,15 @@ class _GraphBuilder:
         self.initializers.append(numpy_helper.from_array(values, name=name))
         return name
 
+    def _add_scalar(self, name: str, value: float) -> str:
+        return self._add_initializer(name, np.array(value, dtype=np.float32))
+
     def _add_shared_constants(self) -> None:
         """Scalars, shapes and the weight pool that many blocks read."""
-        scalar = lambda value: np.array(value, dtype=np.float32)  # noqa: E731 - local shorthand
-        self.attention_scale = self._add_initializer("attention_scale", scalar(1.0 / math.sqrt(HEAD_SIZE)))
-        self.inv_sqrt2 = self._add_initializer("inv_sqrt2", scalar(1.0 / math.sqrt(2.0)))
-        self.one = self._add_initializer("one", scalar(1.0))
-        self.half = self._add_initializer("half", scalar(0.5))
+        self.attention_scale = self._add_scalar("attention_scale", 1.0 / math.sqrt(HEAD_SIZE))
+        self.inv_sqrt2 = self._add_scalar("inv_sqrt2", 1.0 / math.sqrt(2.0))
+        self.one = self._add_scalar("one", 1.0)
+        self.half = self._add_scalar("half", 0.5)
         # 0 in a Reshape target copies that input dimension, which keeps the batch dim symbolic.
         self.split_heads_shape = self._add_initializer(
             "split_heads_shape", np.array([0, 0, NUM_HEADS, HEAD_SIZE], dtype=np.int64)

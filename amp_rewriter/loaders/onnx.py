@@ -214,22 +214,15 @@ class OnnxLoader:
 
     # -- dtype hints from value_info and shape inference ------------------------------------
     def _collect_hints(self) -> None:
-        def add(infos):
-            for info in infos:
-                if info.type.HasField("tensor_type"):
-                    tt = info.type.tensor_type
-                    shape = None
-                    if tt.HasField("shape"):
-                        shape = tuple(d.dim_value if d.HasField("dim_value") else
-                                      (d.dim_param or None) for d in tt.shape.dim)
-                    self.hints.setdefault(info.name, (dtype_name(tt.elem_type), shape))
-
+        """Dtypes the model itself declares (value_info, inputs, outputs), as fallbacks."""
         stack = [self.model.graph]
         while stack:
             g = stack.pop()
-            add(g.value_info)
-            add(g.input)
-            add(g.output)
+            for infos in (g.value_info, g.input, g.output):
+                for info in infos:
+                    elem_type = info.type.tensor_type.elem_type
+                    if elem_type and info.name not in self.hints:
+                        self.hints[info.name] = (dtype_name(elem_type), None)
             for node in g.node:
                 for attr in node.attribute:
                     if attr.HasField("g"):
