@@ -44,6 +44,8 @@ class PassContext:
     constants: list[ConstantRecord] = field(default_factory=list)
     casts_inserted: int = 0
     casts_removed: int = 0
+    #: (id of a LazyTensor, dtype) -> its range check, shared by the passes that need it.
+    range_checks: dict = field(default_factory=dict)
 
     @property
     def target_dtype(self) -> str:

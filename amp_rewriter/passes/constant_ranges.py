@@ -7,13 +7,25 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ..ir import BFLOAT16, FLOAT16, FLOAT32, Value
+from ..ir import BFLOAT16, FLOAT16, FLOAT32, LazyTensor, Value
 from .base import ConstantRecord, PassContext, PassResult
 
 NUMPY_DTYPES = {FLOAT16: np.dtype(np.float16), BFLOAT16: np.dtype(ml_dtypes.bfloat16),
                 FLOAT32: np.dtype(np.float32)}
 #: Largest finite value of each low-precision dtype.
 FINITE_MAX = {FLOAT16: 65504.0, BFLOAT16: float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)}
+#: Smallest positive (subnormal) value of each low-precision dtype.
+SMALLEST_SUBNORMAL = {FLOAT16: 2.0**-24, BFLOAT16: 2.0**-133}
+
+
+def cached_range_check(ctx: PassContext, tensor: LazyTensor, dtype: str) -> RangeCheck:
+    """`check_range` of a constant, computed once per conversion."""
+    key = (id(tensor), dtype)
+    result = ctx.range_checks.get(key)
+    if result is None:
+        result = check_range(np.asarray(tensor.numpy(), dtype=np.float32), dtype)
+        ctx.range_checks[key] = result
+    return result
 
 
 @dataclass
@@ -26,6 +38,13 @@ class RangeCheck:
 
 def check_range(array: np.ndarray, dtype: str) -> RangeCheck:
     """Count finite values that become inf and non-zero values that become zero in `dtype`."""
+    magnitude = np.abs(array)
+    finite_magnitude = magnitude[np.isfinite(magnitude)] if not np.isfinite(magnitude).all() \
+        else magnitude
+    nonzero = finite_magnitude[finite_magnitude > 0]
+    if (not nonzero.size or (nonzero.max() <= FINITE_MAX[dtype]
+                             and nonzero.min() >= SMALLEST_SUBNORMAL[dtype])):
+        return RangeCheck(0, 0)  # the common case, without converting
     with np.errstate(over="ignore"):
         converted = array.astype(NUMPY_DTYPES[dtype])
     finite = np.isfinite(array)
@@ -69,14 +88,10 @@ def guard_constant_ranges(ctx: PassContext) -> PassResult:
     if ctx.options.clamp:
         return PassResult("guard_constant_ranges", 0, ["--clamp: out-of-range constants saturate"])
     target = ctx.target_dtype
-    cache: dict[int, RangeCheck] = {}
     forced = 0
     for group, source in _constant_inputs(ctx):
         tensor = source.const if isinstance(source, Value) else source
-        key = id(tensor)
-        if key not in cache:
-            cache[key] = check_range(np.asarray(tensor.numpy(), dtype=np.float32), target)
-        result = cache[key]
+        result = cached_range_check(ctx, tensor, target)
         if result.overflowed and not group.forced_deny:
             name = source.name if isinstance(source, Value) else f"{group.node.name}.value"
             if not any(r.name == name for r in ctx.constants):

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..ir import FLOAT32, LOW_PRECISION_DTYPES, Graph, LazyTensor, Value
 from .base import ConstantRecord, PassContext, PassResult
-from .constant_ranges import check_range, convert_array
+from .constant_ranges import cached_range_check, convert_array
 from .fold_casts import _remove_nodes
 
 
@@ -20,7 +20,7 @@ def _converted_tensor(tensor: LazyTensor, dtype: str, clamp: bool, name: str,
                       ctx: PassContext) -> LazyTensor | None:
     """The converted constant, or None when it overflows and clamping is off."""
     array = np.asarray(tensor.numpy(), dtype=np.float32)
-    result = check_range(array, dtype)
+    result = cached_range_check(ctx, tensor, dtype)
     if result.overflowed and not clamp:
         ctx.constants.append(ConstantRecord(name, "kept_fp32", tensor.size, result.overflowed,
                                             result.flushed_to_zero, "overflows; cast kept"))
