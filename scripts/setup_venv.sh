@@ -7,7 +7,7 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
+.venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
 spec="."
 if [ "$#" -gt 0 ]; then
   spec=".[$(IFS=,; echo "$*")]"
