@@ -115,6 +115,13 @@ def emit_onnx(model: Model) -> onnx.ModelProto:
     return model.handle
 
 
+def _default_file_mode() -> int:
+    """The mode a plain new file gets under the current umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def has_external_data(model: onnx.ModelProto) -> bool:
     """Whether any tensor of the model (subgraphs included) lives in an external file."""
     from ..loaders.onnx import _all_tensors
@@ -143,6 +150,7 @@ def save_onnx(model: onnx.ModelProto, path: str | os.PathLike,
             onnx.save_model(model, str(tmp_model), save_as_external_data=True,
                             all_tensors_to_one_file=True, location=data_name,
                             size_threshold=1024, convert_attribute=False)
+            os.chmod(Path(tmp) / data_name, _default_file_mode())  # onnx writes it 0600
             os.replace(Path(tmp) / data_name, out_dir / data_name)
         else:
             tmp_model.write_bytes(model.SerializeToString(deterministic=True))
