@@ -5,7 +5,7 @@ feed-forward layer) working on a [batch, 8, 16] activation. It exists to measure
 run time and memory grow with the number of nodes, so it has:
 
 * every op class a mixed-precision converter has to decide about: MatMul, Add, Mul,
-  LayerNormalization, Softmax, Erf, Relu, Transpose, Reshape, ReduceMean, Exp, Neg;
+  LayerNormalization, Softmax, Erf, Relu, Transpose, Reshape, ReduceMean, Min, Exp, Neg;
 * tiny tensors, so that a 100k-node model stays a few MB on disk and is quick to run;
 * a unique name for every node and every tensor it produces, and per-block biases, so that
   no two nodes are the same;
@@ -56,7 +56,7 @@ def _block_node_count(block_index: int) -> int:
     attention = 3 * 4 + 6 + 2 + 1 + 1
     gelu_or_relu = 5 if _uses_erf_gelu(block_index) else 1
     feed_forward = 2 + gelu_or_relu + 2 + 1 + 1
-    gate = 5 if block_index % GATE_EVERY == 0 else 0
+    gate = 6 if block_index % GATE_EVERY == 0 else 0
     return attention + feed_forward + gate
 
 
@@ -89,6 +89,7 @@ class _GraphBuilder:
         self.inv_sqrt2 = self._add_scalar("inv_sqrt2", 1.0 / math.sqrt(2.0))
         self.one = self._add_scalar("one", 1.0)
         self.half = self._add_scalar("half", 0.5)
+        self.gate_cap = self._add_scalar("gate_cap", 16.0)
         # 0 in a Reshape target copies that input dimension, which keeps the batch dim symbolic.
         self.split_heads_shape = self._add_initializer(
             "split_heads_shape", np.array([0, 0, NUM_HEADS, HEAD_SIZE], dtype=np.int64)
@@ -166,10 +167,15 @@ class _GraphBuilder:
         return self._layer_norm(residual, f"{prefix}_layer_norm")
 
     def _gate(self, x: str, prefix: str) -> str:
-        """Scale by exp(-mean^2) over the sequence: a bounded ReduceMean -> Exp path."""
+        """Scale by exp(-min(mean^2, 16)) over the sequence: a bounded ReduceMean -> Exp path.
+
+        The Min is an everyday clamp, and one of the ops onnxconverter-common keeps in fp32 by
+        default, so the graph exercises both converters' block-list handling.
+        """
         mean = self.op("ReduceMean", [x], f"{prefix}_reduce_mean", axes=[1], keepdims=1)
         squared = self.op("Mul", [mean, mean], f"{prefix}_square")
-        negated = self.op("Neg", [squared], f"{prefix}_neg")
+        capped = self.op("Min", [squared, self.gate_cap], f"{prefix}_cap")
+        negated = self.op("Neg", [capped], f"{prefix}_neg")
         gate = self.op("Exp", [negated], f"{prefix}_exp")
         return self.op("Mul", [x, gate], f"{prefix}_apply")
 

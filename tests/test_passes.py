@@ -829,3 +829,16 @@ def test_report_explains_every_node():
     assert report.summary["nodes"] == 7
     assert report.summary["low_precision_nodes"] == 2
     assert report.summary["casts_inserted"] == 2
+
+
+def test_duplicate_casts_already_in_the_model_are_merged():
+    """Exporters sometimes cast one value to one dtype twice; the converted model keeps one."""
+    b = GraphBuilder(opset=17)
+    ids = b.input("ids", [2, 4], dtype=TensorProto.INT64)
+    first = b.op("Cast", ids, to=TensorProto.FLOAT, name="cast_a")
+    second = b.op("Cast", ids, to=TensorProto.FLOAT, name="cast_b")
+    b.output(b.op("Add", first, second, name="add"))
+    converted, _report = convert(b.build())
+    onnx.checker.check_model(converted, full_check=True)
+    casts_of_ids = [n for n in converted.graph.node if n.op_type == "Cast" and n.input[0] == "ids"]
+    assert len(casts_of_ids) == 1

@@ -3,6 +3,7 @@
 - Cast(Cast(x, A), B) -> Cast(x, B) when the first cast widens exactly (fp16 -> fp32, fp32 -> fp64,
   ...): going through A loses nothing, so the chain equals one cast.
 - Cast(x, dtype(x)) -> x.
+- Two casts of one value to one dtype in one graph -> the first, shared.
 Casts that become unused disappear.
 """
 
@@ -36,6 +37,7 @@ def fold_casts(ctx: PassContext) -> PassResult:
     removed = 0
     for graph in ctx.model.graph.walk_graphs():
         dead: set[int] = set()
+        first_cast: dict[tuple[int, str], Value] = {}
         for node in graph.nodes:
             target = _cast_target(node)
             if target is None or node.inputs[0] is None:
@@ -54,6 +56,11 @@ def fold_casts(ctx: PassContext) -> PassResult:
             output = node.outputs[0]
             if source.dtype == target and not output.graph_output_uses:
                 _rewire_all(output, source)
+                dead.add(id(node))
+                continue
+            twin = first_cast.setdefault((id(source), target), output)
+            if twin is not output and not output.graph_output_uses:
+                _rewire_all(output, twin)
                 dead.add(id(node))
         if dead:
             removed += _remove_nodes(graph, dead)
