@@ -27,8 +27,14 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_lists_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="fp16", help="fp16 (default) or bf16")
-    parser.add_argument("--backend", default="ort-cuda",
-                        help="ort-cuda (default) or ort-cpu: whose kernels the op lists assume")
+    parser.add_argument("--backend", default=None,
+                        help="whose kernels the op lists assume: ONNX ort-cuda (default) or "
+                             "ort-cpu; TensorFlow tf-gpu (default for fp16) or tf-cpu (default "
+                             "for bf16)")
+    parser.add_argument("--outputs", metavar="A,B", default=None,
+                        help="TensorFlow GraphDefs: the fetch nodes or tensors (y or y:1), "
+                             "comma-separated; they keep their dtype (default: nodes nothing "
+                             "reads)")
     for op_class in ("allow", "infer", "deny", "clear"):
         parser.add_argument(f"--{op_class}", action="append", default=[], metavar="OP",
                             help=f"move OP to the {op_class} class (repeatable)")
@@ -45,17 +51,21 @@ def _add_lists_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Automatic mixed precision for ONNX models.")
+    parser = _Parser(prog=PROG, description="Automatic mixed precision for ONNX and TensorFlow "
+                                            "models.")
     commands = parser.add_subparsers(dest="command", parser_class=_Parser, required=True)
 
     convert = commands.add_parser("convert", help="convert an fp32 model to mixed precision")
-    convert.add_argument("input", help="the fp32 .onnx model")
+    convert.add_argument("input", help="the fp32 model: .onnx, a TensorFlow GraphDef (.pb, "
+                                       ".pbtxt) or a SavedModel directory")
     convert.add_argument("output", help="where to write the converted model")
     _add_lists_options(convert)
     convert.add_argument("--report", metavar="JSON", help="write the decisions as JSON")
     convert.add_argument("--validate", action="store_true",
-                         help="run both models in onnxruntime (CPU) and compare outputs")
-    convert.add_argument("--inputs", metavar="NPZ", help="inputs for --validate (.npz)")
+                         help="run both models on the CPU (onnxruntime or TensorFlow) and "
+                              "compare outputs")
+    convert.add_argument("--inputs", metavar="NPZ",
+                         help="inputs for --validate (.npz keyed by input / placeholder name)")
     convert.add_argument("--rtol", type=float, default=None,
                          help="largest relative error --validate accepts (fp16 2e-2, bf16 1e-1)")
     convert.add_argument("--quiet", action="store_true", help="print only errors")
@@ -89,8 +99,17 @@ def _write_text_atomically(path: str, text: str) -> None:
         raise
 
 
+def is_tensorflow_input(path: str) -> bool:
+    """A TensorFlow GraphDef file or SavedModel directory (decided without importing TF)."""
+    p = Path(path)
+    if p.is_dir():
+        return (p / "saved_model.pb").is_file() or (p / "saved_model.pbtxt").is_file()
+    return p.suffix in (".pb", ".pbtxt")
+
+
 def _options(args: argparse.Namespace) -> dict:
-    return dict(target=args.target, backend=args.backend, keep_io_types=args.keep_io_types,
+    return dict(target=args.target, backend=args.backend or "ort-cuda",
+                keep_io_types=args.keep_io_types,
                 clamp=args.clamp, allow=args.allow, infer=args.infer, deny=args.deny,
                 clear=args.clear, keep_nodes=args.keep_node, config=args.config)
 
@@ -103,6 +122,10 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     if args.inputs and not args.validate:
         raise AmpError("--inputs only makes sense with --validate")
+    if is_tensorflow_input(args.input):
+        return _run_convert_tf(args)
+    if args.outputs:
+        raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its outputs")
     if args.report and Path(args.report).resolve() in (Path(args.input).resolve(),
                                                          Path(args.output).resolve()):
         raise AmpError("--report must not be the input or output model path")
@@ -133,7 +156,72 @@ def _run_convert(args: argparse.Namespace) -> int:
     if not args.quiet:
         s = report.summary
         print(f"converted {s['low_precision_nodes']}/{s['nodes']} nodes to {args.target} "
-              f"(backend {args.backend}): {s['casts_inserted']} casts inserted, "
+              f"(backend {report.backend}): {s['casts_inserted']} casts inserted, "
+              f"{s['casts_removed']} removed, {s['constants_converted']} constants converted, "
+              f"{s['constants_kept_fp32']} kept fp32 -> {args.output}")
+    if status:
+        print(f"{PROG}: validation failed: relative error above rtol", file=sys.stderr)
+    return status
+
+
+def _import_tf_api():
+    """Import the TensorFlow front end with TF's start-up chatter kept off stderr.
+
+    TensorFlow's C++ runtime writes its start-up notes (oneDNN, CUDA drivers) straight to file
+    descriptor 2 before any log level applies, so fd 2 points at /dev/null during the import.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if os.environ.get("AMP_REWRITER_DEBUG"):
+        from . import tf_api
+        return tf_api
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            from . import tf_api
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    return tf_api
+
+
+def _run_convert_tf(args: argparse.Namespace) -> int:
+    tf_api = _import_tf_api()
+    from .validate import default_rtol, load_inputs
+
+    if args.report and Path(args.report).resolve() in (Path(args.input).resolve(),
+                                                         Path(args.output).resolve()):
+        raise AmpError("--report must not be the input or output model path")
+    outputs = [o.strip() for o in args.outputs.split(",") if o.strip()] if args.outputs else None
+    options = dict(target=args.target, backend=args.backend, keep_io_types=args.keep_io_types,
+                   clamp=args.clamp, allow=args.allow, infer=args.infer, deny=args.deny,
+                   clear=args.clear, keep_nodes=args.keep_node, config=args.config)
+    report = tf_api.convert_tf_file(args.input, args.output, outputs, **options)
+    status = 0
+    if args.validate:
+        rtol = default_rtol(args.target) if args.rtol is None else args.rtol
+        feeds = load_inputs(args.inputs) if args.inputs else None
+        if tf_api.is_saved_model_dir(args.input):
+            comparisons = tf_api.compare_saved_models(args.input, args.output, feeds)
+        else:
+            comparisons = tf_api.compare_graphdefs(
+                tf_api.read_graphdef(args.input), tf_api.read_graphdef(args.output),
+                report.summary["outputs"], feeds)
+        report.validation = tf_api.validation_dict(comparisons, rtol)
+        failed = {o["name"] for o in report.validation["outputs"]
+                  if o["relative_error"] > rtol or o["new_nan_or_inf"]}
+        if not args.quiet:
+            for c in comparisons:
+                print(f"validate {c.name}: max_abs={c.max_abs:.3g} relative={c.relative:.3g} "
+                      f"{'FAIL' if c.name in failed else 'ok'}")
+        status = 1 if failed else 0
+    if args.report:
+        _write_text_atomically(args.report, report.to_json())
+    if not args.quiet:
+        s = report.summary
+        print(f"converted {s['low_precision_nodes']}/{s['nodes']} nodes to {args.target} "
+              f"(backend {report.backend}): {s['casts_inserted']} casts inserted, "
               f"{s['casts_removed']} removed, {s['constants_converted']} constants converted, "
               f"{s['constants_kept_fp32']} kept fp32 -> {args.output}")
     if status:
@@ -160,7 +248,19 @@ def _run_check(args: argparse.Namespace) -> int:
 def _run_explain(args: argparse.Namespace) -> int:
     from .report import explain_text, load_report
 
-    if args.source.endswith(".onnx"):
+    if is_tensorflow_input(args.source):
+        tf_api = _import_tf_api()
+        options = dict(target=args.target, backend=args.backend, keep_io_types=args.keep_io_types,
+                       clamp=args.clamp, allow=args.allow, infer=args.infer, deny=args.deny,
+                       clear=args.clear, keep_nodes=args.keep_node, config=args.config, check=False)
+        outputs = [o for o in (args.outputs or "").split(",") if o] or None
+        if tf_api.is_saved_model_dir(args.source):
+            with tempfile.TemporaryDirectory(prefix="amp-rewriter-explain-") as tmp:
+                report = tf_api.convert_saved_model(args.source, Path(tmp) / "out", **options)
+        else:
+            _gd, report = tf_api.convert_graphdef(tf_api.read_graphdef(args.source), outputs,
+                                                  **options)
+    elif args.source.endswith(".onnx"):
         from .api import convert
         _model, report = convert(args.source, check=False, **_options(args))
     else:

@@ -11,6 +11,7 @@ from .passes.convert_constants import convert_constants
 from .passes.fold_casts import fold_casts
 from .passes.insert_casts import insert_casts
 from .passes.propagate import propagate_precision
+from .passes.tf_rules import match_recurrent_edges
 
 Pass = Callable[[PassContext], PassResult]
 
@@ -19,6 +20,19 @@ CONVERSION_PIPELINE: list[Pass] = [
     classify_ops,
     guard_constant_ranges,
     propagate_precision,
+    insert_casts,
+    fold_casts,
+    convert_constants,
+]
+
+#: TensorFlow graphs and function bodies: the same passes, plus Grappler's loop rule between the
+#: decisions and the rewrite (fetch nodes and ref-variable reads are marked by the loader and kept
+#: fp32 by classify_ops).
+TF_PIPELINE: list[Pass] = [
+    classify_ops,
+    guard_constant_ranges,
+    propagate_precision,
+    match_recurrent_edges,
     insert_casts,
     fold_casts,
     convert_constants,

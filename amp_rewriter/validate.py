@@ -132,25 +132,27 @@ def compare_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto 
     except Exception as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise AmpError(f"onnxruntime failed to run a model: {message}") from None
-    results = []
-    for name, ref, new in zip(names, ref_outputs, new_outputs):
-        ref = np.asarray(ref)
-        new = np.asarray(new)
-        if not np.issubdtype(ref.dtype, np.floating):
-            mismatch = float(np.count_nonzero(ref != new))
-            results.append(OutputComparison(name, mismatch, mismatch / max(ref.size, 1), False))
-            continue
-        ref64, new64 = ref.astype(np.float64), new.astype(np.float64)
-        finite = np.isfinite(ref64)
-        nonfinite_new = bool(np.any(finite & ~np.isfinite(new64)))
-        diff = np.abs(ref64[finite] - new64[finite]) if finite.any() else np.zeros(1)
-        max_abs = float(diff.max()) if diff.size else 0.0
-        scale = float(np.abs(ref64[finite]).max()) if finite.any() else 0.0
-        relative = max_abs / scale if scale > 0 else max_abs
-        if nonfinite_new:
-            relative = float("inf")
-        results.append(OutputComparison(name, max_abs, relative, nonfinite_new))
-    return results
+    return [compare_outputs(name, ref, new)
+            for name, ref, new in zip(names, ref_outputs, new_outputs)]
+
+
+def compare_outputs(name: str, ref, new) -> OutputComparison:
+    """Max-abs and relative (max-abs / max|ref|) error of one output; exact match for non-floats."""
+    ref = np.asarray(ref)
+    new = np.asarray(new)
+    if not np.issubdtype(ref.dtype, np.floating):
+        mismatch = float(np.count_nonzero(ref != new))
+        return OutputComparison(name, mismatch, mismatch / max(ref.size, 1), False)
+    ref64, new64 = ref.astype(np.float64), new.astype(np.float64)
+    finite = np.isfinite(ref64)
+    nonfinite_new = bool(np.any(finite & ~np.isfinite(new64)))
+    diff = np.abs(ref64[finite] - new64[finite]) if finite.any() else np.zeros(1)
+    max_abs = float(diff.max()) if diff.size else 0.0
+    scale = float(np.abs(ref64[finite]).max()) if finite.any() else 0.0
+    relative = max_abs / scale if scale > 0 else max_abs
+    if nonfinite_new:
+        relative = float("inf")
+    return OutputComparison(name, max_abs, relative, nonfinite_new)
 
 
 def default_rtol(target: str) -> float:

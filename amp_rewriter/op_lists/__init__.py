@@ -11,7 +11,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -97,6 +97,9 @@ class OpLists:
     no_kernel: frozenset[str]
     #: When set, only these ops have a low-precision kernel on the backend.
     kernels: frozenset[str] | None = None
+    #: When set, asked last: (op, type group name such as "T" or "T[1]") -> whether the backend
+    #: has a kernel for the op with that group in the target dtype (a front end's kernel registry).
+    kernel_check: Callable[[str, str | None], bool] | None = None
 
     @classmethod
     def load(cls, fmt: str, target: str, backend: str,
@@ -129,10 +132,14 @@ class OpLists:
         lists = cls(fmt, target, backend, classes, reasons, frozenset(profile.get("no_kernel", [])),
                     kernels)
         if overrides is not None:
-            for op, op_class in overrides.moves.items():
-                lists.classes[op] = op_class
-                lists.reasons[op] = f"{op_class} by user override ({overrides.source[op]})"
+            lists.apply_overrides(overrides)
         return lists
+
+    def apply_overrides(self, overrides: Overrides) -> None:
+        """Move ops between classes as the user asked."""
+        for op, op_class in overrides.moves.items():
+            self.classes[op] = op_class
+            self.reasons[op] = f"{op_class} by user override ({overrides.source[op]})"
 
     def class_of(self, op: str) -> tuple[str, str]:
         """(class, reason) for an op; unlisted ops are fp32."""
@@ -140,11 +147,13 @@ class OpLists:
             return self.classes[op], self.reasons[op]
         return FP32, f"{op} is on no list: unlisted ops stay fp32 and block propagation"
 
-    def has_kernel(self, op: str) -> bool:
-        """Whether the backend can run `op` in the target precision."""
+    def has_kernel(self, op: str, group: str | None = None) -> bool:
+        """Whether the backend can run `op` (with type group `group`) in the target precision."""
         if op in self.no_kernel:
             return False
-        return self.kernels is None or op in self.kernels
+        if self.kernels is not None and op not in self.kernels:
+            return False
+        return self.kernel_check is None or self.kernel_check(op, group)
 
     def listed(self, op_class: str) -> Iterable[str]:
         return sorted(op for op, c in self.classes.items() if c == op_class)

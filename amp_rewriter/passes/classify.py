@@ -7,9 +7,10 @@ from .base import PassContext, PassResult
 
 #: Ops whose float input slots simply take whatever dtype their producer has: their result does
 #: not depend on precision (Shape, Size) or is a conversion anyway (Cast). Painting them to follow
-#: the producer avoids a cast that changes nothing.
-FOLLOW_PRODUCER_INPUTS = {"Shape": "T", "Size": "T", "Cast": "T1", "IsNaN": "T1", "IsInf": "T1",
-                          "CastLike": "T1"}
+#: the producer avoids a cast that changes nothing. Op -> the input groups concerned (ONNX type
+#: constraint names and TensorFlow type attrs: TF's Cast reads `SrcT`).
+FOLLOW_PRODUCER_INPUTS = {"Shape": ("T",), "Size": ("T",), "Cast": ("T1", "SrcT"),
+                          "IsNaN": ("T1",), "IsInf": ("T1",), "CastLike": ("T1",)}
 
 
 def _pinned(node: Node, ctx: PassContext) -> str | None:
@@ -27,6 +28,8 @@ def classify_ops(ctx: PassContext) -> PassResult:
         pin = _pinned(node, ctx)
         if pin is not None:
             node.op_class, node.class_reason = FP32, f"pinned to fp32 by --keep-node {pin!r}"
+        elif node.attrs.get("__keep_fp32__"):  # a loader's rule (e.g. TF fetch nodes)
+            node.op_class, node.class_reason = FP32, node.attrs["__keep_fp32__"]
         elif not node.has_schema:
             node.op_class = FP32
             node.class_reason = (f"{node.qualified_op} has no schema (custom or unknown domain): "
@@ -41,7 +44,8 @@ def classify_ops(ctx: PassContext) -> PassResult:
                 group.reason = node.class_reason
             elif group.allowed is not None and target not in group.allowed:
                 group.reason = f"the {node.op_type} schema does not allow {target} for {group.name}"
-            elif not ctx.lists.has_kernel(node.qualified_op) and node.op_class != ALLOW:
+            elif not ctx.lists.has_kernel(node.qualified_op, group.name) \
+                    and node.op_class != ALLOW:
                 group.reason = (f"{ctx.lists.backend} has no {ctx.options.target} kernel for "
                                 f"{node.op_type}")
             else:

@@ -92,7 +92,7 @@ def propagate_precision(ctx: PassContext) -> PassResult:
     # 1. allow-list ops.
     for g in gg.vertices:
         if _op_class(g) == ALLOW and g.paintable:
-            if not ctx.lists.has_kernel(g.node.qualified_op):
+            if not ctx.lists.has_kernel(g.node.qualified_op, g.name):
                 # Kept out from the start, so it cannot pull its neighbours into low precision.
                 reason[g] = (f"{ctx.lists.backend} has no {ctx.options.target} kernel for "
                              f"{g.node.qualified_op}")
@@ -184,7 +184,7 @@ def propagate_precision(ctx: PassContext) -> PassResult:
     # 6. what the backend cannot run in low precision goes back to fp32.
     for g in allow_in_order():
         op = g.node.qualified_op
-        if not ctx.lists.has_kernel(op):
+        if not ctx.lists.has_kernel(op, g.name):
             allow.discard(g)
             reason[g] = f"{ctx.lists.backend} has no {ctx.options.target} kernel for {op}"
 
@@ -206,7 +206,7 @@ def propagate_precision(ctx: PassContext) -> PassResult:
 
     # 7b. inputs that only inspect a value take the producer's dtype (no cast needed).
     for g in gg.vertices:
-        if FOLLOW_PRODUCER_INPUTS.get(g.node.op_type) != g.name or g.output_slots:
+        if g.name not in FOLLOW_PRODUCER_INPUTS.get(g.node.op_type, ()) or g.output_slots:
             continue
         producers = [gg.producer_group(g.node.inputs[s]) for s in g.input_slots
                      if g.node.inputs[s] is not None]

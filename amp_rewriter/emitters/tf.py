@@ -1,0 +1,188 @@
+"""IR -> TensorFlow GraphDef / FunctionDef.
+
+Every loaded node keeps its NodeDef; only its data inputs (rewired to casts or converted
+constants) and its type attributes change. A type attribute is written from the dtype the IR now
+gives the values bound to it, so retargeted casts (`DstT`), casts whose source changed (`SrcT`)
+and painted groups all follow one rule. Control inputs are written back as they were. New nodes:
+Cast (`SrcT`, `DstT`, `Truncate=false`, on the producer's device) and Const (converted constants,
+on the device of the constant they replace).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2
+from tensorflow.core.framework import tensor_pb2, tensor_shape_pb2
+
+from ..ir import Graph, LazyTensor, Model, Node, Value
+from ..loaders.tf import TfGraphSource, dtype_enum
+from ..passes.constant_ranges import NUMPY_DTYPES
+
+_INVALID = re.compile(r"[^A-Za-z0-9_./>-]")
+
+
+def tensor_proto(tensor: LazyTensor) -> tensor_pb2.TensorProto:
+    """A TensorProto holding `tensor` in its dtype (bfloat16 and float16 as raw content)."""
+    array = np.asarray(tensor.numpy())
+    wanted = NUMPY_DTYPES.get(tensor.dtype, array.dtype)
+    if array.dtype != wanted:
+        array = array.astype(wanted)
+    proto = tensor_pb2.TensorProto(dtype=dtype_enum(tensor.dtype))
+    proto.tensor_shape.CopyFrom(tensor_shape_pb2.TensorShapeProto(
+        dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=int(d)) for d in array.shape]))
+    proto.tensor_content = np.ascontiguousarray(array).tobytes()
+    return proto
+
+
+class _Namer:
+    """Valid, unique TF node names for the nodes a pass created."""
+
+    def __init__(self, taken: set[str]):
+        self.taken = set(taken)
+
+    def name(self, wanted: str) -> str:
+        base = _INVALID.sub("_", wanted) or "node"
+        if not re.match(r"[A-Za-z0-9.]", base[0]):
+            base = "n" + base
+        name, k = base, 1
+        while name in self.taken:
+            name = f"{base}_{k}"
+            k += 1
+        self.taken.add(name)
+        return name
+
+
+class _Emitter:
+    def __init__(self, model: Model):
+        self.model = model
+        self.source: TfGraphSource = model.handle
+        self.graph: Graph = model.graph
+        self.function = self.source.kind == "function"
+        kept = {node.name for node in self.graph.nodes if node.handle is not None}
+        self.namer = _Namer(kept | set(self.source.arg_values))
+        self.node_names: dict[int, str] = {}
+        self.const_names: dict[int, str] = {}
+        self.devices: dict[str, str] = {}  # original constant name -> its device
+
+    def node_name(self, node: Node) -> str:
+        name = self.node_names.get(id(node))
+        if name is None:
+            name = node.name if node.handle is not None else self.namer.name(node.name)
+            self.node_names[id(node)] = name
+        return name
+
+    def ref(self, value: Value) -> str:
+        """How a consumer names `value` in an input list."""
+        producer = value.producer
+        if producer is None:
+            if value.is_graph_input and self.function:
+                return value.name
+            name = self.const_names[id(value)]
+            return f"{name}:output:0" if self.function else name
+        name = self.node_name(producer)
+        slot = value.producer_slot
+        if self.function:
+            if producer.handle is None:  # a Cast of ours
+                return f"{name}:y:0"
+            port = self.source.nodes[producer.name].outputs[slot]
+            return f"{name}:{port.arg}:{port.index}"
+        return name if slot == 0 else f"{name}:{slot}"
+
+    # -- nodes --------------------------------------------------------------------------------
+    def _group_dtype(self, node: Node, group) -> str | None:
+        for slot in group.output_slots:
+            value = node.outputs[slot]
+            if value is not None and value.dtype is not None:
+                return value.dtype
+        for slot in group.input_slots:
+            value = node.inputs[slot]
+            if value is not None and value.dtype is not None:
+                return value.dtype
+        return None
+
+    def patch(self, node: Node) -> node_def_pb2.NodeDef:
+        original: node_def_pb2.NodeDef = node.handle
+        nd = node_def_pb2.NodeDef()
+        nd.CopyFrom(original)
+        del nd.input[:]
+        nd.input.extend(self.ref(v) for v in node.inputs)
+        info = self.source.nodes[node.name]
+        nd.input.extend(f"^{c}" for c in info.controls)
+        for group in node.type_groups:
+            if group.fixed:
+                continue
+            dtype = self._group_dtype(node, group)
+            if dtype is None:
+                continue
+            enum = dtype_enum(dtype)
+            attr, _, index = group.name.partition("[")
+            if index:
+                types = nd.attr[attr].list.type
+                i = int(index[:-1])
+                if types[i] != enum:
+                    types[i] = enum
+            elif nd.attr[attr].type != enum:
+                nd.attr[attr].type = enum
+        return nd
+
+    def cast(self, node: Node) -> node_def_pb2.NodeDef:
+        source = node.inputs[0]
+        nd = node_def_pb2.NodeDef(name=self.node_name(node), op="Cast", input=[self.ref(source)])
+        nd.attr["SrcT"].type = dtype_enum(source.dtype)
+        nd.attr["DstT"].type = dtype_enum(node.attrs["to"])
+        nd.attr["Truncate"].b = False
+        if source.producer is not None and source.producer.handle is not None:
+            nd.device = source.producer.handle.device
+        return nd
+
+    def constant(self, value: Value) -> node_def_pb2.NodeDef:
+        nd = node_def_pb2.NodeDef(name=self.const_names[id(value)], op="Const")
+        nd.attr["dtype"].type = dtype_enum(value.dtype)
+        nd.attr["value"].tensor.CopyFrom(tensor_proto(value.const))
+        nd.device = self.devices.get(value.name, "")
+        return nd
+
+    def nodes(self) -> list[node_def_pb2.NodeDef]:
+        proto = self.source.proto
+        for nd in (proto.node_def if self.function else proto.node):
+            if nd.op == "Const":
+                self.devices[nd.name] = nd.device
+        # A converted constant that replaced its only reader's original takes the original's name
+        # (that node is gone from the graph, so the name is free).
+        for name, value in self.graph.initializers.items():
+            if value.const is not None and value.const.handle is None:
+                self.const_names[id(value)] = self.namer.name(name)
+        out = [self.constant(v) for v in self.graph.initializers.values()
+               if id(v) in self.const_names]
+        for node in self.graph.nodes:
+            out.append(self.patch(node) if node.handle is not None else self.cast(node))
+        return out
+
+
+def emit_graphdef(model: Model) -> graph_pb2.GraphDef:
+    """The converted GraphDef (a new proto; the loaded one is not modified)."""
+    source: TfGraphSource = model.handle
+    original: graph_pb2.GraphDef = source.proto
+    emitter = _Emitter(model)
+    out = graph_pb2.GraphDef()
+    out.versions.CopyFrom(original.versions)
+    if original.HasField("library"):
+        out.library.CopyFrom(original.library)
+    out.node.extend(emitter.nodes())
+    return out
+
+
+def emit_function(model: Model) -> function_pb2.FunctionDef:
+    """The converted FunctionDef: same signature, rewritten body, returns rewired."""
+    source: TfGraphSource = model.handle
+    original: function_pb2.FunctionDef = source.proto
+    emitter = _Emitter(model)
+    out = function_pb2.FunctionDef()
+    out.CopyFrom(original)
+    del out.node_def[:]
+    out.node_def.extend(emitter.nodes())
+    for name, value in zip(source.ret_names, model.graph.outputs):
+        out.ret[name] = emitter.ref(value)
+    return out
