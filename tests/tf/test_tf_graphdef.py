@@ -1,0 +1,337 @@
+"""TF1 GraphDefs through the TensorFlow path: one test per Grappler rule, each checking node
+precisions and cast counts and running the converted graph in a tf.compat.v1 Session against fp32
+(bf16 on the CPU; fp16 where TensorFlow has CPU kernels)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+tf = pytest.importorskip("tensorflow")
+
+from amp_rewriter import cli  # noqa: E402
+from amp_rewriter.tf_api import compare_graphdefs, convert_graphdef  # noqa: E402
+
+v1 = tf.compat.v1
+RNG = np.random.default_rng(0)
+BF16 = tf.bfloat16.as_datatype_enum
+FP16 = tf.float16.as_datatype_enum
+FP32 = tf.float32.as_datatype_enum
+
+
+def weights(*shape: int, scale: float = 0.3) -> np.ndarray:
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+class Converted:
+    """A conversion and what the tests look at: precisions, casts, the new NodeDefs."""
+
+    def __init__(self, graph_def, outputs, target="bf16", backend="tf-cpu", **options):
+        self.original = graph_def
+        self.outputs = outputs
+        self.graph_def, self.report = convert_graphdef(graph_def, outputs, target, backend,
+                                                       **options)
+        self.entries = {e["name"]: e for e in self.report.nodes}
+        self.nodes = {n.name: n for n in self.graph_def.node}
+        old_casts = {n.name for n in graph_def.node if n.op == "Cast"}
+        self.new_casts = [n for n in self.graph_def.node if n.op == "Cast"
+                          and n.name not in old_casts]
+
+    def precision(self, name: str) -> str:
+        return self.entries[name]["precision"]
+
+    def casts_to(self, dtype_enum: int) -> list:
+        return [n for n in self.new_casts if n.attr["DstT"].type == dtype_enum]
+
+    def run(self, rtol: float = 5e-2) -> None:
+        for comparison in compare_graphdefs(self.original, self.graph_def, self.outputs):
+            assert not comparison.nonfinite_new, comparison
+            assert comparison.relative < rtol, comparison
+
+
+def build(fn) -> "tf.compat.v1.GraphDef":
+    graph = tf.Graph()
+    with graph.as_default():
+        fn()
+    return graph.as_graph_def()
+
+
+def test_matmul_conv_allow_relu_identity_clear():
+    def model():
+        x = v1.placeholder(tf.float32, [None, 8, 8, 3], name="x")
+        c = tf.nn.conv2d(x, weights(3, 3, 3, 4), 1, "SAME", name="conv")
+        r = tf.nn.relu(c, name="relu")
+        i = tf.identity(r, name="ident")
+        f = tf.reshape(i, [-1, 256], name="flat")
+        m = tf.matmul(f, weights(256, 5, scale=0.05), name="mm")
+        tf.identity(m, name="y")
+
+    c = Converted(build(model), ["y"])
+    for name in ("conv", "relu", "ident", "flat", "mm"):
+        assert c.precision(name) == "bf16", (name, c.entries[name])
+    assert c.nodes["conv"].attr["T"].type == BF16
+    assert c.precision("y") == "fp32"  # the fetch node is preserved
+    assert c.precision("x") == "fp32"
+    # One cast into the low-precision region (x), one out (mm -> y); weights are converted
+    # constants, not casts.
+    assert len(c.casts_to(BF16)) == 1 and len(c.casts_to(FP32)) == 1
+    assert c.report.summary["constants_converted"] == 2
+    c.run()
+
+
+def test_sqrt_log_infer():
+    def model():
+        x = v1.placeholder(tf.float32, [4, 8], name="x")
+        a = tf.matmul(x, weights(8, 8), name="mm1")
+        s = tf.sqrt(tf.abs(a, name="abs"), name="sqrt")  # between allow ops: low
+        tf.identity(tf.matmul(s, weights(8, 8), name="mm2"), name="y1")
+        lg = tf.math.log(tf.abs(x) + 1.0, name="log_in")  # fed by fp32 only: stays fp32
+        tf.identity(lg, name="y2")
+        sig = tf.sigmoid(tf.matmul(x, weights(8, 8), name="mm3"), name="sig")
+        tf.math.log(sig, name="log_out")
+
+    c = Converted(build(model), ["y1", "y2", "log_out"])
+    assert c.precision("sqrt") == "bf16"
+    assert c.precision("abs") == "bf16"
+    assert c.precision("log_in") == "fp32"
+    # bf16 only (Grappler's infer-after-allow rule): an infer op fed by an allow op goes low.
+    assert c.precision("sig") == "bf16"
+    # Fetch nodes are preserved: log_out stays fp32 behind a cast.
+    assert c.precision("log_out") == "fp32"
+    assert c.nodes[c.nodes["log_out"].input[0]].op == "Cast"
+    c.run()
+
+
+def test_exp_pow_deny_spread_through_infer_and_clear_until_allow():
+    def model():
+        x = v1.placeholder(tf.float32, [4, 8], name="x")
+        e = tf.exp(x * 0.1, name="exp")
+        r = tf.nn.relu(e, name="relu")           # clear: taint passes
+        s = tf.sqrt(r, name="sqrt")              # infer: taint passes
+        m = tf.matmul(s, weights(8, 8), name="mm")  # allow: absorbs it
+        t = tf.tanh(m, name="tanh")              # infer after allow: low again
+        p = tf.pow(tf.abs(x, name="abs_p"), 2.0, name="pow")
+        q = tf.sigmoid(p, name="sig")            # infer after deny: fp32
+        tf.identity(tf.matmul(t, weights(8, 8), name="mm2") + tf.matmul(q, weights(8, 8),
+                                                                            name="mm3"), name="y")
+
+    c = Converted(build(model), ["y"])
+    for name in ("exp", "relu", "sqrt", "pow", "sig"):
+        assert c.precision(name) == "fp32", (name, c.entries[name])
+    assert "deny" in c.entries["sqrt"]["reason"]
+    assert c.precision("mm") == "bf16" and c.precision("tanh") == "bf16"
+    assert c.precision("mm3") == "bf16"
+    c.run()
+
+
+def test_exp_deny_fp16_on_tf_gpu_lists():
+    def model():
+        x = v1.placeholder(tf.float32, [4, 8], name="x")
+        m = tf.matmul(x, weights(8, 8), name="mm")
+        s = tf.reduce_sum(m, axis=1, name="sum")  # deny in Grappler's fp16 list
+        tf.identity(tf.exp(s * 0.01, name="exp"), name="y")
+
+    c = Converted(build(model), ["y"], target="fp16", backend="tf-gpu")
+    assert c.precision("mm") == "fp16"
+    assert c.precision("sum") == "fp32" and c.precision("exp") == "fp32"
+    assert c.nodes["mm"].attr["T"].type == FP16
+
+
+def test_add_between_allow_is_low_alone_is_fp32():
+    def model():
+        x = v1.placeholder(tf.float32, [4, 8], name="x")
+        a = tf.add(tf.matmul(x, weights(8, 8), name="mm1"), weights(8), name="add_mid")
+        tf.identity(tf.matmul(a, weights(8, 8), name="mm2"), name="y")
+        tf.identity(tf.add(x, 1.0, name="add_alone"), name="y2")
+
+    c = Converted(build(model), ["y", "y2"])
+    assert c.precision("add_mid") == "bf16"
+    assert c.precision("add_alone") == "fp32"
+    assert c.nodes["add_mid"].attr["T"].type == BF16
+    c.run()
+
+
+@pytest.mark.parametrize("target", ["bf16", "fp16"])
+def test_fused_batch_norm_t_low_u_fp32(target):
+    def model():
+        x = v1.placeholder(tf.float32, [2, 8, 8, 3], name="x")
+        c = tf.nn.conv2d(x, weights(3, 3, 3, 4), 1, "SAME", name="conv")
+        y, _, _ = v1.nn.fused_batch_norm(c, np.ones(4, np.float32) * 1.5, np.zeros(4, np.float32),
+                                         mean=weights(4), variance=np.ones(4, np.float32),
+                                         is_training=False, name="bn")
+        r = tf.nn.relu(y, name="relu")
+        tf.identity(tf.nn.conv2d(r, weights(3, 3, 4, 2), 1, "SAME", name="conv2"), name="y")
+
+    graph_def = build(model)
+    assert {n.op for n in graph_def.node} & {"FusedBatchNorm", "FusedBatchNormV3"}
+    c = Converted(graph_def, ["y"], target=target, backend="tf-cpu")
+    bn = c.nodes["bn"]
+    assert bn.op in ("FusedBatchNormV2", "FusedBatchNormV3")
+    low = BF16 if target == "bf16" else FP16
+    assert bn.attr["T"].type == low and bn.attr["U"].type == FP32
+    groups = {g["group"]: g["precision"] for g in c.entries["bn"]["groups"]}
+    assert groups["T"] == target and groups.get("U", "fp32") == "fp32"
+    # scale/offset/mean/variance stay fp32 constants: no casts for them.
+    assert len(c.casts_to(low)) == 1  # x only
+    c.run()
+
+
+def test_identity_n_and_add_n_list_attrs():
+    def model():
+        x = v1.placeholder(tf.float32, [4, 8], name="x")
+        m1 = tf.matmul(x, weights(8, 8), name="mm1")
+        m2 = tf.matmul(x, weights(8, 8), name="mm2")
+        s = tf.math.add_n([m1, m2, m1], name="addn")
+        a, b = tf.identity_n([s, x], name="idn")
+        tf.identity(tf.matmul(a, weights(8, 8), name="mm3"), name="y")
+        tf.identity(b, name="b_out")
+
+    c = Converted(build(model), ["y", "b_out"])
+    assert c.precision("addn") == "bf16"
+    assert c.nodes["addn"].attr["T"].type == BF16
+    groups = {g["group"]: g["precision"] for g in c.entries["idn"]["groups"]}
+    assert groups == {"T[0]": "bf16", "T[1]": "fp32"}
+    assert list(c.nodes["idn"].attr["T"].list.type) == [BF16, FP32]
+    c.run()
+
+
+def test_existing_casts_retargeted():
+    def model():
+        i = v1.placeholder(tf.int32, [4, 8], name="i")
+        f = tf.cast(i, tf.float32, name="to_float")
+        tf.matmul(f, weights(8, 8), name="mm")
+
+    c = Converted(build(model), ["mm"], keep_io_types=False)
+    assert c.nodes["to_float"].attr["DstT"].type == BF16  # retargeted, not followed by a cast
+    assert not c.casts_to(BF16)
+    c.run()
+
+
+def test_ref_variable_read_stays_fp32_and_gets_a_cast():
+    def model():
+        x = v1.placeholder(tf.float32, [4, 8], name="x")
+        w = v1.Variable(weights(8, 8), name="w", use_resource=False)
+        tf.identity(tf.matmul(x, w, name="mm"), name="y")
+
+    graph_def = build(model)
+    ops = {n.name: n.op for n in graph_def.node}
+    assert ops["w"] == "VariableV2" and ops["w/read"] == "Identity"
+    c = Converted(graph_def, ["y"])
+    assert c.precision("w/read") == "fp32"
+    assert "ref variable" in c.entries["w/read"]["reason"]
+    assert c.precision("mm") == "bf16"
+    cast_inputs = sorted(n.input[0] for n in c.casts_to(BF16))
+    assert cast_inputs == ["w/read", "x"]
+    assert c.nodes["w/Assign"].attr["T"].type == FP32
+    c.run()
+
+
+@pytest.fixture
+def control_flow_v1():
+    v1.disable_control_flow_v2()
+    try:
+        yield
+    finally:
+        v1.enable_control_flow_v2()
+
+
+def test_v1_while_loop(control_flow_v1):
+    def model():
+        x = v1.placeholder(tf.float32, [4, 8], name="x")
+        w = tf.constant(weights(8, 8), name="w")
+
+        def body(i, h):
+            return i + 1, tf.tanh(tf.matmul(h, w, name="mm"), name="act")
+
+        _, h = v1.while_loop(lambda i, h: i < 3, body, [tf.constant(0), x], name="loop")
+        tf.identity(h, name="y")
+
+    graph_def = build(model)
+    ops = {n.op for n in graph_def.node}
+    assert {"Enter", "Merge", "Switch", "NextIteration", "Exit"} <= ops
+    c = Converted(graph_def, ["y"])
+    by_op: dict[str, list[str]] = {}
+    for e in c.report.nodes:
+        by_op.setdefault(e["op"], []).append(e["name"])
+    assert c.precision("loop/mm") == "bf16"
+    # The float loop variable's Merge and NextIteration agree (int counter ones have no float).
+    float_merges = [n for n in by_op["Merge"] if c.nodes[n].attr["T"].type != tf.int32.as_datatype_enum]
+    assert float_merges
+    for merge in float_merges:
+        next_iteration = c.nodes[merge].input[1].split(":")[0]
+        assert c.nodes[next_iteration].op == "NextIteration"
+        assert c.nodes[merge].attr["T"].type == c.nodes[next_iteration].attr["T"].type
+    # No cast sits on the back edge.
+    for merge in float_merges:
+        assert all(c.nodes[i.split(":")[0]].op != "Cast" for i in c.nodes[merge].input[1:])
+    c.run()
+
+
+def test_fp16_on_cpu_runs():
+    def model():
+        x = v1.placeholder(tf.float32, [4, 8], name="x")
+        tf.identity(tf.nn.relu(tf.matmul(x, weights(8, 8), name="mm"), name="relu"), name="y")
+
+    c = Converted(build(model), ["y"], target="fp16", backend="tf-cpu")
+    assert c.precision("mm") == "fp16" and c.precision("relu") == "fp16"
+    c.run(rtol=2e-2)
+
+
+def test_grappler_env_variables(monkeypatch):
+    def model():
+        x = v1.placeholder(tf.float32, [4, 8], name="x")
+        r = tf.nn.relu(tf.matmul(x, weights(8, 8), name="mm"), name="relu")
+        tf.identity(tf.matmul(r, weights(8, 8), name="mm2"), name="y")
+
+    graph_def = build(model)
+    monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_CLEARLIST_REMOVE", "Relu")
+    monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD", "Relu")
+    c = Converted(graph_def, ["y"])
+    assert c.precision("relu") == "fp32"
+    assert "DENYLIST_ADD" in c.entries["relu"]["reason"]
+    monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD", "")
+    monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_ALLOWLIST_REMOVE", "MatMul")
+    c = Converted(graph_def, ["y"])
+    assert c.precision("mm") == "fp32" and c.precision("relu") == "fp32"
+
+
+def test_cli_in_process(tmp_path, capsys):
+    def model():
+        x = v1.placeholder(tf.float32, [None, 8], name="x")
+        tf.identity(tf.nn.relu(tf.matmul(x, weights(8, 8), name="mm")), name="y")
+
+    graph_def = build(model)
+    src = tmp_path / "m.pb"
+    src.write_bytes(graph_def.SerializeToString())
+    out = tmp_path / "o.pbtxt"
+    code = cli.main(["convert", str(src), str(out), "--outputs", "y", "--target", "bf16",
+                     "--backend", "tf-cpu", "--validate", "--report", str(tmp_path / "r.json")])
+    printed = capsys.readouterr()
+    assert code == 0, printed
+    assert "validate y:" in printed.out and "ok" in printed.out
+    assert out.read_text().startswith("node {")
+
+    code = cli.main(["convert", str(src), str(tmp_path / "o2.pb"), "--outputs", "nope"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "nope" in err
+
+    bad = tmp_path / "bad.pb"
+    bad.write_bytes(b"\x0a\xff\xff\xff garbage")
+    code = cli.main(["convert", str(bad), str(tmp_path / "o3.pb")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "not a GraphDef" in err
+
+    code = cli.main(["explain", str(src), "mm", "--outputs", "y", "--target", "bf16"])
+    assert code == 0 and "allow" in capsys.readouterr().out
+
+
+def test_cli_subprocess_one_line_errors(tmp_path, amp_cli):
+    bad = tmp_path / "bad.pbtxt"
+    bad.write_text("node { name: ")
+    result = amp_cli("convert", bad, tmp_path / "o.pb")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert "not a text GraphDef" in result.stderr
