@@ -1,0 +1,179 @@
+"""SavedModels through the TensorFlow path: Keras models exported with `model.export` and
+`tf.saved_model.save`, a module whose functions call other functions, and assets."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+from amp_rewriter import cli  # noqa: E402
+from amp_rewriter.tf_api import (compare_saved_models, convert_saved_model,  # noqa: E402
+                                 read_saved_model)
+
+
+def _function_signatures(path: Path) -> dict[str, tuple]:
+    saved = read_saved_model(path)
+    return {f.signature.name: (tuple((a.name, a.type) for a in f.signature.input_arg),
+                               tuple((a.name, a.type) for a in f.signature.output_arg))
+            for mg in saved.meta_graphs for f in mg.graph_def.library.function}
+
+
+def _serving_dtypes(path: Path) -> dict[str, tuple]:
+    loaded = tf.saved_model.load(str(path))
+    result = {}
+    for name, fn in loaded.signatures.items():
+        inputs = {k: v.dtype for k, v in fn.structured_input_signature[1].items()}
+        outputs = {k: v.dtype for k, v in fn.structured_outputs.items()}
+        result[name] = (inputs, outputs)
+    return result
+
+
+def _check_common(src: Path, dst: Path, report) -> None:
+    """What every converted SavedModel must keep: signatures, dtypes, variables, assets."""
+    assert _function_signatures(src) == _function_signatures(dst)
+    assert _serving_dtypes(src) == _serving_dtypes(dst)
+    variables = sorted(p.name for p in (src / "variables").iterdir())
+    assert variables
+    match, mismatch, errors = filecmp.cmpfiles(src / "variables", dst / "variables", variables,
+                                               shallow=False)
+    assert not mismatch and not errors
+    for comparison in compare_saved_models(src, dst):
+        assert comparison.relative < 5e-2 and not comparison.nonfinite_new, comparison
+    ops = {(e["op"], e["precision"]) for e in report.nodes}
+    assert ("ReadVariableOp", "fp32") in ops  # variables are read in fp32, then cast
+
+
+@pytest.fixture(scope="module")
+def keras_cnn(tmp_path_factory) -> Path:
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16, 16, 3), name="image")
+    x = keras.layers.Conv2D(8, 3, padding="same")(inputs)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.DepthwiseConv2D(3, padding="same", activation="relu")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    outputs = keras.layers.Dense(5, activation="softmax")(x)
+    model = keras.Model(inputs, outputs)
+    path = tmp_path_factory.mktemp("cnn") / "saved"
+    model.export(str(path), verbose=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def keras_encoder(tmp_path_factory) -> Path:
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((16,), dtype="int32", name="tokens")
+    x = keras.layers.Embedding(50, 32)(tokens)
+    attention = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8)(x, x)
+    x = keras.layers.LayerNormalization()(x + attention)
+    ff = keras.layers.Dense(64, activation="gelu")(x)
+    ff = keras.layers.Dense(32)(ff)
+    x = keras.layers.LayerNormalization()(x + ff)
+    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(x))
+    model = keras.Model(tokens, outputs)
+    path = tmp_path_factory.mktemp("encoder") / "saved"
+    tf.saved_model.save(model, str(path))
+    return path
+
+
+def test_keras_cnn_bf16(keras_cnn, tmp_path):
+    dst = tmp_path / "cnn_bf16"
+    report = convert_saved_model(keras_cnn, dst, target="bf16", backend="tf-cpu")
+    precisions = {}
+    for entry in report.nodes:
+        precisions.setdefault(entry["op"], set()).add(entry["precision"])
+    assert precisions["Conv2D"] == {"bf16"}
+    assert precisions["DepthwiseConv2dNative"] == {"bf16"}
+    assert precisions["MatMul"] == {"bf16"}
+    assert precisions["StatefulPartitionedCall"] == {"fp32"}  # call boundaries keep their types
+    assert report.summary["functions_converted"] >= 2
+    _check_common(keras_cnn, dst, report)
+
+
+def test_keras_encoder_bf16(keras_encoder, tmp_path):
+    dst = tmp_path / "encoder_bf16"
+    report = convert_saved_model(keras_encoder, dst, target="bf16", backend="tf-cpu")
+    low = {e["op"] for e in report.nodes if e["precision"] == "bf16"}
+    assert {"MatMul", "Softmax"} <= low
+    assert low & {"Einsum", "BatchMatMulV2", "BatchMatMulV3"}
+    _check_common(keras_encoder, dst, report)
+
+
+def test_keras_encoder_fp16_tf_gpu_lists_keep_reductions_fp32(keras_encoder, tmp_path):
+    dst = tmp_path / "encoder_fp16"
+    report = convert_saved_model(keras_encoder, dst, target="fp16", backend="tf-gpu", check=False)
+    means = {e["precision"] for e in report.nodes if e["op"] == "Mean"}
+    assert means == {"fp32"}  # deny in Grappler's fp16 list
+    assert any(e["op"] == "MatMul" and e["precision"] == "fp16" for e in report.nodes)
+    assert _function_signatures(keras_encoder) == _function_signatures(dst)
+
+
+class _Nested(tf.Module):
+    """A module whose exported function calls another tf.function (a separate FunctionDef)."""
+
+    def __init__(self, vocab: Path):
+        super().__init__()
+        rng = np.random.default_rng(0)
+        self.w1 = tf.Variable(rng.standard_normal((8, 8)).astype(np.float32) * 0.3)
+        self.w2 = tf.Variable(rng.standard_normal((8, 4)).astype(np.float32) * 0.3)
+        self.vocab = tf.saved_model.Asset(str(vocab))
+
+    @tf.function(autograph=False)
+    def layer(self, x):
+        return tf.nn.relu(tf.matmul(x, self.w1))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32, name="x")],
+                 autograph=False)
+    def serve(self, x):
+        h = self.layer(x)
+        return {"y": tf.matmul(h, self.w2), "vocab_file": self.vocab.asset_path}
+
+
+def test_function_calls_and_assets(tmp_path):
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("a\nb\n")
+    module = _Nested(vocab)
+    src = tmp_path / "nested"
+    tf.saved_model.save(module, str(src), signatures={"serving_default": module.serve})
+    saved = read_saved_model(src)
+    callers = [n for f in saved.meta_graphs[0].graph_def.library.function for n in f.node_def
+               if n.op in ("StatefulPartitionedCall", "PartitionedCall")]
+    assert len(callers) >= 2  # signature wrapper -> serve -> layer
+    dst = tmp_path / "nested_bf16"
+    report = convert_saved_model(src, dst, target="bf16", backend="tf-cpu")
+    matmuls = [e for e in report.nodes if e["op"] == "MatMul"]
+    assert {e["precision"] for e in matmuls} == {"bf16"}
+    # In the caller's body and in the called function's body (saved once per trace).
+    assert len({e.get("graph") for e in matmuls}) >= 2
+    assert (dst / "assets" / "vocab.txt").read_text() == "a\nb\n"
+    loaded = tf.saved_model.load(str(dst))
+    out = loaded.signatures["serving_default"](x=tf.ones([2, 8]))
+    assert out["vocab_file"].numpy().decode().endswith("vocab.txt")
+    assert out["y"].dtype == tf.float32
+    _check_common(src, dst, report)
+
+
+def test_cli_saved_model(keras_cnn, tmp_path, capsys):
+    dst = tmp_path / "cli_out"
+    code = cli.main(["convert", str(keras_cnn), str(dst), "--target", "bf16", "--validate"])
+    printed = capsys.readouterr()
+    assert code == 0, printed
+    assert "backend tf-cpu" in printed.out
+    assert "validate serving_default/output_0" in printed.out
+    # Converting again into the same folder replaces it; a non-SavedModel folder is refused.
+    assert cli.main(["convert", str(keras_cnn), str(dst), "--target", "bf16", "--quiet"]) == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("x")
+    code = cli.main(["convert", str(keras_cnn), str(other), "--quiet"])
+    assert code == 2 and (other / "keep.txt").exists()
+    assert capsys.readouterr().err.count("\n") == 1
