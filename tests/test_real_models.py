@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,14 +45,17 @@ SEQUENCE_LENGTH = 12
 PADDED_ROW, PADDING_STARTS_AT = 1, 7
 INPUT_SEED = 1234
 
-#: Our error may exceed onnxruntime's by this factor (run-to-run noise of "equally good")...
+#: Our error may exceed onnxruntime's by this factor (two converters that are equally good still
+#: round at different points, so their errors differ a little either way)...
 RELATIVE_TO_REFERENCE_SLACK = 1.1
 #: ...and never has to beat this floor: both errors sit at fp16's rounding level (~5e-4) there.
 RELATIVE_ERROR_FLOOR = 1e-3
-#: What counts as reasonable when onnxruntime's converter gives no model to compare with.
-STANDALONE_RELATIVE_ERROR_LIMIT = 5e-2
+#: What counts as reasonable when onnxruntime's converter gives no model to compare with. The
+#: CNNs get more room: with random weights they amplify rounding (rounding only their *input* to
+#: fp16 already moves the logits by 2.3% for ResNet, 1.2% for MobileNetV2; both converters measure
+#: ~5.9% and ~2.2%), whereas the transformers stay near 1e-3.
+STANDALONE_RELATIVE_ERROR_LIMIT = {"bert": 5e-2, "gpt2": 5e-2, "minilm": 5e-2, "resnet": 1e-1, "mobilenet": 1e-1}
 
-FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 HEAVY_COMPUTE_OPS = {"MatMul", "Gemm", "Conv"}
 
 
@@ -87,7 +90,7 @@ class Case:
     feeds: dict[str, np.ndarray]
     fp32_outputs: dict[str, np.ndarray]
     ours: Conversion
-    theirs: Conversion = field(default_factory=Conversion)
+    theirs: Conversion
 
 
 def make_feeds(name: str, model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -107,7 +110,7 @@ def make_feeds(name: str, model: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 
 def run_on_cpu(model_path: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run a model in onnxruntime on the CPU (one thread per core, no graph-level surprises)."""
+    """Run a model in onnxruntime's CPU execution provider and return its outputs by name."""
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only: fp16 models make ORT warn about CPU fallbacks
     session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
@@ -121,7 +124,7 @@ def first_line(error: BaseException) -> str:
 
 
 def convert_with_amp_rewriter(fp32_path: Path, out_path: Path) -> Conversion:
-    """Our conversion, with the options the brief's users run: fp16 for onnxruntime-CUDA, fp32 I/O."""
+    """Our conversion with the settings under test: fp16 for onnxruntime-CUDA, graph I/O left fp32."""
     try:
         model, report = amp_rewriter.convert(fp32_path, target="fp16", backend="ort-cuda", keep_io_types=True)
     except Exception as error:  # noqa: BLE001  (reported by each test that needs the model)
@@ -153,38 +156,55 @@ def attach_outputs(conversion: Conversion, feeds: dict[str, np.ndarray]) -> None
         conversion.run_error = first_line(error)
 
 
+def build_case(name: str, opset: int, work_dir: Path) -> Case:
+    """Export one model, convert it both ways and run all three versions on the same inputs."""
+    stem = f"{name}_opset{opset}"
+    fp32_path = torch_export.EXPORTERS[name](work_dir / f"{stem}.onnx", opset)
+    feeds = make_feeds(name, onnx.load(str(fp32_path)))
+    case = Case(
+        name=name,
+        opset=opset,
+        fp32_path=fp32_path,
+        feeds=feeds,
+        fp32_outputs=run_on_cpu(fp32_path, feeds),
+        ours=convert_with_amp_rewriter(fp32_path, work_dir / f"{stem}_amp_fp16.onnx"),
+        theirs=convert_with_onnxruntime(fp32_path, work_dir / f"{stem}_ort_fp16.onnx"),
+    )
+    attach_outputs(case.ours, feeds)
+    attach_outputs(case.theirs, feeds)
+    return case
+
+
 @pytest.fixture(scope="module")
 def real_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], Case]:
-    """Return ``get(name, opset)``, which exports, converts and runs a model the first time it is asked for."""
+    """Return ``get(name, opset)``, which builds the :class:`Case` the first time it is asked for.
+
+    A failure (an export that raises, say) is cached too, so the other tests of that model fail
+    at once instead of exporting again.
+    """
     work_dir = tmp_path_factory.mktemp("real_models")
-    cache: dict[tuple[str, int], Case] = {}
+    cache: dict[tuple[str, int], Case | Exception] = {}
 
     def get(name: str, opset: int) -> Case:
         key = (name, opset)
         if key not in cache:
-            stem = f"{name}_opset{opset}"
-            fp32_path = torch_export.EXPORTERS[name](work_dir / f"{stem}.onnx", opset)
-            feeds = make_feeds(name, onnx.load(str(fp32_path), load_external_data=False))
-            case = Case(
-                name=name,
-                opset=opset,
-                fp32_path=fp32_path,
-                feeds=feeds,
-                fp32_outputs=run_on_cpu(fp32_path, feeds),
-                ours=convert_with_amp_rewriter(fp32_path, work_dir / f"{stem}_amp_fp16.onnx"),
-                theirs=convert_with_onnxruntime(fp32_path, work_dir / f"{stem}_ort_fp16.onnx"),
-            )
-            attach_outputs(case.ours, feeds)
-            attach_outputs(case.theirs, feeds)
-            cache[key] = case
-        return cache[key]
+            try:
+                cache[key] = build_case(name, opset, work_dir)
+            except Exception as error:  # noqa: BLE001  (re-raised below, for every test that asks)
+                cache[key] = error
+        result = cache[key]
+        if isinstance(result, Exception):
+            raise RuntimeError(f"could not export or run {name} at opset {opset}: {first_line(result)}") from result
+        return result
 
     return get
 
 
 def require_our_model(case: Case) -> onnx.ModelProto:
     """Our converted model; fails the test (as a package failure) if the conversion raised."""
-    assert case.ours.model is not None, f"amp_rewriter.convert failed on {case.name} opset {case.opset}: {case.ours.error}"
+    assert case.ours.model is not None, (
+        f"amp_rewriter.convert failed on {case.name} opset {case.opset}: {case.ours.error}"
+    )
     return case.ours.model
 
 
@@ -218,8 +238,7 @@ def cast_target(node: onnx.NodeProto) -> int:
 def find_redundant_casts(model: onnx.ModelProto) -> dict[str, list[str]]:
     """The three kinds of superfluous Cast, each as a list of readable descriptions.
 
-    - cast of a cast: a Cast whose input another Cast produced between float types (the two
-      could be one Cast, or none);
+    - cast of a cast: a Cast whose input another Cast produced (the two could be one, or none);
     - duplicate: two Casts reading the same tensor with the same ``to`` (one would do);
     - no-op: a Cast to the element type its input already has.
     Only the top-level graph is inspected: none of these models has subgraphs.
@@ -234,10 +253,10 @@ def find_redundant_casts(model: onnx.ModelProto) -> dict[str, list[str]]:
         producer = producers.get(cast.input[0])
         if producer is None or producer.op_type != "Cast":
             continue
-        chain_types = (elem_types.get(producer.input[0]), cast_target(producer), cast_target(cast))
-        if all(elem_type in FLOAT_TYPES for elem_type in chain_types):
-            names = " -> ".join(type_name(t) for t in chain_types)
-            cast_of_cast.append(f"{producer.name} -> {cast.name} ({names})")
+        source_type = elem_types.get(producer.input[0], onnx.TensorProto.UNDEFINED)
+        chain_types = (source_type, cast_target(producer), cast_target(cast))
+        chain = " -> ".join(type_name(elem_type) for elem_type in chain_types)
+        cast_of_cast.append(f"{producer.name} -> {cast.name} ({chain})")
 
     readers = Counter((cast.input[0], cast_target(cast)) for cast in casts)
     duplicates = [
@@ -285,14 +304,20 @@ def test_converted_model_passes_full_check(real_model, name: str, opset: int) ->
 
 @pytest.mark.parametrize(("name", "opset"), CASES)
 def test_conversion_runs_heavy_ops_in_fp16(real_model, name: str, opset: int) -> None:
-    """Guards the accuracy test below against the trivial pass of a model left entirely in fp32."""
+    """Guards the accuracy test against the trivial pass of a model left in fp32; checks the report's shape."""
     case = real_model(name, opset)
     converted = require_our_model(case)
     elem_types = tensor_elem_types(converted)
     heavy_nodes = [node for node in converted.graph.node if node.op_type in HEAVY_COMPUTE_OPS]
     fp16_heavy_nodes = [node for node in heavy_nodes if elem_types.get(node.input[0]) == onnx.TensorProto.FLOAT16]
-    assert heavy_nodes and fp16_heavy_nodes, f"no MatMul/Gemm/Conv of {name} runs in fp16"
-    assert case.ours.report["summary"]["low_precision_nodes"] > 0
+    assert fp16_heavy_nodes, f"none of the {len(heavy_nodes)} MatMul/Gemm/Conv nodes of {name} runs in fp16"
+
+    report = case.ours.report
+    assert {"summary", "nodes"} <= set(report)
+    for entry in report["nodes"]:
+        assert {"name", "op", "precision", "class", "reason"} <= set(entry), entry
+    reported_fp16_heavy_ops = [e for e in report["nodes"] if e["op"] in HEAVY_COMPUTE_OPS and e["precision"] == "fp16"]
+    assert reported_fp16_heavy_ops, f"the report puts no MatMul/Gemm/Conv of {name} in fp16"
 
 
 @pytest.mark.parametrize(("name", "opset"), CASES)
@@ -315,7 +340,8 @@ def test_fp16_accuracy_at_least_as_good_as_onnxruntime(real_model, name: str, op
         our_error = relative_error(fp32_values, ours)
         record_property(f"{output_name}_relative_error_ours", our_error)
         if reference_problem is not None:
-            assert our_error < STANDALONE_RELATIVE_ERROR_LIMIT, f"{output_name}: relative error {our_error:.2e}"
+            limit = STANDALONE_RELATIVE_ERROR_LIMIT[name]
+            assert our_error < limit, f"{output_name}: relative error {our_error:.2e} >= {limit:.0e}"
             continue
         their_error = relative_error(fp32_values, case.theirs.outputs[output_name])
         record_property(f"{output_name}_relative_error_onnxruntime", their_error)
@@ -345,6 +371,34 @@ def test_no_redundant_casts(real_model, name: str, opset: int) -> None:
 
 def test_export_is_deterministic(real_model, tmp_path: Path) -> None:
     """Exporting again gives the same bytes (checked on the cheapest model, against the cached export)."""
-    cached = real_model("gpt2", 18).fp32_path
-    again = torch_export.export_gpt2(tmp_path / "again.onnx", 18)
+    cached = real_model("resnet", 17).fp32_path
+    again = torch_export.export_resnet(tmp_path / "again.onnx", 17)
     assert again.read_bytes() == cached.read_bytes()
+
+
+def test_redundant_cast_finder_detects_each_kind() -> None:
+    """The Cast checks above must not pass vacuously: each kind is found in a graph built to have it."""
+    from onnx import TensorProto, helper
+
+    nodes = [
+        helper.make_node("Cast", ["x"], ["x16"], name="to_fp16", to=TensorProto.FLOAT16),
+        helper.make_node("Cast", ["x16"], ["x32"], name="back_to_fp32", to=TensorProto.FLOAT),  # cast of a cast
+        helper.make_node("Cast", ["x"], ["x16_again"], name="to_fp16_again", to=TensorProto.FLOAT16),  # duplicate
+        helper.make_node("Cast", ["x"], ["x_same"], name="to_fp32", to=TensorProto.FLOAT),  # no-op
+        helper.make_node("Sum", ["x32", "x_same"], ["y32"]),
+        helper.make_node("Sum", ["x16_again", "x16"], ["y16"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "casts",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [
+            helper.make_tensor_value_info("y32", TensorProto.FLOAT, [2]),
+            helper.make_tensor_value_info("y16", TensorProto.FLOAT16, [2]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    findings = find_redundant_casts(model)
+    assert findings["cast of a cast"] == ["to_fp16 -> back_to_fp32 (FLOAT -> FLOAT16 -> FLOAT)"]
+    assert findings["duplicate Cast"] == ["2 Casts of x to FLOAT16"]
+    assert findings["no-op Cast"] == ["to_fp32: x is already FLOAT"]
