@@ -246,6 +246,7 @@ def convert_saved_model(input_dir: str | os.PathLike, output_dir: str | os.PathL
             ir_model = load_function(fdef, original)
             reports.append(_run(ir_model, lists, options, fdef.signature.name))
             library.function[index].CopyFrom(emit_function(ir_model))
+        reports.extend(_convert_main_graph(meta_graph, lists, options))
     report = merge_reports(reports, options)
     write_saved_model(saved, input_dir, output_dir)
     if check:
@@ -254,6 +255,27 @@ def convert_saved_model(input_dir: str | os.PathLike, output_dir: str | os.PathL
         report.summary["note"] = ("--no-keep-io-types has no effect on SavedModels: signatures "
                                   "keep their dtypes")
     return report
+
+
+def _convert_main_graph(meta_graph, lists: OpLists, options: ConversionOptions) -> list[Report]:
+    """A MetaGraph's own graph (where TF1 SavedModels keep their compute), with the signatures'
+    output tensors as preserved fetches. TF2 graphs hold only variables and calls: skipped."""
+    graph_def = meta_graph.graph_def
+    if not any(lists.class_of(nd.op)[0] == "allow" for nd in graph_def.node):
+        return []
+    names = {nd.name: nd for nd in graph_def.node}
+    fetches = []
+    for signature in meta_graph.signature_def.values():
+        for info in signature.outputs.values():
+            node, _, port = info.name.partition(":")
+            if node in names and info.name not in fetches:
+                fetches.append(info.name if port else node)
+    ir_model = load_graphdef(graph_def, fetches, keep_fetch_nodes=True, label="main graph")
+    report = _run(ir_model, lists, options, "main graph")
+    converted = emit_graphdef(ir_model)
+    graph_def.ClearField("node")
+    graph_def.node.extend(converted.node)
+    return [report]
 
 
 def write_saved_model(saved: saved_model_pb2.SavedModel, input_dir: Path, output_dir: Path
@@ -316,7 +338,7 @@ def merge_reports(reports: list[Report], options: ConversionOptions) -> Report:
             merged = passes.setdefault(entry["name"], {"name": entry["name"], "changed": 0,
                                                        "notes": []})
             merged["changed"] += entry["changed"]
-    summary["functions_converted"] = len(reports)
+    summary["graphs_converted"] = len(reports)  # function bodies and main graphs
     return Report(options.target, options.backend, summary, nodes, constants, list(passes.values()))
 
 

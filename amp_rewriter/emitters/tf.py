@@ -65,6 +65,42 @@ class _Emitter:
         self.node_names: dict[int, str] = {}
         self.const_names: dict[int, str] = {}
         self.devices: dict[str, str] = {}  # original constant name -> its device
+        self.removed = self._removed_nodes()
+
+    def _removed_nodes(self) -> dict[str, list[str]]:
+        """Original nodes a pass removed (folded casts, replaced constants) -> the nodes a control
+        edge on them now waits for instead: the nodes they themselves read."""
+        kept = {node.name for node in self.graph.nodes if node.handle is not None}
+        proto = self.source.proto
+        originals = {nd.name: nd for nd in (proto.node_def if self.function else proto.node)}
+        removed: dict[str, list[str]] = {}
+        for name in self.source.nodes:
+            if name in kept:
+                continue
+            nd = originals.get(name)
+            readers = [ref[1:] if ref.startswith("^") else ref.split(":")[0]
+                       for ref in (nd.input if nd is not None else ())]
+            removed[name] = [r for r in readers if r not in self.source.arg_values]
+        return removed
+
+    def control_inputs(self, names: list[str]) -> list[str]:
+        """Control inputs with removed nodes replaced by what they waited for (deduplicated)."""
+        result: list[str] = []
+        stack = list(reversed(names))
+        seen: set[str] = set()
+        while stack:
+            name = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            if name in self.removed:
+                if name in self.const_names_by_name:
+                    result.append(name)  # a converted constant took the name over
+                else:
+                    stack.extend(reversed(self.removed[name]))
+            else:
+                result.append(name)
+        return result
 
     def node_name(self, node: Node) -> str:
         name = self.node_names.get(id(node))
@@ -109,7 +145,7 @@ class _Emitter:
         del nd.input[:]
         nd.input.extend(self.ref(v) for v in node.inputs)
         info = self.source.nodes[node.name]
-        nd.input.extend(f"^{c}" for c in info.controls)
+        nd.input.extend(f"^{c}" for c in self.control_inputs(info.controls))
         for group in node.type_groups:
             if group.fixed:
                 continue
@@ -154,6 +190,7 @@ class _Emitter:
         for name, value in self.graph.initializers.items():
             if value.const is not None and value.const.handle is None:
                 self.const_names[id(value)] = self.namer.name(name)
+        self.const_names_by_name = set(self.const_names.values())
         out = [self.constant(v) for v in self.graph.initializers.values()
                if id(v) in self.const_names]
         for node in self.graph.nodes:
@@ -185,4 +222,11 @@ def emit_function(model: Model) -> function_pb2.FunctionDef:
     out.node_def.extend(emitter.nodes())
     for name, value in zip(source.ret_names, model.graph.outputs):
         out.ret[name] = emitter.ref(value)
+    for key, node_name in list(out.control_ret.items()):
+        if node_name in emitter.removed:
+            replacement = emitter.control_inputs([node_name])
+            if replacement:
+                out.control_ret[key] = replacement[0]
+            else:
+                del out.control_ret[key]
     return out

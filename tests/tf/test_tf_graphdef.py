@@ -335,3 +335,25 @@ def test_cli_subprocess_one_line_errors(tmp_path, amp_cli):
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert "not a text GraphDef" in result.stderr
+
+
+def test_control_edges_on_removed_nodes_are_kept_valid():
+    """A no-op Cast that fold_casts removes, and a constant replaced by its converted copy, may
+    be the target of control edges: those edges move to what the removed node waited for."""
+    def model():
+        x = v1.placeholder(tf.float32, [4, 8], name="x")
+        same = tf.raw_ops.Cast(x=x, DstT=tf.float32, name="noop_cast")
+        w = tf.constant(weights(8, 8), name="w")
+        w2 = tf.constant(weights(8, 8), name="w2")
+        with tf.control_dependencies([same.op, w.op]):
+            m = tf.matmul(x, w2, name="mm")
+        tf.identity(m, name="y")
+        tf.identity(tf.sqrt(tf.abs(same)), name="y2")
+        tf.identity(tf.matmul(x, w, name="mm_w"), name="y3")
+
+    c = Converted(build(model), ["y", "y2", "y3"])
+    assert "noop_cast" not in c.nodes
+    assert c.nodes["w"].attr["dtype"].type == BF16
+    controls = [i for i in c.nodes["mm"].input if i.startswith("^")]
+    assert sorted(controls) == ["^w", "^x"]
+    c.run()

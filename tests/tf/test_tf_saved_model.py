@@ -95,7 +95,7 @@ def test_keras_cnn_bf16(keras_cnn, tmp_path):
     assert precisions["DepthwiseConv2dNative"] == {"bf16"}
     assert precisions["MatMul"] == {"bf16"}
     assert precisions["StatefulPartitionedCall"] == {"fp32"}  # call boundaries keep their types
-    assert report.summary["functions_converted"] >= 2
+    assert report.summary["graphs_converted"] >= 2
     _check_common(keras_cnn, dst, report)
 
 
@@ -177,3 +177,26 @@ def test_cli_saved_model(keras_cnn, tmp_path, capsys):
     code = cli.main(["convert", str(keras_cnn), str(other), "--quiet"])
     assert code == 2 and (other / "keep.txt").exists()
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_tf1_saved_model_main_graph(tmp_path):
+    """A TF1 SavedModel keeps its compute in the MetaGraph's own graph (ref variables, saver)."""
+    v1 = tf.compat.v1
+    src = tmp_path / "tf1"
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 8], name="x")
+        w = v1.Variable(np.random.default_rng(0).random((8, 8)).astype(np.float32), name="w",
+                        use_resource=False)
+        y = tf.identity(tf.nn.relu(tf.matmul(tf.matmul(x, w), w)), name="y")
+        with v1.Session() as session:
+            session.run(v1.global_variables_initializer())
+            v1.saved_model.simple_save(session, str(src), {"x": x}, {"y": y})
+    dst = tmp_path / "tf1_bf16"
+    report = convert_saved_model(src, dst, target="bf16", backend="tf-cpu")
+    entries = {e["name"]: e for e in report.nodes if e.get("graph") == "main graph"}
+    assert entries["MatMul"]["precision"] == entries["Relu"]["precision"] == "bf16"
+    assert entries["w/read"]["precision"] == "fp32"  # ref-variable read
+    assert entries["y"]["precision"] == "fp32"  # a signature output: preserved
+    for comparison in compare_saved_models(src, dst):
+        assert comparison.relative < 5e-2, comparison
