@@ -13,7 +13,8 @@ from .errors import AmpError
 from .ir import DENY, LOW_PRECISION_DTYPES
 from .loaders.onnx import load_onnx, read_model_file
 from .op_lists import OpLists
-from .validate import compare_models, default_rtol, random_inputs
+from .validate import (compare_models, default_rtol, emulate_bfloat16, has_bfloat16,
+                       random_inputs)
 
 TARGET_OF_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
@@ -116,8 +117,9 @@ def check_model(path: str | os.PathLike, target: str | None = None, backend: str
     if reference is not None:
         rtol = default_rtol(target) if rtol is None else rtol
         feeds = random_inputs(read_model_file(reference))
+        candidate = emulate_bfloat16(model) if has_bfloat16(model) else str(path)
         try:
-            comparisons = compare_models(str(reference), str(path), feeds)
+            comparisons = compare_models(str(reference), candidate, feeds)
         except AmpError as exc:
             result.problems.append({"kind": "run_failed", "message": str(exc)})
             comparisons = []

@@ -249,6 +249,9 @@ class Model:
     handle: Any = None
     #: Names already taken anywhere in the model (values and nodes), for unique new names.
     used_names: set[str] = field(default_factory=set)
+    #: Whether an initializer that is also a graph input is a default the caller may override
+    #: (ONNX IR >= 4). Below that, every initializer is listed as an input by rule: a constant.
+    initializers_overridable: bool = True
 
     def unique_name(self, base: str) -> str:
         """A deterministic name not used anywhere in the model yet."""

@@ -209,10 +209,20 @@ def emulate_bfloat16(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def has_bfloat16(model: onnx.ModelProto) -> bool:
-    """Whether any node output, initializer or Cast in the main graph uses bf16."""
-    graph = model.graph
-    return (any(t.data_type == onnx.TensorProto.BFLOAT16 for t in graph.initializer)
-            or any(n.op_type == "Cast" and any(a.name == "to" and a.i == onnx.TensorProto.BFLOAT16
-                                               for a in n.attribute) for n in graph.node)
-            or any(i.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
-                   for i in list(graph.input) + list(graph.output)))
+    """Whether any graph of the model (bodies included) has a bf16 initializer, cast or IO."""
+    bf16 = onnx.TensorProto.BFLOAT16
+    stack = [model.graph]
+    while stack:
+        graph = stack.pop()
+        if any(t.data_type == bf16 for t in graph.initializer):
+            return True
+        if any(i.type.tensor_type.elem_type == bf16 for i in list(graph.input) + list(graph.output)):
+            return True
+        for node in graph.node:
+            for attr in node.attribute:
+                if node.op_type == "Cast" and attr.name == "to" and attr.i == bf16:
+                    return True
+                if attr.HasField("g"):
+                    stack.append(attr.g)
+                stack.extend(attr.graphs)
+    return False

@@ -32,11 +32,13 @@ def _tensor_proto(name: str, tensor: LazyTensor) -> onnx.TensorProto:
     return numpy_helper.from_array(array, name)
 
 
-def _patch_node(node: Node) -> onnx.NodeProto:
+def _patch_node(node: Node, cast_takes_string: bool = False) -> onnx.NodeProto:
     proto = node.handle
     if proto is None:  # a cast a pass created
+        code = elem_type_code(node.attrs["to"])
+        to = onnx.TensorProto.DataType.Name(code) if cast_takes_string else code
         return helper.make_node("Cast", [node.inputs[0].name], [node.outputs[0].name],
-                                name=node.name, to=elem_type_code(node.attrs["to"]))
+                                name=node.name, to=to)
     for slot, value in enumerate(node.inputs):
         name = value.name if value is not None else ""
         if proto.input[slot] != name:
@@ -69,9 +71,9 @@ def _set_elem_type(info: onnx.ValueInfoProto, dtype: str | None) -> None:
         info.type.tensor_type.elem_type = code
 
 
-def _emit_graph(graph: Graph) -> None:
+def _emit_graph(graph: Graph, cast_takes_string: bool = False) -> None:
     proto: onnx.GraphProto = graph.handle
-    nodes = [_patch_node(node) for node in graph.nodes]
+    nodes = [_patch_node(node, cast_takes_string) for node in graph.nodes]
     del proto.node[:]
     proto.node.extend(nodes)
 
@@ -90,8 +92,18 @@ def _emit_graph(graph: Graph) -> None:
     del proto.initializer[:]
     proto.initializer.extend(kept)
 
-    for info, value in zip(proto.input, graph.inputs):
+    declared = {info.name: info for info in proto.input}
+    inputs = []
+    for value in graph.inputs:
+        info = declared.get(value.name)
+        if info is None:  # a converted initializer that IR < 4 must list as an input too
+            info = helper.make_tensor_value_info(value.name, elem_type_code(value.dtype),
+                                                 list(value.const.shape))
         _set_elem_type(info, value.dtype)
+        inputs.append(info)
+    if [i.name for i in inputs] != [i.name for i in proto.input]:
+        del proto.input[:]
+        proto.input.extend(inputs)
     for info, value in zip(proto.output, graph.outputs):
         if info.name != value.name:
             info.name = value.name
@@ -110,8 +122,10 @@ def _emit_graph(graph: Graph) -> None:
 
 def emit_onnx(model: Model) -> onnx.ModelProto:
     """Write the IR back into its ModelProto (inner graphs first, so copies see final bodies)."""
+    opset = next((imp.version for imp in model.handle.opset_import
+                  if imp.domain in ("", "ai.onnx")), 0)
     for graph in reversed(list(model.graph.walk_graphs())):
-        _emit_graph(graph)
+        _emit_graph(graph, cast_takes_string=opset < 6)  # Cast-1's `to` is a type name
     return model.handle
 
 

@@ -65,7 +65,7 @@ FIXED_TYPE_PARAMS: dict[tuple[str, str], str] = {
 class _Formal:
     """How a schema's formal inputs/outputs map onto a node's slots."""
 
-    __slots__ = ("inputs", "outputs", "constraints")
+    __slots__ = ("inputs", "outputs", "constraints", "has_containers")
 
     def __init__(self, schema: onnx.defs.OpSchema):
         def formals(params: list[Any]) -> list[tuple[str, bool, bool]]:
@@ -82,6 +82,12 @@ class _Formal:
             allowed = {_type_str_dtype(t) for t in constraint.allowed_type_strs}
             allowed.discard(None)
             self.constraints[constraint.type_param_str] = frozenset(allowed)  # type: ignore[arg-type]
+        #: Sequence/optional/map types anywhere in the schema: such ops are left as they are.
+        self.has_containers = any(
+            t.startswith(("seq(", "optional(", "map("))
+            for c in schema.type_constraints for t in c.allowed_type_strs) or any(
+            p.type_str.startswith(("seq(", "optional(", "map("))
+            for p in list(schema.inputs) + list(schema.outputs))
 
     def slot_params(self, formals: list[tuple[str, bool, bool]], count: int) -> list[tuple[str, bool]]:
         """(type_str, homogeneous) for each of `count` actual slots."""
@@ -95,6 +101,15 @@ class _Formal:
                 type_str, homogeneous = "", True
             result.append((type_str, homogeneous))
         return result
+
+
+#: Ops whose output dtype comes from an attribute (or, for BitCast, is a reinterpretation):
+#: repainting them would need the attribute rewritten, so their outputs keep their dtype.
+ATTRIBUTE_TYPED_OUTPUTS = frozenset({
+    "Constant", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+    "EyeLike", "Bernoulli", "Multinomial", "HannWindow", "HammingWindow", "BlackmanWindow",
+    "MelWeightMatrix", "BitCast",
+})
 
 
 @lru_cache(maxsize=None)
@@ -209,8 +224,12 @@ class OnnxLoader:
             self.opsets.setdefault("", self.opsets["ai.onnx"])
         self.local_functions = {(f.domain, f.name) for f in model.functions}
         self.hints: dict[str, tuple[str | None, tuple | None]] = {}
-        self.ir_model = Model(graph=Graph("main"), format="onnx", handle=model)
+        self.ir_model = self._new_model()
         self.order = 0
+
+    def _new_model(self) -> Model:
+        return Model(graph=Graph("main"), format="onnx", handle=self.model,
+                     initializers_overridable=self.model.ir_version >= 4)
 
     # -- dtype hints from value_info and shape inference ------------------------------------
     def _collect_hints(self) -> None:
@@ -261,7 +280,7 @@ class OnnxLoader:
         if self._has_unknown_dtypes():
             # Only now pay for shape inference, and rebuild with its answers as hints.
             self._add_inferred_hints()
-            self.ir_model = Model(graph=Graph("main"), format="onnx", handle=self.model)
+            self.ir_model = self._new_model()
             self.order = 0
             self._load_graph(self.model.graph, self.ir_model.graph)
         return self.ir_model
@@ -372,6 +391,11 @@ class OnnxLoader:
             group = groups.get(key)
             if group is None:
                 fixed_reason = FIXED_TYPE_PARAMS.get((node.op_type, type_str))
+                if formal.has_containers:
+                    fixed_reason = "sequence/optional ops keep their element dtype"
+                elif node.op_type in ATTRIBUTE_TYPED_OUTPUTS and (not is_input
+                                                                or node.op_type == "BitCast"):
+                    fixed_reason = f"{node.op_type}'s output dtype is set by an attribute"
                 group = TypeGroup(node, key, allowed=formal.constraints[type_str],
                                   fixed=fixed_reason is not None, reason=fixed_reason or "")
                 groups[key] = group
@@ -386,10 +410,13 @@ class OnnxLoader:
     def _control_flow_groups(self, node: Node) -> None:
         """Tie each loop-carried / branch / scan value to one group across the body boundary."""
 
+        cast_formal = _formal("Cast", "", self.opsets.get("", 0))
+        castable = cast_formal.constraints.get("T2") if cast_formal is not None else None
+
         def add(name: str, inputs: list[int], outputs: list[int], defs: list[Value],
                 uses: list[tuple[Graph, int]]) -> None:
-            group = TypeGroup(node, name, list(inputs), list(outputs), inner_defs=defs,
-                              inner_uses=uses)
+            group = TypeGroup(node, name, list(inputs), list(outputs), allowed=castable,
+                              inner_defs=defs, inner_uses=uses)
             node.type_groups.append(group)
             for slot in inputs:
                 node.input_group[slot] = group
@@ -407,14 +434,15 @@ class OnnxLoader:
                 add(f"carried{i}", [2 + i], [i], [body.inputs[2 + i]], [(body, 1 + i)])
             for k in range(len(node.outputs) - carried):
                 add(f"scan_out{k}", [], [carried + k], [], [(body, 1 + carried + k)])
-        else:  # Scan (opset >= 9 layout)
+        else:  # Scan; before opset 9 its first input is sequence_lens
             body = node.subgraphs["body"]
+            first = 1 if self.opsets.get("", 0) < 9 else 0
             scan_inputs = int(node.attrs.get("num_scan_inputs", 0))
-            states = len(node.inputs) - scan_inputs
+            states = len(node.inputs) - first - scan_inputs
             for i in range(states):
-                add(f"state{i}", [i], [i], [body.inputs[i]], [(body, i)])
+                add(f"state{i}", [first + i], [i], [body.inputs[i]], [(body, i)])
             for j in range(scan_inputs):
-                add(f"scan_in{j}", [states + j], [], [body.inputs[states + j]], [])
+                add(f"scan_in{j}", [first + states + j], [], [body.inputs[states + j]], [])
             for k in range(len(node.outputs) - states):
                 add(f"scan_out{k}", [], [states + k], [], [(body, states + k)])
 

@@ -55,21 +55,28 @@ def convert_constants(ctx: PassContext) -> PassResult:
             if (source.const is None or source.dtype != FLOAT32
                     or output.dtype not in LOW_PRECISION_DTYPES or output.graph_output_uses):
                 continue
+            if source.is_graph_input and ctx.model.initializers_overridable:
+                continue  # a caller may feed another value: the cast must stay a runtime cast
             new_tensor = _converted_tensor(source.const, output.dtype, clamp, source.name, ctx)
             if new_tensor is None:
                 continue
-            only_user = source.uses == [(node, 0)] and not source.graph_output_uses \
-                and not source.is_graph_input
+            only_user = source.uses == [(node, 0)] and not source.graph_output_uses
+            home = source.graph  # same scope as the original, so every reader can still see it
             if only_user:
                 _drop_constant(source)
                 name = source.name
             else:
                 name = ctx.model.unique_name(f"{source.name}_{output.dtype}")
-            home = source.graph  # same scope as the original, so every reader can still see it
             constant = Value(name, home, output.dtype, new_tensor.shape)
             constant.const = new_tensor
             home.values[name] = constant
             home.initializers[name] = constant
+            if not ctx.model.initializers_overridable:  # IR < 4: initializers are inputs too
+                constant.is_graph_input = True
+                if only_user and source in home.inputs:
+                    home.inputs[home.inputs.index(source)] = constant
+                else:
+                    home.inputs.append(constant)
             for consumer, slot in output.uses:
                 consumer.inputs[slot] = constant
                 constant.uses.append((consumer, slot))

@@ -160,7 +160,8 @@ def _retarget_graph_output(model: Model, builder: CastBuilder, value: Value, sub
 def _lower_graph_inputs(root: Graph) -> None:
     """Without keep-io-types, a float input whose every user wants one low dtype takes it."""
     for value in root.inputs:
-        if value.dtype not in FLOAT_DTYPES or not value.uses or value.graph_output_uses:
+        if (value.dtype not in FLOAT_DTYPES or not value.uses or value.graph_output_uses
+                or value.const is not None):
             continue
         wanted = {_required_dtype(value, c, s) for c, s in value.uses}
         if len(wanted) == 1:
