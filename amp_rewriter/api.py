@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 from typing import Iterable
@@ -21,13 +22,24 @@ def build_overrides(allow: Iterable[str] = (), infer: Iterable[str] = (),
                     deny: Iterable[str] = (), clear: Iterable[str] = (),
                     keep_nodes: Iterable[str] = (), config: str | os.PathLike | None = None
                     ) -> Overrides:
-    """Collect op-class moves and pinned nodes; the config file first, explicit options win."""
+    """Collect op-class moves and pinned nodes; the config file first, explicit options win.
+
+    A single string is taken as one name. Naming one op in two classes is an error.
+    """
     overrides = Overrides.from_config(config) if config is not None else Overrides()
+    explicit: dict[str, str] = {}
     for op_class, ops in (("allow", allow), ("infer", infer), ("deny", deny), ("clear", clear)):
-        for op in ops:
+        for op in _names(ops):
+            if explicit.get(op, op_class) != op_class:
+                raise AmpError(f"--{explicit[op]} and --{op_class} both name {op!r}")
+            explicit[op] = op_class
             overrides.move(op, op_class, f"--{op_class}")
-    overrides.keep_nodes.extend(keep_nodes)
+    overrides.keep_nodes.extend(_names(keep_nodes))
     return overrides
+
+
+def _names(values: Iterable[str] | str) -> list[str]:
+    return [values] if isinstance(values, str) else list(values)
 
 
 def _load(model_or_path: onnx.ModelProto | str | os.PathLike
@@ -76,9 +88,42 @@ def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "f
     results = run_pipeline(ctx)
     converted = emit_onnx(ir_model)
     report = build_report(ctx, original_nodes, results)
+    report.warnings = _override_warnings(overrides, options, [n.name for n, _ in original_nodes])
     if check and not has_external_data(converted) and converted.ByteSize() <= PROTOBUF_LIMIT:
-        check_valid(converted)  # else convert_file checks the saved file
+        try:
+            check_valid(converted)  # else convert_file checks the saved file
+        except AmpError:
+            _blame_invalid_input(model_or_path)
+            raise
     return converted, report
+
+
+def _override_warnings(overrides: Overrides, options: ConversionOptions,
+                       node_names: list[str]) -> list[str]:
+    """Overrides that cannot have done anything: likely typos."""
+    warnings = []
+    for op in overrides.moves:
+        if "." not in op and not onnx.defs.has(op):
+            close = difflib.get_close_matches(op, onnx.defs.get_all_schemas() and
+                                              sorted({s.name for s in onnx.defs.get_all_schemas()}),
+                                              n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            warnings.append(f"{overrides.source[op]} {op}: no such ONNX op{hint}")
+    for pattern in options.keep_nodes:
+        if not any(pattern.fullmatch(name) for name in node_names):
+            warnings.append(f"--keep-node {pattern.pattern!r} matches no node")
+    return warnings
+
+
+def _blame_invalid_input(model_or_path: onnx.ModelProto | str | os.PathLike) -> None:
+    """When the input itself fails the checker, say so rather than blame the conversion."""
+    original = (model_or_path if isinstance(model_or_path, onnx.ModelProto)
+                else str(model_or_path))
+    try:
+        onnx.checker.check_model(original, full_check=True)
+    except Exception as exc:  # the checker raises several exception types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AmpError(f"the input model already fails the ONNX checker: {first}") from None
 
 
 def check_valid(model: onnx.ModelProto | str) -> None:

@@ -58,6 +58,8 @@ class Report:
     constants: list[dict[str, Any]] = field(default_factory=list)
     passes: list[dict[str, Any]] = field(default_factory=list)
     validation: dict[str, Any] | None = None
+    #: Things the user likely did not mean (an override naming no op), shown by the CLI.
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -90,7 +92,8 @@ def build_report(ctx: PassContext, original_nodes: list[tuple[Node, str]],
         "constants_converted": sum(1 for c in ctx.constants if c.action in ("converted", "clamped")),
         "constants_kept_fp32": kept,
         "constants_clamped": sum(1 for c in ctx.constants if c.action == "clamped"),
-        "values_flushed_to_zero": sum(c.flushed_to_zero for c in ctx.constants),
+        "values_flushed_to_zero": sum(c.flushed_to_zero for c in ctx.constants
+                                      if c.action in ("converted", "clamped")),
     }
     return Report(ctx.options.target, ctx.options.backend, summary, entries,
                   [asdict(c) for c in ctx.constants],

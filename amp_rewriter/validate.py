@@ -116,6 +116,11 @@ def compare_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto 
     ref_session = _session(reference, "fp32")
     new_session = _session(candidate, "converted")
     names = [o.name for o in ref_session.get_outputs()]
+    candidate_names = {o.name for o in new_session.get_outputs()}
+    missing = [n for n in names if n not in candidate_names]
+    if missing:
+        raise AmpError(f"the models have different outputs: {', '.join(missing)} missing from the "
+                       f"converted model")
     wanted = {i.name for i in ref_session.get_inputs()}
     ref_feeds = {k: v for k, v in feeds.items() if k in wanted}
     new_feeds = {}
@@ -131,7 +136,8 @@ def compare_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto 
         new_outputs = new_session.run(names, new_feeds)
     except Exception as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise AmpError(f"onnxruntime failed to run a model: {message}") from None
+        raise AmpError(f"onnxruntime failed to run a model on these inputs: {message} (give "
+                       f"real inputs with --inputs x.npz)") from None
     return [compare_outputs(name, ref, new)
             for name, ref, new in zip(names, ref_outputs, new_outputs)]
 

@@ -82,12 +82,14 @@ class _Formal:
             allowed = {_type_str_dtype(t) for t in constraint.allowed_type_strs}
             allowed.discard(None)
             self.constraints[constraint.type_param_str] = frozenset(allowed)  # type: ignore[arg-type]
-        #: Sequence/optional/map types anywhere in the schema: such ops are left as they are.
-        self.has_containers = any(
-            t.startswith(("seq(", "optional(", "map("))
-            for c in schema.type_constraints for t in c.allowed_type_strs) or any(
-            p.type_str.startswith(("seq(", "optional(", "map("))
-            for p in list(schema.inputs) + list(schema.outputs))
+        #: Ops that always read or write a sequence/optional/map are left as they are (ops such
+        #: as Identity whose constraint merely admits containers are not: a container value has
+        #: no tensor dtype, so it never joins a group decision anyway).
+        containers = ("seq(", "optional(", "map(")
+        self.has_containers = schema.name.startswith(("Sequence", "Optional")) or any(
+            all(t.startswith(containers) for t in c.allowed_type_strs)
+            for c in schema.type_constraints) or any(
+            p.type_str.startswith(containers) for p in list(schema.inputs) + list(schema.outputs))
 
     def slot_params(self, formals: list[tuple[str, bool, bool]], count: int) -> list[tuple[str, bool]]:
         """(type_str, homogeneous) for each of `count` actual slots."""
@@ -283,7 +285,22 @@ class OnnxLoader:
             self.ir_model = self._new_model()
             self.order = 0
             self._load_graph(self.model.graph, self.ir_model.graph)
+            self._dtypes_from_consumers()
         return self.ir_model
+
+    def _dtypes_from_consumers(self) -> None:
+        """A value still of unknown dtype (a custom op's output without value_info) takes the
+        dtype its consumers' type groups say it must have, so casts are placed around it."""
+        for node in self.ir_model.graph.walk_nodes():
+            for value in node.outputs:
+                if value is None or value.dtype is not None:
+                    continue
+                for consumer, slot in value.uses:
+                    group = consumer.input_group[slot]
+                    dtype = group.dtype if group is not None else None
+                    if dtype is not None:
+                        value.dtype = value.original_dtype = dtype
+                        break
 
     def _has_unknown_dtypes(self) -> bool:
         return any(value is not None and value.dtype is None

@@ -34,6 +34,12 @@ class RangeCheck:
 
     overflowed: int
     flushed_to_zero: int
+    nonzero: int = 0
+
+    @property
+    def vanishes(self) -> bool:
+        """Every non-zero value would become zero."""
+        return self.nonzero > 0 and self.flushed_to_zero == self.nonzero
 
 
 def check_range(array: np.ndarray, dtype: str) -> RangeCheck:
@@ -44,13 +50,13 @@ def check_range(array: np.ndarray, dtype: str) -> RangeCheck:
     nonzero = finite_magnitude[finite_magnitude > 0]
     if (not nonzero.size or (nonzero.max() <= FINITE_MAX[dtype]
                              and nonzero.min() >= SMALLEST_SUBNORMAL[dtype])):
-        return RangeCheck(0, 0)  # the common case, without converting
+        return RangeCheck(0, 0, int(nonzero.size))  # the common case, without converting
     with np.errstate(over="ignore"):
         converted = array.astype(NUMPY_DTYPES[dtype])
     finite = np.isfinite(array)
     overflowed = int(np.count_nonzero(finite & ~np.isfinite(converted)))
     flushed = int(np.count_nonzero((array != 0) & (converted == 0)))
-    return RangeCheck(overflowed, flushed)
+    return RangeCheck(overflowed, flushed, int(nonzero.size))
 
 
 def convert_array(array: np.ndarray, dtype: str, clamp: bool) -> np.ndarray:
@@ -63,8 +69,12 @@ def convert_array(array: np.ndarray, dtype: str, clamp: bool) -> np.ndarray:
         return array.astype(NUMPY_DTYPES[dtype])
 
 
+#: (op, input slot) where a value flushed to zero changes the result completely.
+DIVISOR_SLOTS = {("Div", 1), ("Reciprocal", 0), ("Pow", 1), ("Mod", 1)}
+
+
 def _constant_inputs(ctx: PassContext):
-    """(group, value) for every paintable group slot fed by a float32 constant."""
+    """(group, slot, source) for every paintable group slot fed by a float32 constant."""
     for node in ctx.model.graph.walk_nodes():
         for group in node.type_groups:
             if not group.paintable:
@@ -72,34 +82,44 @@ def _constant_inputs(ctx: PassContext):
             for slot in group.input_slots:
                 value = node.inputs[slot]
                 if value is not None and value.const is not None and value.dtype == FLOAT32:
-                    yield group, value
+                    yield group, slot, value
             if node.op_type == "ConstantOfShape" and "value" in node.attrs:
-                yield group, node.attrs["value"]
+                yield group, -1, node.attrs["value"]
 
 
 def guard_constant_ranges(ctx: PassContext) -> PassResult:
-    """Force fp32 on groups whose constant inputs would overflow the target dtype.
+    """Force fp32 on groups whose constant inputs the target dtype would not represent.
 
-    Without `--clamp`, such a constant keeps its exact value: the op consuming it runs in fp32,
-    and as a deny seed that decision spreads to the infer/clear ops downstream of it (e.g. an
-    attention mask filled with -3.4e38 keeps the mask Add and the Softmax in fp32). With `--clamp`
-    the constant is saturated to the dtype's finite range at conversion instead.
+    A constant beyond the finite range (an attention mask filled with -3.4e38) keeps its exact
+    value unless `--clamp`: the op consuming it runs in fp32, and as a deny seed that decision
+    spreads to the infer/clear ops downstream of it (the mask Add and the Softmax). A constant
+    whose non-zero values would all flush to zero, or any divisor that would partly flush (x / 0),
+    is kept in fp32 the same way, clamp or not.
     """
-    if ctx.options.clamp:
-        return PassResult("guard_constant_ranges", 0, ["--clamp: out-of-range constants saturate"])
     target = ctx.target_dtype
     forced = 0
-    for group, source in _constant_inputs(ctx):
+    for group, slot, source in _constant_inputs(ctx):
+        if group.forced_deny:
+            continue
         tensor = source.const if isinstance(source, Value) else source
         result = cached_range_check(ctx, tensor, target)
-        if result.overflowed and not group.forced_deny:
-            name = source.name if isinstance(source, Value) else f"{group.node.name}.value"
-            if not any(r.name == name for r in ctx.constants):
-                ctx.constants.append(ConstantRecord(
-                    name, "kept_fp32", tensor.size, overflowed=result.overflowed,
-                    detail=f"feeds {group.node.name} ({group.node.op_type}), which stays fp32"))
-            group.forced_deny = (f"constant {name!r} has {result.overflowed} value(s) beyond "
-                                 f"{ctx.options.target}'s finite range ({FINITE_MAX[target]:g}); "
-                                 f"kept exact in fp32 (use --clamp to saturate instead)")
-            forced += 1
+        name = source.name if isinstance(source, Value) else f"{group.node.name}.value"
+        divisor = (group.node.op_type, slot) in DIVISOR_SLOTS
+        if result.overflowed and not ctx.options.clamp:
+            why = (f"constant {name!r} has {result.overflowed} value(s) beyond "
+                   f"{ctx.options.target}'s finite range ({FINITE_MAX[target]:g}); kept exact in "
+                   f"fp32 (use --clamp to saturate instead)")
+        elif result.vanishes or (divisor and result.flushed_to_zero):
+            why = (f"constant {name!r}: {result.flushed_to_zero} of its {result.nonzero} non-zero "
+                   f"value(s) would flush to zero in {ctx.options.target}"
+                   f"{' (a divisor)' if divisor else ''}; kept exact in fp32")
+        else:
+            continue
+        if not any(r.name == name for r in ctx.constants):
+            ctx.constants.append(ConstantRecord(
+                name, "kept_fp32", tensor.size, overflowed=result.overflowed,
+                flushed_to_zero=result.flushed_to_zero,
+                detail=f"feeds {group.node.name} ({group.node.op_type}), which stays fp32"))
+        group.forced_deny = why
+        forced += 1
     return PassResult("guard_constant_ranges", forced)

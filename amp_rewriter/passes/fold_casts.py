@@ -1,7 +1,8 @@
 """Fold cast chains and no-op casts, the model's own casts included.
 
-- Cast(Cast(x, A), B) -> Cast(x, B) when the first cast widens exactly (fp16 -> fp32, fp32 -> fp64,
-  ...): going through A loses nothing, so the chain equals one cast.
+- Cast(Cast(x, A), B) -> Cast(x, B) when going through A changes nothing: the first cast widens
+  exactly (fp16 -> fp32, int16 -> fp32, ...), or it is int -> fp32 -> fp16, where every integer
+  fp32 cannot hold exactly is beyond fp16's range anyway.
 - Cast(x, dtype(x)) -> x.
 - Two casts of one value to one dtype in one graph -> the first, shared.
 Casts that become unused disappear.
@@ -17,6 +18,21 @@ EXACT_WIDENINGS = {
     (FLOAT16, FLOAT32), (FLOAT16, FLOAT64), (BFLOAT16, FLOAT32), (BFLOAT16, FLOAT64),
     (FLOAT32, FLOAT64),
 }
+
+
+#: Integer types every value of which fp32 holds exactly.
+SMALL_INTEGERS = {"bool", "int8", "uint8", "int16", "uint16"}
+WIDE_INTEGERS = {"int32", "uint32", "int64", "uint64"}
+
+
+def chain_is_exact(source: str | None, middle: str, target: str) -> bool:
+    """Whether Cast(Cast(x: source, middle), target) always equals Cast(x, target)."""
+    if (source, middle) in EXACT_WIDENINGS:
+        return True
+    if middle == FLOAT32 and source in SMALL_INTEGERS:
+        return True
+    # Integers of 2^24 and above may round in fp32, but they overflow fp16 (max 65504) either way.
+    return middle == FLOAT32 and target == FLOAT16 and source in WIDE_INTEGERS
 
 
 def _cast_target(node: Node) -> str | None:
@@ -46,7 +62,7 @@ def fold_casts(ctx: PassContext) -> PassResult:
             inner = source.producer
             inner_target = _cast_target(inner) if inner is not None else None
             if (inner_target is not None and inner.inputs[0] is not None
-                    and (inner.inputs[0].dtype, inner_target) in EXACT_WIDENINGS):
+                    and chain_is_exact(inner.inputs[0].dtype, inner_target, target)):
                 source.uses.remove((node, 0))
                 node.inputs[0] = inner.inputs[0]
                 inner.inputs[0].uses.append((node, 0))
