@@ -116,12 +116,13 @@ def _options(args: argparse.Namespace) -> dict:
 
 def _run_convert(args: argparse.Namespace) -> int:
     from .api import convert_file
-    from .validate import (compare_models, default_rtol, emulate_bfloat16, has_bfloat16,
-                           load_inputs, random_inputs)
-    from .loaders.onnx import read_model_file
 
     if args.inputs and not args.validate:
         raise AmpError("--inputs only makes sense with --validate")
+    if args.rtol is not None and not args.validate:
+        raise AmpError("--rtol only makes sense with --validate")
+    if args.rtol is not None and not args.rtol >= 0:  # also refuses nan
+        raise AmpError(f"--rtol must be a number >= 0, got {args.rtol}")
     if is_tensorflow_input(args.input):
         return _run_convert_tf(args)
     if args.outputs:
@@ -130,38 +131,57 @@ def _run_convert(args: argparse.Namespace) -> int:
                                                          Path(args.output).resolve()):
         raise AmpError("--report must not be the input or output model path")
     model, report = convert_file(args.input, args.output, **_options(args))
+    for warning in report.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
     status = 0
     if args.validate:
-        rtol = default_rtol(args.target) if args.rtol is None else args.rtol
-        feeds = (load_inputs(args.inputs) if args.inputs
-                 else random_inputs(read_model_file(args.input)))
-        candidate = str(args.output)
-        if args.target == "bf16" and has_bfloat16(model):
-            candidate = emulate_bfloat16(model)
-            if not args.quiet:
-                print("validate: onnxruntime's CPU provider lacks bf16 kernels; running the bf16 "
-                      "model emulated (fp32 compute, every bf16 tensor rounded to bf16)")
-        comparisons = compare_models(str(args.input), candidate, feeds)
-        failed = [c for c in comparisons if c.relative > rtol or c.nonfinite_new]
-        report.validation = {"rtol": rtol, "passed": not failed,
-                             "outputs": [c.to_dict() for c in comparisons]}
-        if not args.quiet:
-            for c in comparisons:
-                mark = "FAIL" if c in failed else "ok"
-                print(f"validate {c.name}: max_abs={c.max_abs:.3g} relative={c.relative:.3g} "
-                      f"{mark}")
-        status = 1 if failed else 0
+        try:
+            status = _validate_onnx(args, model, report)
+        except AmpError:
+            # Validation could not run: no converted model is left for a build to pick up.
+            Path(args.output).unlink(missing_ok=True)
+            Path(str(args.output) + ".data").unlink(missing_ok=True)
+            raise
     if args.report:
         _write_text_atomically(args.report, report.to_json())
     if not args.quiet:
         s = report.summary
+        flushed = (f", {s['values_flushed_to_zero']} values flushed to zero"
+                   if s["values_flushed_to_zero"] else "")
         print(f"converted {s['low_precision_nodes']}/{s['nodes']} nodes to {args.target} "
-              f"(backend {report.backend}): {s['casts_inserted']} casts inserted, "
-              f"{s['casts_removed']} removed, {s['constants_converted']} constants converted, "
-              f"{s['constants_kept_fp32']} kept fp32 -> {args.output}")
+              f"(backend {report.backend}): casts {s['casts_inserted']} inserted, "
+              f"{s['casts_removed']} removed; constants {s['constants_converted']} converted, "
+              f"{s['constants_kept_fp32']} kept fp32 for range{flushed} -> {args.output}")
     if status:
         print(f"{PROG}: validation failed: relative error above rtol", file=sys.stderr)
     return status
+
+
+def _validate_onnx(args: argparse.Namespace, model, report) -> int:
+    """Run fp32 and converted models on the same inputs; 1 when an output is off."""
+    from .loaders.onnx import read_model_file
+    from .validate import (compare_models, default_rtol, emulate_bfloat16, has_bfloat16,
+                           load_inputs, random_inputs)
+
+    rtol = default_rtol(args.target) if args.rtol is None else args.rtol
+    feeds = (load_inputs(args.inputs) if args.inputs
+             else random_inputs(read_model_file(args.input)))
+    candidate = str(args.output)
+    if args.target == "bf16" and has_bfloat16(model):
+        candidate = emulate_bfloat16(model)
+        if not args.quiet:
+            print("validate: onnxruntime's CPU provider lacks bf16 kernels; running the bf16 "
+                  "model emulated (fp32 compute, every bf16 tensor rounded to bf16)")
+    comparisons = compare_models(str(args.input), candidate, feeds)
+    failed = [c for c in comparisons if c.relative > rtol or c.nonfinite_new]
+    report.validation = {"rtol": rtol, "passed": not failed,
+                         "outputs": [c.to_dict() for c in comparisons]}
+    if not args.quiet:
+        for c in comparisons:
+            mark = "FAIL" if c in failed else "ok"
+            print(f"validate {c.name}: max_abs={c.max_abs:.3g} relative={c.relative:.3g} "
+                  f"{mark}")
+    return 1 if failed else 0
 
 
 def _import_tf_api():
@@ -180,6 +200,9 @@ def _import_tf_api():
         with open(os.devnull, "w") as devnull:
             os.dup2(devnull.fileno(), 2)
             from . import tf_api
+    except ImportError as exc:
+        raise AmpError(f"TensorFlow models need TensorFlow ({exc}); install it with "
+                       f"pip install -e '.[tensorflow]'") from None
     finally:
         os.dup2(saved, 2)
         os.close(saved)
@@ -264,6 +287,15 @@ def _run_explain(args: argparse.Namespace) -> int:
         from .api import convert
         _model, report = convert(args.source, check=False, **_options(args))
     else:
+        given = [f"--{name.replace('_', '-')}" for name in ("allow", "infer", "deny", "clear",
+                                                          "keep_node") if getattr(args, name)]
+        given += [flag for flag, value, default in (("--target", args.target, "fp16"),
+                                                    ("--config", args.config, None),
+                                                    ("--clamp", args.clamp, False))
+                  if value != default]
+        if given:
+            raise AmpError(f"{', '.join(given)} only apply when explaining a model: a report "
+                           f"already holds the decisions of its conversion")
         report = load_report(args.source)
     print(explain_text(report, args.node))
     return 0
@@ -282,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader (e.g. `| head`) stopped early: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as exc:  # a bug or an input we did not foresee: still one line, exit 2
         if os.environ.get("AMP_REWRITER_DEBUG"):
             raise
