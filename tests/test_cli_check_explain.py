@@ -84,3 +84,22 @@ def test_explain_unknown_node_is_one_line_exit_2(tmp_path: Path) -> None:
     result = run_cli("explain", str(source), "no_such_node")
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_convert_option_errors_are_one_line_exit_2(tmp_path: Path) -> None:
+    source = _write(BUILDERS["cnn"](), tmp_path / "cnn.onnx")
+    out = tmp_path / "out.onnx"
+    for args in (["--rtol", "nan", "--validate"], ["--rtol", "-1", "--validate"], ["--rtol", "0.1"],
+                 ["--allow", "Relu", "--deny", "Relu"]):
+        result = run_cli("convert", str(source), str(out), *args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+        assert not out.exists()
+
+
+def test_validate_rtol_zero_fails_with_exit_1_and_typos_warn(tmp_path: Path) -> None:
+    source = _write(BUILDERS["cnn"](), tmp_path / "cnn.onnx")
+    result = run_cli("convert", str(source), str(tmp_path / "out.onnx"), "--validate",
+                     "--rtol", "0", "--deny", "Matmul")
+    assert result.returncode == 1
+    assert "did you mean MatMul" in result.stderr

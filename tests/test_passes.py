@@ -842,3 +842,72 @@ def test_duplicate_casts_already_in_the_model_are_merged():
     onnx.checker.check_model(converted, full_check=True)
     casts_of_ids = [n for n in converted.graph.node if n.op_type == "Cast" and n.input[0] == "ids"]
     assert len(casts_of_ids) == 1
+
+
+def test_custom_op_output_without_value_info_gets_a_cast_before_fp16_consumers():
+    """A com.microsoft op's output has no declared dtype: it is taken as its consumer's fp32."""
+    nodes = [helper.make_node("Gelu", ["x"], ["g"], domain="com.microsoft", name="gelu"),
+             helper.make_node("MatMul", ["g", "w"], ["o"], name="mm")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("o", TensorProto.FLOAT, [2, 4])],
+        [numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    converted, report = convert(model)
+    assert precisions(report)["mm"] == "fp16"
+    (cast,) = casts_reading(converted, "g")
+    assert cast_to(cast) == FLOAT16
+    feeds = {"x": np.linspace(-2, 2, 8, dtype=np.float32).reshape(2, 4)}
+    assert_close(model, converted, feeds, 1e-2)
+
+
+def test_a_divisor_that_would_flush_to_zero_stays_fp32():
+    """y * eps / eps with eps = 1e-9: in fp16 eps is 0 and every output would be NaN."""
+    b = GraphBuilder(opset=17)
+    x = b.input("x", [2, 4])
+    eps = b.const("eps", np.full([4], 1e-9, np.float32))
+    y = b.op("MatMul", x, b.weight("w", [4, 4]), name="mm")
+    scaled = b.op("Mul", y, eps, name="mul")
+    back = b.op("Div", scaled, eps, name="div")
+    b.output(b.op("MatMul", back, b.weight("w2", [4, 4]), name="mm2"))
+    model = b.build()
+    converted, report = convert(model)
+    assert precisions(report)["div"] == "fp32" and precisions(report)["mul"] == "fp32"
+    assert "flush to zero" in report.node("mul")["reason"]
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)}
+    assert_close(model, converted, feeds, 2e-2)
+
+
+@pytest.mark.parametrize("opset", [13, 14, 18])
+def test_identity_between_allow_ops_converts_at_every_opset(opset):
+    """Identity's constraint admits sequences from opset 14 on; tensors still convert."""
+    b = GraphBuilder(opset=opset)
+    x = b.input("x", [2, 4])
+    h = b.op("MatMul", x, b.weight("w", [4, 4]), name="mm1")
+    i = b.op("Identity", h, name="id")
+    b.output(b.op("MatMul", i, b.weight("w2", [4, 4]), name="mm2"))
+    converted, report = convert(b.build())
+    assert precisions(report)["id"] == "fp16"
+    assert count_casts(converted) == 2
+
+
+def test_int_to_float_cast_read_by_fp16_and_fp32_ops_is_not_cast_twice():
+    b = GraphBuilder(opset=17)
+    ix = b.input("ix", [2, 4], dtype=TensorProto.INT64)
+    fx = b.op("Cast", ix, to=TensorProto.FLOAT, name="c")
+    y = b.op("MatMul", fx, b.weight("w", [4, 4]), name="mm")
+    b.output(b.op("Add", y, fx, name="add"))
+    converted, _report = convert(b.build())
+    for node in converted.graph.node:
+        if node.op_type == "Cast":
+            assert producers(converted).get(node.input[0]) is None or \
+                producers(converted)[node.input[0]].op_type != "Cast", "cast of a cast"
+
+
+def test_api_takes_a_single_string_and_refuses_conflicting_classes():
+    model = allow_clear_allow()
+    _converted, report = convert(model, keep_nodes="mm2")
+    assert precisions(report)["mm2"] == "fp32"
+    with pytest.raises(amp_rewriter.AmpError, match="both name"):
+        convert(model, allow=["Relu"], deny=["Relu"])
