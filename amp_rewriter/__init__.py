@@ -1,4 +1,5 @@
-"""amp-rewriter: automatic mixed precision for ONNX (and, next, TensorFlow) graphs."""
+"""amp-rewriter: automatic mixed precision for ONNX and TensorFlow graphs (TensorFlow entry points:
+`amp_rewriter.tf_api`, which imports TensorFlow)."""
 
 from .api import convert, convert_file
 from .errors import AmpError, CheckFailed

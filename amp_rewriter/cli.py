@@ -211,7 +211,6 @@ def _import_tf_api():
 
 def _run_convert_tf(args: argparse.Namespace) -> int:
     tf_api = _import_tf_api()
-    from .validate import default_rtol, load_inputs
 
     if args.report and Path(args.report).resolve() in (Path(args.input).resolve(),
                                                          Path(args.output).resolve()):
@@ -221,35 +220,56 @@ def _run_convert_tf(args: argparse.Namespace) -> int:
                    clamp=args.clamp, allow=args.allow, infer=args.infer, deny=args.deny,
                    clear=args.clear, keep_nodes=args.keep_node, config=args.config)
     report = tf_api.convert_tf_file(args.input, args.output, outputs, **options)
+    for warning in report.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
     status = 0
     if args.validate:
-        rtol = default_rtol(args.target) if args.rtol is None else args.rtol
-        feeds = load_inputs(args.inputs) if args.inputs else None
-        if tf_api.is_saved_model_dir(args.input):
-            comparisons = tf_api.compare_saved_models(args.input, args.output, feeds)
-        else:
-            comparisons = tf_api.compare_graphdefs(
-                tf_api.read_graphdef(args.input), tf_api.read_graphdef(args.output),
-                report.summary["outputs"], feeds)
-        report.validation = tf_api.validation_dict(comparisons, rtol)
-        failed = {o["name"] for o in report.validation["outputs"]
-                  if o["relative_error"] > rtol or o["new_nan_or_inf"]}
-        if not args.quiet:
-            for c in comparisons:
-                print(f"validate {c.name}: max_abs={c.max_abs:.3g} relative={c.relative:.3g} "
-                      f"{'FAIL' if c.name in failed else 'ok'}")
-        status = 1 if failed else 0
+        try:
+            status = _validate_tf(args, tf_api, report)
+        except AmpError:
+            # Validation could not run: no converted model is left for a build to pick up.
+            output = Path(args.output)
+            if output.is_dir():
+                import shutil
+                shutil.rmtree(output, ignore_errors=True)
+            else:
+                output.unlink(missing_ok=True)
+            raise
     if args.report:
         _write_text_atomically(args.report, report.to_json())
     if not args.quiet:
         s = report.summary
+        flushed = (f", {s['values_flushed_to_zero']} values flushed to zero"
+                   if s["values_flushed_to_zero"] else "")
         print(f"converted {s['low_precision_nodes']}/{s['nodes']} nodes to {args.target} "
-              f"(backend {report.backend}): {s['casts_inserted']} casts inserted, "
-              f"{s['casts_removed']} removed, {s['constants_converted']} constants converted, "
-              f"{s['constants_kept_fp32']} kept fp32 -> {args.output}")
+              f"(backend {report.backend}): casts {s['casts_inserted']} inserted, "
+              f"{s['casts_removed']} removed; constants {s['constants_converted']} converted, "
+              f"{s['constants_kept_fp32']} kept fp32 for range{flushed} -> {args.output}")
     if status:
         print(f"{PROG}: validation failed: relative error above rtol", file=sys.stderr)
     return status
+
+
+def _validate_tf(args: argparse.Namespace, tf_api, report) -> int:
+    """Run both TensorFlow models on the CPU on the same inputs; 1 when an output is off."""
+    from .validate import default_rtol, load_inputs
+
+    rtol = default_rtol(args.target) if args.rtol is None else args.rtol
+    feeds = load_inputs(args.inputs) if args.inputs else None
+    if tf_api.is_saved_model_dir(args.input):
+        comparisons = tf_api.compare_saved_models(args.input, args.output, feeds)
+    else:
+        comparisons = tf_api.compare_graphdefs(
+            tf_api.read_graphdef(args.input), tf_api.read_graphdef(args.output),
+            report.summary["outputs"], feeds)
+    report.validation = tf_api.validation_dict(comparisons, rtol)
+    failed = {o["name"] for o in report.validation["outputs"]
+              if o["relative_error"] > rtol or o["new_nan_or_inf"]}
+    if not args.quiet:
+        for c in comparisons:
+            print(f"validate {c.name}: max_abs={c.max_abs:.3g} relative={c.relative:.3g} "
+                  f"{'FAIL' if c.name in failed else 'ok'}")
+    return 1 if failed else 0
 
 
 def _run_check(args: argparse.Namespace) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -33,8 +32,6 @@ from .passes.base import TARGET_DTYPES, ConversionOptions, PassContext
 from .pipeline import TF_PIPELINE, run_pipeline
 from .report import Report, build_report
 from .validate import OutputComparison, compare_outputs
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 from google.protobuf import message, text_format  # noqa: E402
@@ -145,13 +142,32 @@ def _run(ir_model: Model, lists: OpLists, options: ConversionOptions, graph_name
 
 
 def _setup(target: str, backend: str | None, keep_io_types: bool, clamp: bool, allow, infer,
-           deny, clear, keep_nodes, config) -> tuple[OpLists, ConversionOptions]:
+           deny, clear, keep_nodes, config) -> tuple[OpLists, ConversionOptions, Overrides]:
     backend = backend or default_backend(target)
     overrides = build_overrides(allow, infer, deny, clear, keep_nodes, config)
     lists = load_tf_lists(target, backend, overrides)
     options = ConversionOptions(target=target, backend=backend, keep_io_types=keep_io_types,
                                 clamp=clamp, keep_nodes=overrides.keep_node_patterns())
-    return lists, options
+    return lists, options, overrides
+
+
+def _warnings(overrides: Overrides, options: ConversionOptions, report: Report,
+              unknown_ops: set[str]) -> list[str]:
+    """Overrides that cannot have done anything (likely typos), and ops TF does not know."""
+    from tensorflow.python.framework import op_def_registry
+
+    warnings = []
+    for op in overrides.moves:
+        if op_def_registry.get(op) is None:
+            warnings.append(f"{overrides.source[op]} {op}: no such TensorFlow op")
+    names = [entry["name"] for entry in report.nodes]
+    for pattern in options.keep_nodes:
+        if not any(pattern.fullmatch(name) for name in names):
+            warnings.append(f"--keep-node {pattern.pattern!r} matches no node")
+    if unknown_ops:
+        warnings.append(f"ops with no OpDef (custom ops) left as they are, fp32 barriers: "
+                        f"{', '.join(sorted(unknown_ops))}")
+    return warnings
 
 
 def convert_graphdef(graph_def: graph_pb2.GraphDef, outputs: Iterable[str] | None = None,
@@ -167,8 +183,8 @@ def convert_graphdef(graph_def: graph_pb2.GraphDef, outputs: Iterable[str] | Non
     `keep_io_types` their nodes are preserved, as Grappler preserves fetch nodes, so the outputs
     keep their names and dtypes. `check` imports the result into a tf.Graph.
     """
-    lists, options = _setup(target, backend, keep_io_types, clamp, allow, infer, deny, clear,
-                            keep_nodes, config)
+    lists, options, overrides = _setup(target, backend, keep_io_types, clamp, allow, infer, deny,
+                                       clear, keep_nodes, config)
     copy = graph_pb2.GraphDef()
     copy.CopyFrom(graph_def)
     fetches = list(outputs) if outputs else default_fetches(copy)
@@ -178,6 +194,7 @@ def convert_graphdef(graph_def: graph_pb2.GraphDef, outputs: Iterable[str] | Non
     report = _run(ir_model, lists, options, "main")
     converted = emit_graphdef(ir_model)
     report.summary["outputs"] = fetches
+    report.warnings = _warnings(overrides, options, report, ir_model.handle.unknown_ops)
     if check:
         check_graphdef(converted)
     return converted, report
@@ -232,10 +249,11 @@ def convert_saved_model(input_dir: str | os.PathLike, output_dir: str | os.PathL
     tf.saved_model.load.
     """
     input_dir, output_dir = Path(input_dir), Path(output_dir)
-    lists, options = _setup(target, backend, True, clamp, allow, infer, deny, clear, keep_nodes,
-                            config)
+    lists, options, overrides = _setup(target, backend, True, clamp, allow, infer, deny, clear,
+                                       keep_nodes, config)
     saved = read_saved_model(input_dir)
     reports: list[Report] = []
+    unknown_ops: set[str] = set()
     for meta_graph in saved.meta_graphs:
         library = meta_graph.graph_def.library
         original = type(library)()
@@ -246,8 +264,10 @@ def convert_saved_model(input_dir: str | os.PathLike, output_dir: str | os.PathL
             ir_model = load_function(fdef, original)
             reports.append(_run(ir_model, lists, options, fdef.signature.name))
             library.function[index].CopyFrom(emit_function(ir_model))
+            unknown_ops |= ir_model.handle.unknown_ops
         reports.extend(_convert_main_graph(meta_graph, lists, options))
     report = merge_reports(reports, options)
+    report.warnings = _warnings(overrides, options, report, unknown_ops)
     write_saved_model(saved, input_dir, output_dir)
     if check:
         check_saved_model(output_dir)
@@ -501,7 +521,3 @@ def compare_saved_models(reference: str | os.PathLike, candidate: str | os.PathL
 def validation_dict(comparisons: list[OutputComparison], rtol: float) -> dict:
     failed = [c for c in comparisons if c.relative > rtol or c.nonfinite_new]
     return {"rtol": rtol, "passed": not failed, "outputs": [c.to_dict() for c in comparisons]}
-
-
-def report_dict(report: Report) -> dict:
-    return asdict(report)

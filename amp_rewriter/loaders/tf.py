@@ -366,8 +366,6 @@ class TfLoader:
                 group = group_for(port)
                 group.input_slots.append(slot)
                 node.input_group[slot] = group
-            elif port.is_ref:
-                pass
         for slot, port in enumerate(info.outputs):
             if port.group is not None:
                 group = group_for(port)

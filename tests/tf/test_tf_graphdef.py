@@ -327,6 +327,10 @@ def test_cli_in_process(tmp_path, capsys):
     code = cli.main(["explain", str(src), "mm", "--outputs", "y", "--target", "bf16"])
     assert code == 0 and "allow" in capsys.readouterr().out
 
+    code = cli.main(["convert", str(src), str(tmp_path / "o4.pb"), "--outputs", "y",
+                     "--deny", "Rellu", "--quiet"])
+    assert code == 0 and "--deny Rellu: no such TensorFlow op" in capsys.readouterr().err
+
 
 def test_cli_subprocess_one_line_errors(tmp_path, amp_cli):
     bad = tmp_path / "bad.pbtxt"
@@ -357,3 +361,20 @@ def test_control_edges_on_removed_nodes_are_kept_valid():
     controls = [i for i in c.nodes["mm"].input if i.startswith("^")]
     assert sorted(controls) == ["^w", "^x"]
     c.run()
+
+
+def test_fp16_overflowing_constant_keeps_its_consumer_fp32():
+    """Const nodes are constants to the range guard: a -1e9 attention-style mask stays exact, the
+    Add that reads it and the Softmax after it stay fp32, the MatMul goes fp16."""
+    def model():
+        x = v1.placeholder(tf.float32, [4, 8], name="x")
+        mask = np.where(np.tril(np.ones((4, 8))) > 0, 0.0, -1e9).astype(np.float32)
+        scores = tf.add(tf.matmul(x, weights(8, 8), name="mm"), mask, name="masked")
+        tf.identity(tf.nn.softmax(scores, name="probs"), name="y")
+
+    c = Converted(build(model), ["y"], target="fp16", backend="tf-gpu")
+    assert c.precision("mm") == "fp16"
+    assert c.precision("masked") == "fp32" and c.precision("probs") == "fp32"
+    assert "finite range" in c.entries["masked"]["reason"]
+    assert c.report.constants and c.report.constants[0]["action"] == "kept_fp32"
+    c.run(rtol=2e-2)
