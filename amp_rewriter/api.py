@@ -57,7 +57,7 @@ def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "f
             allow: Iterable[str] = (), infer: Iterable[str] = (), deny: Iterable[str] = (),
             clear: Iterable[str] = (), keep_nodes: Iterable[str] = (),
             config: str | os.PathLike | None = None, check: bool = True,
-            _base_dir_out: list | None = None) -> tuple[onnx.ModelProto, Report]:
+            base_dir: str | os.PathLike | None = None) -> tuple[onnx.ModelProto, Report]:
     """Convert an fp32 ONNX model to mixed precision.
 
     Args:
@@ -70,13 +70,14 @@ def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "f
         keep_nodes: node names or regexes pinned to fp32.
         config: a TOML file with the same overrides.
         check: run onnx.checker (full check) on the result.
+        base_dir: for a ModelProto with external data, the folder its data is relative to
+            (a path's own folder is used otherwise).
 
     Returns:
         The converted ModelProto and the Report of every decision.
     """
-    model, base_dir = _load(model_or_path)
-    if _base_dir_out is not None:
-        _base_dir_out.append(base_dir)
+    model, own_dir = _load(model_or_path)
+    base_dir = Path(base_dir) if base_dir is not None else own_dir
     overrides = build_overrides(allow, infer, deny, clear, keep_nodes, config)
     lists = OpLists.load("onnx", target, backend, overrides)
     options = ConversionOptions(target=target, backend=backend, keep_io_types=keep_io_types,
@@ -104,9 +105,8 @@ def _override_warnings(overrides: Overrides, options: ConversionOptions,
     warnings = []
     for op in overrides.moves:
         if "." not in op and not onnx.defs.has(op):
-            close = difflib.get_close_matches(op, onnx.defs.get_all_schemas() and
-                                              sorted({s.name for s in onnx.defs.get_all_schemas()}),
-                                              n=1)
+            known = sorted({schema.name for schema in onnx.defs.get_all_schemas()})
+            close = difflib.get_close_matches(op, known, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             warnings.append(f"{overrides.source[op]} {op}: no such ONNX op{hint}")
     for pattern in options.keep_nodes:
@@ -150,13 +150,13 @@ def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
         raise AmpError(f"{output_path}: is a directory, expected an output file name")
     if not output_path.resolve().parent.is_dir():
         raise AmpError(f"{output_path}: output folder does not exist")
-    base_dirs: list = []
-    external_input = has_external_data(read_model_file(input_path))
-    check = options.pop("check", True)
-    model, report = convert(input_path, _base_dir_out=base_dirs, check=check, **options)
-    external = external_input or model.ByteSize() > PROTOBUF_LIMIT
-    save_onnx(model, output_path, source_dir=base_dirs[0], external=external)
-    if check and external:
+    source = read_model_file(input_path)
+    external = has_external_data(source)
+    model, report = convert(source, base_dir=input_path.resolve().parent, **options)
+    del source  # convert worked on its own copy
+    external = external or model.ByteSize() > PROTOBUF_LIMIT
+    save_onnx(model, output_path, source_dir=input_path.resolve().parent, external=external)
+    if options.get("check", True) and external:
         try:
             check_valid(str(output_path))
         except AmpError:
