@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -138,10 +139,22 @@ def _run_convert(args: argparse.Namespace) -> int:
         try:
             status = _validate_onnx(args, model, report)
         except AmpError:
-            # Validation could not run: no converted model is left for a build to pick up.
-            Path(args.output).unlink(missing_ok=True)
-            Path(str(args.output) + ".data").unlink(missing_ok=True)
+            _remove_output(Path(args.output))
             raise
+    return _finish_convert(args, report, status)
+
+
+def _remove_output(output: Path) -> None:
+    """Validation could not run: leave no converted model for a build to pick up."""
+    if output.is_dir():
+        shutil.rmtree(output, ignore_errors=True)
+    else:
+        output.unlink(missing_ok=True)
+        Path(str(output) + ".data").unlink(missing_ok=True)
+
+
+def _finish_convert(args: argparse.Namespace, report, status: int) -> int:
+    """Write the report, print the summary line, and return the exit status."""
     if args.report:
         _write_text_atomically(args.report, report.to_json())
     if not args.quiet:
@@ -227,27 +240,9 @@ def _run_convert_tf(args: argparse.Namespace) -> int:
         try:
             status = _validate_tf(args, tf_api, report)
         except AmpError:
-            # Validation could not run: no converted model is left for a build to pick up.
-            output = Path(args.output)
-            if output.is_dir():
-                import shutil
-                shutil.rmtree(output, ignore_errors=True)
-            else:
-                output.unlink(missing_ok=True)
+            _remove_output(Path(args.output))
             raise
-    if args.report:
-        _write_text_atomically(args.report, report.to_json())
-    if not args.quiet:
-        s = report.summary
-        flushed = (f", {s['values_flushed_to_zero']} values flushed to zero"
-                   if s["values_flushed_to_zero"] else "")
-        print(f"converted {s['low_precision_nodes']}/{s['nodes']} nodes to {args.target} "
-              f"(backend {report.backend}): casts {s['casts_inserted']} inserted, "
-              f"{s['casts_removed']} removed; constants {s['constants_converted']} converted, "
-              f"{s['constants_kept_fp32']} kept fp32 for range{flushed} -> {args.output}")
-    if status:
-        print(f"{PROG}: validation failed: relative error above rtol", file=sys.stderr)
-    return status
+    return _finish_convert(args, report, status)
 
 
 def _validate_tf(args: argparse.Namespace, tf_api, report) -> int:
