@@ -203,7 +203,9 @@ def _import_tf_api():
     TensorFlow's C++ runtime writes its start-up notes (oneDNN, CUDA drivers) straight to file
     descriptor 2 before any log level applies, so fd 2 points at /dev/null during the import.
     """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # 3: TensorFlow's own error lines too (e.g. "failed call to cuInit" on GPU-less machines);
+    # failures reach the user as one AmpError line instead.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if os.environ.get("AMP_REWRITER_DEBUG"):
         from . import tf_api
         return tf_api

@@ -60,7 +60,7 @@ class Value:
     """A tensor: produced by one node output (or a graph input / initializer), used by many."""
 
     __slots__ = ("name", "dtype", "shape", "producer", "producer_slot", "uses", "graph_output_uses",
-                 "const", "graph", "is_graph_input", "original_dtype")
+                 "const", "graph", "is_graph_input", "original_dtype", "origin")
 
     def __init__(self, name: str, graph: "Graph", dtype: str | None = None,
                  shape: tuple | None = None):
@@ -78,6 +78,8 @@ class Value:
         #: Set for initializers and Constant-node outputs whose data is known.
         self.const: LazyTensor | None = None
         self.is_graph_input = False
+        #: For a constant a pass made (a converted copy), the value it was made from.
+        self.origin: Value | None = None
 
     def __repr__(self) -> str:
         return f"Value({self.name!r}, {self.dtype})"

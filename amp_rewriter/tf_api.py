@@ -228,6 +228,12 @@ def read_saved_model(path: str | os.PathLike) -> saved_model_pb2.SavedModel:
                        f"format?)") from None
     if not saved.meta_graphs:
         raise AmpError(f"{path}: the SavedModel has no MetaGraph")
+    has_variables = any(meta.saver_def.filename_tensor_name
+                        or any(node.HasField("variable") for node in meta.object_graph_def.nodes)
+                        for meta in saved.meta_graphs)
+    if has_variables and not (path / "variables" / "variables.index").is_file():
+        raise AmpError(f"{path}: the SavedModel has variables but variables/variables.index is "
+                       f"missing")
     return saved
 
 
@@ -268,9 +274,15 @@ def convert_saved_model(input_dir: str | os.PathLike, output_dir: str | os.PathL
         reports.extend(_convert_main_graph(meta_graph, lists, options))
     report = merge_reports(reports, options)
     report.warnings = _warnings(overrides, options, report, unknown_ops)
+    existed = output_dir.exists()
     write_saved_model(saved, input_dir, output_dir)
     if check:
-        check_saved_model(output_dir)
+        try:
+            check_saved_model(output_dir)
+        except AmpError:
+            if not existed:  # leave nothing half-made behind
+                shutil.rmtree(output_dir, ignore_errors=True)
+            raise
     if not keep_io_types:
         report.summary["note"] = ("--no-keep-io-types has no effect on SavedModels: signatures "
                                   "keep their dtypes")

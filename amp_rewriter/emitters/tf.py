@@ -178,6 +178,14 @@ class _Emitter:
         nd.attr["dtype"].type = dtype_enum(value.dtype)
         nd.attr["value"].tensor.CopyFrom(tensor_proto(value.const))
         nd.device = self.devices.get(value.name, "")
+        origin = value.origin
+        if origin is not None and origin.producer is not None:
+            # The original Const's control inputs place it (e.g. inside a while-loop frame, or
+            # after an Assert): the converted copy needs the same ones.
+            info = self.source.nodes.get(origin.producer.name)
+            if info is not None:
+                nd.input.extend(f"^{c}" for c in self.control_inputs(info.controls))
+            nd.device = origin.producer.handle.device if origin.producer.handle else nd.device
         return nd
 
     def nodes(self) -> list[node_def_pb2.NodeDef]:

@@ -178,7 +178,8 @@ def read_model_file(path: str | os.PathLike) -> onnx.ModelProto:
     if not path.exists():
         raise AmpError(f"{path}: no such file")
     if path.is_dir():
-        raise AmpError(f"{path}: is a directory, expected an .onnx file")
+        raise AmpError(f"{path}: is a directory, expected an .onnx file or a SavedModel "
+                       f"directory (one with saved_model.pb)")
     try:
         data = path.read_bytes()
     except OSError as exc:

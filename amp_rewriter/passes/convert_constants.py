@@ -69,6 +69,7 @@ def convert_constants(ctx: PassContext) -> PassResult:
                 name = ctx.model.unique_name(f"{source.name}_{output.dtype}")
             constant = Value(name, home, output.dtype, new_tensor.shape)
             constant.const = new_tensor
+            constant.origin = source
             home.values[name] = constant
             home.initializers[name] = constant
             if not ctx.model.initializers_overridable:  # IR < 4: initializers are inputs too

@@ -378,3 +378,43 @@ def test_fp16_overflowing_constant_keeps_its_consumer_fp32():
     assert "finite range" in c.entries["masked"]["reason"]
     assert c.report.constants and c.report.constants[0]["action"] == "kept_fp32"
     c.run(rtol=2e-2)
+
+
+def test_v1_while_loop_constant_inside_the_frame_keeps_its_control_input(control_flow_v1):
+    """A Const inside a TF1 loop body is placed in the loop frame by a control input; its bf16
+    copy needs the same one, or TF refuses the graph ("inputs from different frames")."""
+    def model():
+        x = v1.placeholder(tf.float32, [4, 8], name="x")
+        w = tf.constant(weights(8, 8), name="w")
+
+        def body(i, h):
+            scaled = tf.matmul(h, w, name="mm") * tf.constant(0.5, name="half")
+            return i + 1, tf.tanh(tf.matmul(scaled, w, name="mm2"), name="act")
+
+        _, h = v1.while_loop(lambda i, h: i < 3, body, [tf.constant(0), x], name="loop")
+        tf.identity(h, name="y")
+
+    graph_def = build(model)
+    frame_consts = {n.name: [i for i in n.input if i.startswith("^")] for n in graph_def.node
+                    if n.op == "Const" and any(i.startswith("^") for i in n.input)}
+    assert frame_consts  # TF gave the body's constants a control input into the frame
+    c = Converted(graph_def, ["y"])
+    for name, controls in frame_consts.items():
+        if name in c.nodes:
+            assert [i for i in c.nodes[name].input if i.startswith("^")] == controls
+    c.run()
+
+
+def test_saved_model_without_its_variables_is_bad_input(tmp_path, amp_cli):
+    module = tf.Module()
+    module.w = tf.Variable(weights(4, 4))
+    module.f = tf.function(lambda x: tf.matmul(x, module.w),
+                           input_signature=[tf.TensorSpec([2, 4], tf.float32)])
+    saved = tmp_path / "sm"
+    tf.saved_model.save(module, str(saved))
+    import shutil
+    shutil.rmtree(saved / "variables")
+    result = amp_cli("convert", str(saved), str(tmp_path / "out"), "--target", "bf16")
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "variables" in result.stderr
+    assert not (tmp_path / "out").exists()
