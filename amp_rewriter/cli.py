@@ -105,7 +105,7 @@ def is_tensorflow_input(path: str) -> bool:
     p = Path(path)
     if p.is_dir():
         return (p / "saved_model.pb").is_file() or (p / "saved_model.pbtxt").is_file()
-    return p.suffix in (".pb", ".pbtxt")
+    return p.suffix in (".pb", ".pbtxt", ".meta")
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -255,6 +255,10 @@ def _validate_tf(args: argparse.Namespace, tf_api, report) -> int:
     feeds = load_inputs(args.inputs) if args.inputs else None
     if tf_api.is_saved_model_dir(args.input):
         comparisons = tf_api.compare_saved_models(args.input, args.output, feeds)
+    elif args.input.endswith(".meta"):
+        comparisons = tf_api.compare_graphdefs(
+            tf_api.read_meta_graph(args.input).graph_def,
+            tf_api.read_meta_graph(args.output).graph_def, report.summary["outputs"], feeds)
     else:
         comparisons = tf_api.compare_graphdefs(
             tf_api.read_graphdef(args.input), tf_api.read_graphdef(args.output),

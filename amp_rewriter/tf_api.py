@@ -36,7 +36,7 @@ from .validate import OutputComparison, compare_outputs
 import tensorflow as tf  # noqa: E402
 from google.protobuf import message, text_format  # noqa: E402
 from tensorflow.core.framework import graph_pb2  # noqa: E402
-from tensorflow.core.protobuf import saved_model_pb2  # noqa: E402
+from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2  # noqa: E402
 from tensorflow.python.framework import kernels  # noqa: E402
 
 from .emitters.tf import emit_function, emit_graphdef  # noqa: E402
@@ -198,6 +198,54 @@ def convert_graphdef(graph_def: graph_pb2.GraphDef, outputs: Iterable[str] | Non
     if check:
         check_graphdef(converted)
     return converted, report
+
+
+# -- MetaGraphDefs (.meta) ------------------------------------------------------------------------
+
+def read_meta_graph(path: str | os.PathLike) -> meta_graph_pb2.MetaGraphDef:
+    """Parse a binary MetaGraphDef (.meta); bad files raise AmpError."""
+    path = Path(path)
+    if not path.is_file():
+        raise AmpError(f"{path}: no such file")
+    meta = meta_graph_pb2.MetaGraphDef()
+    try:
+        meta.ParseFromString(path.read_bytes())
+    except (message.DecodeError, RuntimeError):
+        raise AmpError(f"{path}: not a MetaGraphDef (the protobuf does not parse; truncated or "
+                       f"another format?)") from None
+    if not meta.graph_def.node:
+        raise AmpError(f"{path}: not a MetaGraphDef (no graph)")
+    return meta
+
+
+def meta_graph_fetches(meta: meta_graph_pb2.MetaGraphDef) -> list[str]:
+    """What a MetaGraph's users fetch: signature outputs and the nodes its collections name
+    (train_op, saver ops, ...), so all of them are preserved."""
+    names = {nd.name for nd in meta.graph_def.node}
+    fetches: list[str] = []
+    for signature in meta.signature_def.values():
+        for info in signature.outputs.values():
+            if info.name.partition(":")[0] in names and info.name not in fetches:
+                fetches.append(info.name)
+    for collection in meta.collection_def.values():
+        for entry in collection.node_list.value:
+            node = entry.lstrip("^").partition(":")[0]
+            if node in names and node not in fetches:
+                fetches.append(node)
+    return fetches
+
+
+def convert_meta_graph_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
+                            outputs: Iterable[str] | None = None, **options) -> Report:
+    """Convert the graph of a .meta file; signatures, collections and saver stay as they are."""
+    meta = read_meta_graph(input_path)
+    fetches = list(outputs) if outputs else meta_graph_fetches(meta)
+    converted, report = convert_graphdef(meta.graph_def, fetches or None, **options)
+    out = meta_graph_pb2.MetaGraphDef()
+    out.CopyFrom(meta)
+    out.graph_def.CopyFrom(converted)
+    write_graphdef(out, output_path)
+    return report
 
 
 def check_graphdef(graph_def: graph_pb2.GraphDef) -> None:
@@ -382,8 +430,9 @@ def is_saved_model_dir(path: str | os.PathLike) -> bool:
                               or (path / "saved_model.pbtxt").is_file())
 
 
-def write_graphdef(graph_def: graph_pb2.GraphDef, path: str | os.PathLike) -> None:
-    """Write atomically; text format for .pbtxt, binary otherwise."""
+def write_graphdef(graph_def: graph_pb2.GraphDef | meta_graph_pb2.MetaGraphDef,
+                   path: str | os.PathLike) -> None:
+    """Write a GraphDef (or MetaGraphDef) atomically; text format for .pbtxt, binary otherwise."""
     path = Path(path)
     parent = path.resolve().parent
     if not parent.is_dir():
@@ -415,6 +464,8 @@ def convert_tf_file(input_path: str | os.PathLike, output_path: str | os.PathLik
             raise AmpError("--outputs is for GraphDefs: a SavedModel's signatures name its "
                            "outputs")
         return convert_saved_model(input_path, output_path, **options)
+    if input_path.suffix == ".meta":
+        return convert_meta_graph_file(input_path, output_path, outputs, **options)
     graph_def = read_graphdef(input_path)
     converted, report = convert_graphdef(graph_def, outputs, **options)
     write_graphdef(converted, output_path)
@@ -455,14 +506,15 @@ def graphdef_feeds(graph_def: graph_pb2.GraphDef, seed: int = 0) -> dict[str, np
 
 def run_graphdef(graph_def: graph_pb2.GraphDef, fetches: list[str],
                  feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """Run a GraphDef in a tf.compat.v1 Session on the CPU (ref variables are initialized by
-    running their Assign ops first)."""
+    """Run a GraphDef in a tf.compat.v1 Session on the CPU (variables are initialized by running
+    their initializers, `<variable>/Assign`, first; a Saver's restore assigns are left alone)."""
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.import_graph_def(graph_def, name="")
     names = [f if ":" in f else f"{f}:0" for f in fetches]
     feed = {f"{k}:0" if ":" not in k else k: v for k, v in feeds.items()}
-    assigns = [nd.name for nd in graph_def.node if nd.op in ("Assign", "AssignVariableOp")]
+    assigns = [nd.name for nd in graph_def.node
+               if nd.op in ("Assign", "AssignVariableOp") and nd.name.endswith("/Assign")]
     config = tf.compat.v1.ConfigProto(device_count={"GPU": 0})
     try:
         with tf.compat.v1.Session(graph=graph, config=config) as session:
@@ -470,8 +522,10 @@ def run_graphdef(graph_def: graph_pb2.GraphDef, fetches: list[str],
                 session.run(assigns)
             return session.run(names, feed_dict=feed)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise AmpError(f"TensorFlow failed to run a graph: {first}") from None
+        # TF's first line is often just "Graph execution error:"; the cause follows it.
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        detail = " ".join(lines[:2]) if lines else type(exc).__name__
+        raise AmpError(f"TensorFlow failed to run a graph: {detail}") from None
 
 
 def _as_float(array) -> np.ndarray:

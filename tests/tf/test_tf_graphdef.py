@@ -418,3 +418,25 @@ def test_saved_model_without_its_variables_is_bad_input(tmp_path, amp_cli):
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "variables" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_meta_graph_file_converts_and_keeps_collections(tmp_path, amp_cli):
+    """A TF1 .meta (MetaGraphDef) converts in place of its graph; collections and saver stay."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [4, 8], name="x")
+        w = v1.get_variable("w", initializer=weights(8, 8))
+        y = tf.identity(tf.nn.relu(tf.matmul(x, w, name="mm")), name="y")
+        v1.add_to_collection("outputs", y)
+        saver = v1.train.Saver()
+        meta = saver.export_meta_graph(str(tmp_path / "model.meta"))
+    result = amp_cli("convert", str(tmp_path / "model.meta"), str(tmp_path / "out.meta"),
+                     "--outputs", "y", "--target", "bf16", "--validate")
+    assert result.returncode == 0, result.stderr
+    from tensorflow.core.protobuf import meta_graph_pb2
+    out = meta_graph_pb2.MetaGraphDef()
+    out.ParseFromString((tmp_path / "out.meta").read_bytes())
+    assert out.saver_def == meta.saver_def
+    assert set(out.collection_def) == set(meta.collection_def)
+    mm = next(n for n in out.graph_def.node if n.name == "mm")
+    assert mm.attr["T"].type == BF16
