@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import AmpError, CheckFailed
+from .fileio import write_atomically
 
 PROG = "amp-rewriter"
 
@@ -87,17 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _write_text_atomically(path: str, text: str) -> None:
-    target = Path(path)
-    if not target.resolve().parent.is_dir():
-        raise AmpError(f"{path}: folder does not exist")
-    fd, tmp = tempfile.mkstemp(dir=target.resolve().parent, prefix=".amp-rewriter-")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, text.encode())
 
 
 def is_tensorflow_input(path: str) -> bool:

@@ -126,18 +126,20 @@ class TypeGroup:
     @property
     def dtype(self) -> str | None:
         """The dtype the group's slots carry in the input model."""
+        return self._first_known("original_dtype")
+
+    @property
+    def current_dtype(self) -> str | None:
+        """The dtype the group's slots carry now (after the passes' decisions)."""
+        return self._first_known("dtype")
+
+    def _first_known(self, attribute: str) -> str | None:
         node = self.node
-        for slot in self.output_slots:
-            value = node.outputs[slot]
-            if value is not None and value.original_dtype is not None:
-                return value.original_dtype
-        for slot in self.input_slots:
-            value = node.inputs[slot]
-            if value is not None and value.original_dtype is not None:
-                return value.original_dtype
-        for value in self.inner_defs:
-            if value.original_dtype is not None:
-                return value.original_dtype
+        candidates = ([node.outputs[s] for s in self.output_slots]
+                      + [node.inputs[s] for s in self.input_slots] + list(self.inner_defs))
+        for value in candidates:
+            if value is not None and getattr(value, attribute) is not None:
+                return getattr(value, attribute)
         return None
 
     def values(self) -> Iterator[Value]:

@@ -26,6 +26,7 @@ import numpy as np
 
 from .api import build_overrides
 from .errors import AmpError
+from .fileio import write_atomically
 from .ir import Model
 from .op_lists import OpLists, Overrides
 from .passes.base import TARGET_DTYPES, ConversionOptions, PassContext
@@ -434,23 +435,11 @@ def write_graphdef(graph_def: graph_pb2.GraphDef | meta_graph_pb2.MetaGraphDef,
                    path: str | os.PathLike) -> None:
     """Write a GraphDef (or MetaGraphDef) atomically; text format for .pbtxt, binary otherwise."""
     path = Path(path)
-    parent = path.resolve().parent
-    if not parent.is_dir():
-        raise AmpError(f"{path}: output folder does not exist")
-    if path.is_dir():
-        raise AmpError(f"{path}: is a directory, expected an output file name")
     if path.suffix in (".pbtxt", ".txt"):
         data = text_format.MessageToString(graph_def).encode()
     else:
         data = graph_def.SerializeToString(deterministic=True)
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=".amp-rewriter-")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, data)
 
 
 def convert_tf_file(input_path: str | os.PathLike, output_path: str | os.PathLike,

@@ -127,17 +127,6 @@ class _Emitter:
         return name if slot == 0 else f"{name}:{slot}"
 
     # -- nodes --------------------------------------------------------------------------------
-    def _group_dtype(self, node: Node, group) -> str | None:
-        for slot in group.output_slots:
-            value = node.outputs[slot]
-            if value is not None and value.dtype is not None:
-                return value.dtype
-        for slot in group.input_slots:
-            value = node.inputs[slot]
-            if value is not None and value.dtype is not None:
-                return value.dtype
-        return None
-
     def patch(self, node: Node) -> node_def_pb2.NodeDef:
         original: node_def_pb2.NodeDef = node.handle
         nd = node_def_pb2.NodeDef()
@@ -149,7 +138,7 @@ class _Emitter:
         for group in node.type_groups:
             if group.fixed:
                 continue
-            dtype = self._group_dtype(node, group)
+            dtype = group.current_dtype
             if dtype is None:
                 continue
             enum = dtype_enum(dtype)

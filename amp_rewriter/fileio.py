@@ -1,0 +1,34 @@
+"""Writing output files atomically: a temporary file in the same folder, then a rename."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import AmpError
+
+
+def write_atomically(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` so that a failure never leaves a partial file behind."""
+    target = Path(path)
+    parent = target.resolve().parent
+    if not parent.is_dir():
+        raise AmpError(f"{path}: output folder {parent} does not exist")
+    if target.is_dir():
+        raise AmpError(f"{path}: is a directory, expected an output file name")
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=".amp-rewriter-")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
