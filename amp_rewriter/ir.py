@@ -134,11 +134,18 @@ class TypeGroup:
         return self._first_known("dtype")
 
     def _first_known(self, attribute: str) -> str | None:
+        # Plain loops: this runs for every group in every pass, at 100k+ nodes.
         node = self.node
-        candidates = ([node.outputs[s] for s in self.output_slots]
-                      + [node.inputs[s] for s in self.input_slots] + list(self.inner_defs))
-        for value in candidates:
+        for slot in self.output_slots:
+            value = node.outputs[slot]
             if value is not None and getattr(value, attribute) is not None:
+                return getattr(value, attribute)
+        for slot in self.input_slots:
+            value = node.inputs[slot]
+            if value is not None and getattr(value, attribute) is not None:
+                return getattr(value, attribute)
+        for value in self.inner_defs:
+            if getattr(value, attribute) is not None:
                 return getattr(value, attribute)
         return None
 
