@@ -13,6 +13,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from .errors import AmpError, CheckFailed
 from .fileio import write_atomically
@@ -123,16 +124,7 @@ def _run_convert(args: argparse.Namespace) -> int:
                                                          Path(args.output).resolve()):
         raise AmpError("--report must not be the input or output model path")
     model, report = convert_file(args.input, args.output, **_options(args))
-    for warning in report.warnings:
-        print(f"{PROG}: warning: {warning}", file=sys.stderr)
-    status = 0
-    if args.validate:
-        try:
-            status = _validate_onnx(args, model, report)
-        except AmpError:
-            _remove_output(Path(args.output))
-            raise
-    return _finish_convert(args, report, status)
+    return _finish_convert(args, report, lambda: _validate_onnx(args, model, report))
 
 
 def _remove_output(output: Path) -> None:
@@ -144,8 +136,17 @@ def _remove_output(output: Path) -> None:
         Path(str(output) + ".data").unlink(missing_ok=True)
 
 
-def _finish_convert(args: argparse.Namespace, report, status: int) -> int:
-    """Write the report, print the summary line, and return the exit status."""
+def _finish_convert(args: argparse.Namespace, report, validate: Callable[[], int]) -> int:
+    """Warnings, validation (when asked), the report and the summary line; the exit status."""
+    for warning in report.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
+    status = 0
+    if args.validate:
+        try:
+            status = validate()
+        except AmpError:
+            _remove_output(Path(args.output))
+            raise
     if args.report:
         _write_text_atomically(args.report, report.to_json())
     if not args.quiet:
@@ -226,16 +227,7 @@ def _run_convert_tf(args: argparse.Namespace) -> int:
                    clamp=args.clamp, allow=args.allow, infer=args.infer, deny=args.deny,
                    clear=args.clear, keep_nodes=args.keep_node, config=args.config)
     report = tf_api.convert_tf_file(args.input, args.output, outputs, **options)
-    for warning in report.warnings:
-        print(f"{PROG}: warning: {warning}", file=sys.stderr)
-    status = 0
-    if args.validate:
-        try:
-            status = _validate_tf(args, tf_api, report)
-        except AmpError:
-            _remove_output(Path(args.output))
-            raise
-    return _finish_convert(args, report, status)
+    return _finish_convert(args, report, lambda: _validate_tf(args, tf_api, report))
 
 
 def _validate_tf(args: argparse.Namespace, tf_api, report) -> int:

@@ -28,6 +28,19 @@ def write_atomically(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
+def read_input_bytes(path: str | os.PathLike, directory_hint: str) -> bytes:
+    """The bytes of an input file; a missing, unreadable or directory path raises AmpError."""
+    path = Path(path)
+    if not path.exists():
+        raise AmpError(f"{path}: no such file")
+    if path.is_dir():
+        raise AmpError(f"{path}: is a directory, {directory_hint}")
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise AmpError(f"{path}: cannot read ({exc.strerror})") from None
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

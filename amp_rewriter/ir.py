@@ -266,12 +266,17 @@ class Model:
 
     def unique_name(self, base: str) -> str:
         """A deterministic name not used anywhere in the model yet."""
-        name, k = base, 1
-        while name in self.used_names:
-            name = f"{base}_{k}"
-            k += 1
-        self.used_names.add(name)
-        return name
+        return unique_name(base, self.used_names)
+
+
+def unique_name(base: str, taken: set[str]) -> str:
+    """`base`, or `base_1`, `base_2`, ... : the first not in `taken`, which then records it."""
+    name, k = base, 1
+    while name in taken:
+        name = f"{base}_{k}"
+        k += 1
+    taken.add(name)
+    return name
 
 
 def lint(graph: Graph) -> list[str]:

@@ -16,7 +16,7 @@ import numpy as np
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2
 from tensorflow.core.framework import tensor_pb2, tensor_shape_pb2
 
-from ..ir import Graph, LazyTensor, Model, Node, Value
+from ..ir import Graph, LazyTensor, Model, Node, Value, unique_name
 from ..loaders.tf import TfGraphSource, dtype_enum
 from ..passes.constant_ranges import NUMPY_DTYPES
 
@@ -46,12 +46,7 @@ class _Namer:
         base = _INVALID.sub("_", wanted) or "node"
         if not re.match(r"[A-Za-z0-9.]", base[0]):
             base = "n" + base
-        name, k = base, 1
-        while name in self.taken:
-            name = f"{base}_{k}"
-            k += 1
-        self.taken.add(name)
-        return name
+        return unique_name(base, self.taken)
 
 
 class _Emitter:

@@ -18,6 +18,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..errors import AmpError
+from ..fileio import read_input_bytes
 from ..ir import FLOAT32, Graph, LazyTensor, Model, Node, TypeGroup, Value
 
 #: 2 GiB: the protobuf limit on one serialized message.
@@ -174,16 +175,8 @@ def lazy_tensor(tensor: onnx.TensorProto, base_dir: Path | None) -> LazyTensor:
 
 def read_model_file(path: str | os.PathLike) -> onnx.ModelProto:
     """Parse an .onnx file without loading external data; bad files raise AmpError."""
-    path = Path(path)
-    if not path.exists():
-        raise AmpError(f"{path}: no such file")
-    if path.is_dir():
-        raise AmpError(f"{path}: is a directory, expected an .onnx file or a SavedModel "
-                       f"directory (one with saved_model.pb)")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise AmpError(f"{path}: cannot read ({exc.strerror})") from None
+    data = read_input_bytes(path, "expected an .onnx file or a SavedModel directory (one with "
+                                  "saved_model.pb)")
     return parse_model_bytes(data, str(path))
 
 

@@ -30,6 +30,7 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_
 from tensorflow.python.framework import dtypes, op_def_registry, tensor_util
 
 from ..errors import AmpError
+from ..fileio import read_input_bytes
 from ..ir import FLOAT32, Graph, LazyTensor, Model, Node, TypeGroup, Value
 
 #: Type attrs whose dtype carries meaning: FusedBatchNorm's statistics stay fp32 (what TF's kernels
@@ -95,15 +96,8 @@ class TfGraphSource:
 def read_graphdef(path: str | os.PathLike) -> graph_pb2.GraphDef:
     """Parse a binary (.pb) or text (.pbtxt) GraphDef; anything else raises AmpError."""
     path = Path(path)
-    if not path.exists():
-        raise AmpError(f"{path}: no such file")
-    if path.is_dir():
-        raise AmpError(f"{path}: is a directory without saved_model.pb, expected a GraphDef "
-                       f"(.pb/.pbtxt) or a SavedModel directory")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise AmpError(f"{path}: cannot read ({exc.strerror})") from None
+    data = read_input_bytes(path, "without saved_model.pb, expected a GraphDef (.pb/.pbtxt) or "
+                                  "a SavedModel directory")
     graph_def = graph_pb2.GraphDef()
     if path.suffix in (".pbtxt", ".txt"):
         try:
