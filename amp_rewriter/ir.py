@@ -164,7 +164,7 @@ class Node:
 
     __slots__ = ("name", "op_type", "domain", "inputs", "outputs", "attrs", "subgraphs",
                  "type_groups", "input_group", "output_group", "graph", "handle", "op_class",
-                 "class_reason", "order", "has_schema")
+                 "class_reason", "order", "has_schema", "pin_reason")
 
     def __init__(self, name: str, op_type: str, domain: str = "", graph: "Graph | None" = None):
         self.name = name
@@ -184,6 +184,8 @@ class Node:
         self.class_reason = ""
         self.order = 0
         self.has_schema = True
+        #: Why a loader or front end pinned this node to fp32 ("" when it did not).
+        self.pin_reason = ""
 
     def __repr__(self) -> str:
         return f"Node({self.name!r}, {self.op_type})"

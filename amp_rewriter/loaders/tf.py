@@ -14,7 +14,7 @@ Grappler's TF-specific rules that are plain data live here as marks the passes r
 - FusedBatchNorm / FusedBatchNormGrad (V1, where scale/offset/mean/var share `T`) become their V2
   form with `U = float`, as Grappler does, so `T` may go low precision while `U` stays fp32;
 - an Identity that reads a ref variable (VariableV2), and an Enter fed by such a read, stay fp32
-  (`__keep_fp32__`), as Grappler's NodeImplicitlyReadsNonResourceVariable keeps them;
+  (`Node.pin_reason`), as Grappler's NodeImplicitlyReadsNonResourceVariable keeps them;
 - fetch nodes of a GraphDef are preserved (never changed), as Grappler preserves fetch nodes.
 """
 
@@ -376,12 +376,12 @@ class TfLoader:
         if producer is None:
             return
         if node.op_type == "Identity" and producer.op_type in REF_VARIABLE_OPS:
-            node.attrs["__keep_fp32__"] = (
+            node.pin_reason = (
                 f"reads ref variable {producer.name} ({producer.op_type}): stays fp32 and the "
                 f"cast goes after it, as Grappler keeps implicit ref-variable reads")
-        elif node.op_type == "Enter" and "__keep_fp32__" in producer.attrs \
+        elif node.op_type == "Enter" and producer.pin_reason \
                 and producer.op_type in ("Identity", "Enter"):
-            node.attrs["__keep_fp32__"] = (
+            node.pin_reason = (
                 f"carries ref-variable read {producer.name} into a loop: stays fp32, as Grappler "
                 f"keeps implicit ref-variable reads")
 
@@ -442,7 +442,7 @@ def load_graphdef(graph_def: graph_pb2.GraphDef, fetches: list[str],
                            f"output(s)")
         _add_graph_output(graph, node.outputs[port])
         if keep_fetch_nodes:
-            node.attrs["__keep_fp32__"] = (
+            node.pin_reason = (
                 f"fetch node (--outputs): preserved with its dtype, as Grappler preserves fetch "
                 f"nodes; casts go in front of it")
     return model

@@ -28,8 +28,8 @@ def classify_ops(ctx: PassContext) -> PassResult:
         pin = _pinned(node, ctx)
         if pin is not None:
             node.op_class, node.class_reason = FP32, f"pinned to fp32 by --keep-node {pin!r}"
-        elif node.attrs.get("__keep_fp32__"):  # a loader's rule (e.g. TF fetch nodes)
-            node.op_class, node.class_reason = FP32, node.attrs["__keep_fp32__"]
+        elif node.pin_reason:  # a loader's rule (e.g. TF fetch nodes)
+            node.op_class, node.class_reason = FP32, node.pin_reason
         elif not node.has_schema:
             node.op_class = FP32
             node.class_reason = (f"{node.qualified_op} has no schema (custom or unknown domain): "

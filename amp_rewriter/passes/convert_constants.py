@@ -36,6 +36,7 @@ def convert_constants(ctx: PassContext) -> PassResult:
     """Replace Cast(constant) with a converted constant; convert ConstantOfShape fill values."""
     clamp = ctx.options.clamp
     converted = 0
+    dropped: set[int] = set()  # Constant nodes whose value was replaced by a converted copy
     for graph in ctx.model.graph.walk_graphs():
         dead: set[int] = set()
         for node in graph.nodes:
@@ -63,7 +64,7 @@ def convert_constants(ctx: PassContext) -> PassResult:
             only_user = source.uses == [(node, 0)] and not source.graph_output_uses
             home = source.graph  # same scope as the original, so every reader can still see it
             if only_user:
-                _drop_constant(source)
+                _drop_constant(source, dropped)
                 name = source.name
             else:
                 name = ctx.model.unique_name(f"{source.name}_{output.dtype}")
@@ -89,19 +90,16 @@ def convert_constants(ctx: PassContext) -> PassResult:
             converted += 1
         if dead:
             ctx.casts_removed += _remove_nodes(graph, dead)
-    for graph in ctx.model.graph.walk_graphs():
-        _remove_dead_constants(graph)
+    if dropped:
+        for graph in ctx.model.graph.walk_graphs():
+            graph.nodes = [n for n in graph.nodes if id(n) not in dropped]
     return PassResult("convert_constants", converted)
 
 
-def _drop_constant(value: Value) -> None:
+def _drop_constant(value: Value, dropped: set[int]) -> None:
     """Forget a constant whose only reader is being replaced by its converted copy."""
     value.uses = []
     value.graph.values.pop(value.name, None)
     value.graph.initializers.pop(value.name, None)
-    if value.producer is not None:  # a Constant node: mark it for removal
-        value.producer.attrs["__dead__"] = True
-
-
-def _remove_dead_constants(graph: Graph) -> None:
-    graph.nodes = [n for n in graph.nodes if not n.attrs.get("__dead__")]
+    if value.producer is not None:  # a Constant node: removed once every graph is done
+        dropped.add(id(value.producer))
