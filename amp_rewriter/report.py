@@ -58,13 +58,16 @@ class Report:
     constants: list[dict[str, Any]] = field(default_factory=list)
     passes: list[dict[str, Any]] = field(default_factory=list)
     validation: dict[str, Any] | None = None
+    #: The training rewrite's names and loss-scaling rule (TF training graphs only).
+    training: dict[str, Any] | None = None
     #: Things the user likely did not mean (an override naming no op), shown by the CLI.
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        if data["validation"] is None:
-            del data["validation"]
+        for key in ("validation", "training"):
+            if data[key] is None:
+                del data[key]
         return data
 
     def to_json(self) -> str:
@@ -105,7 +108,8 @@ def load_report(path: str | Path) -> Report:
     try:
         data = json.loads(Path(path).read_text())
         return Report(data["target"], data["backend"], data["summary"], data["nodes"],
-                      data.get("constants", []), data.get("passes", []), data.get("validation"))
+                      data.get("constants", []), data.get("passes", []), data.get("validation"),
+                      training=data.get("training"))
     except FileNotFoundError:
         raise AmpError(f"{path}: no such report") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:

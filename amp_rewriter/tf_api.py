@@ -176,13 +176,15 @@ def convert_graphdef(graph_def: graph_pb2.GraphDef, outputs: Iterable[str] | Non
                      keep_io_types: bool = True, clamp: bool = False, allow: Iterable[str] = (),
                      infer: Iterable[str] = (), deny: Iterable[str] = (),
                      clear: Iterable[str] = (), keep_nodes: Iterable[str] = (),
-                     config: str | os.PathLike | None = None, check: bool = True
+                     config: str | os.PathLike | None = None, check: bool = True,
+                     pins: dict[str, str] | None = None
                      ) -> tuple[graph_pb2.GraphDef, Report]:
     """Convert an fp32 GraphDef (left unmodified) to mixed precision.
 
     `outputs` are the fetch tensors ("y" or "y:1"); by default the nodes nothing reads. With
     `keep_io_types` their nodes are preserved, as Grappler preserves fetch nodes, so the outputs
-    keep their names and dtypes. `check` imports the result into a tf.Graph.
+    keep their names and dtypes. `check` imports the result into a tf.Graph. `pins` maps node
+    names to the reason they stay fp32 (the training rewrite pins its optimizer path).
     """
     lists, options, overrides = _setup(target, backend, keep_io_types, clamp, allow, infer, deny,
                                        clear, keep_nodes, config)
@@ -191,7 +193,7 @@ def convert_graphdef(graph_def: graph_pb2.GraphDef, outputs: Iterable[str] | Non
     fetches = list(outputs) if outputs else default_fetches(copy)
     if not fetches:
         raise AmpError("no output found: name the fetch nodes with --outputs")
-    ir_model = load_graphdef(copy, fetches, keep_fetch_nodes=keep_io_types)
+    ir_model = load_graphdef(copy, fetches, keep_fetch_nodes=keep_io_types, pins=pins)
     report = _run(ir_model, lists, options, "main")
     converted = emit_graphdef(ir_model)
     report.summary["outputs"] = fetches

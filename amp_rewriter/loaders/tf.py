@@ -426,17 +426,25 @@ def default_fetches(graph_def: graph_pb2.GraphDef) -> list[str]:
 
 
 def load_graphdef(graph_def: graph_pb2.GraphDef, fetches: list[str],
-                  keep_fetch_nodes: bool = True, label: str = "graph") -> Model:
+                  keep_fetch_nodes: bool = True, label: str = "graph",
+                  pins: dict[str, str] | None = None) -> Model:
     """IR of a GraphDef (modified in place: FusedBatchNorm V1 -> V2). `fetches` are output
-    tensors ("y" or "y:1"); with `keep_fetch_nodes` their nodes are preserved as Grappler does."""
+    tensors ("y" or "y:1"); with `keep_fetch_nodes` their nodes are preserved as Grappler does.
+    `pins` maps node names to the reason they must stay fp32 (a front end's rules)."""
     loader = TfLoader("graphdef", graph_def, graph_def.node, graph_def.library, label)
     model = loader.build()
     graph = model.graph
+    for name, reason in (pins or {}).items():
+        node = loader.nodes.get(name)
+        if node is not None:
+            node.pin_reason = reason
     for fetch in fetches:
         name, port = _parse_graph_input(fetch)
         node = loader.nodes.get(name)
         if node is None:
             raise AmpError(f"output {fetch!r} is not a node of the graph")
+        if not node.outputs and ":" not in fetch:  # a target op (train op, NoOp group)
+            continue
         if port >= len(node.outputs):
             raise AmpError(f"output {fetch!r}: {name} ({node.op_type}) has {len(node.outputs)} "
                            f"output(s)")
