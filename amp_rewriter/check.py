@@ -26,6 +26,8 @@ class CheckResult:
     target: str
     problems: list[dict] = field(default_factory=list)
     outputs: list[dict] = field(default_factory=list)
+    #: Findings that do not fail the check (shown, and kept in the JSON).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -33,7 +35,7 @@ class CheckResult:
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "target": self.target, "problems": self.problems,
-                "outputs": self.outputs}
+                "outputs": self.outputs, "notes": self.notes}
 
 
 def _detect_target(model_ir) -> str | None:

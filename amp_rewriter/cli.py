@@ -72,9 +72,29 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--rtol", type=float, default=None,
                          help="largest relative error --validate accepts (fp16 2e-2, bf16 1e-1)")
     convert.add_argument("--quiet", action="store_true", help="print only errors")
+    training = convert.add_argument_group(
+        "training graphs (TensorFlow .meta, or .pb/.pbtxt with --loss and --train-op)")
+    training.add_argument("--training", action="store_true",
+                          help="rewrite a TF1 training graph: fp32 master weights and optimizer, "
+                               "loss scaling for fp16")
+    training.add_argument("--loss", metavar="NAME",
+                          help="the loss (default: the tensor the gradients are taken of)")
+    training.add_argument("--train-op", metavar="NAME",
+                          help="the train op (default: the 'train_op' collection's entry)")
+    training.add_argument("--loss-scale", metavar="dynamic|none|VALUE", default=None,
+                          help="dynamic (default for fp16), none (default for bf16) or a fixed "
+                               "scale")
+    for flag, kind, default in (("--initial-scale", float, "32768"),
+                                ("--growth-interval", int, "2000"),
+                                ("--growth-factor", float, "2"),
+                                ("--backoff-factor", float, "0.5"),
+                                ("--min-scale", float, "1"),
+                                ("--hysteresis", int, "1: back off at the first bad step")):
+        training.add_argument(flag, type=kind, default=None, help=f"default {default}")
 
     check = commands.add_parser("check", help="check a converted model (for CI)")
-    check.add_argument("model", help="the mixed-precision .onnx model")
+    check.add_argument("model", help="the mixed-precision model: .onnx, or a TensorFlow graph "
+                                      "(.meta, .pb, .pbtxt; training graphs included)")
     check.add_argument("--target", default=None, help="fp16 or bf16 (default: detected)")
     check.add_argument("--backend", default="ort-cuda", help="ort-cuda (default) or ort-cpu")
     check.add_argument("--reference", metavar="FP32_ONNX", help="the fp32 model to compare with")
@@ -118,6 +138,8 @@ def _run_convert(args: argparse.Namespace) -> int:
         raise AmpError(f"--rtol must be a number >= 0, got {args.rtol}")
     if is_tensorflow_input(args.input):
         return _run_convert_tf(args)
+    if args.training:
+        raise AmpError("--training is for TensorFlow training graphs (.meta, .pb, .pbtxt)")
     if args.outputs:
         raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its outputs")
     if args.report and Path(args.report).resolve() in (Path(args.input).resolve(),
@@ -216,8 +238,18 @@ def _import_tf_api():
     return tf_api
 
 
+_TRAINING_ONLY = ("loss", "train_op", "loss_scale", "initial_scale", "growth_interval",
+                  "growth_factor", "backoff_factor", "min_scale", "hysteresis")
+
+
 def _run_convert_tf(args: argparse.Namespace) -> int:
     tf_api = _import_tf_api()
+    if args.training:
+        return _run_convert_training(args)
+    given = [f"--{name.replace('_', '-')}" for name in _TRAINING_ONLY
+             if getattr(args, name) is not None]
+    if given:
+        raise AmpError(f"{', '.join(given)} only apply with --training")
 
     if args.report and Path(args.report).resolve() in (Path(args.input).resolve(),
                                                          Path(args.output).resolve()):
@@ -228,6 +260,46 @@ def _run_convert_tf(args: argparse.Namespace) -> int:
                    clear=args.clear, keep_nodes=args.keep_node, config=args.config)
     report = tf_api.convert_tf_file(args.input, args.output, outputs, **options)
     return _finish_convert(args, report, lambda: _validate_tf(args, tf_api, report))
+
+
+def _run_convert_training(args: argparse.Namespace) -> int:
+    """`convert --training`: the TF1 training-graph rewrite."""
+    from . import tf_training
+
+    if args.validate:
+        raise AmpError("--validate compares inference outputs; a training graph is checked by "
+                       "training it (see scripts/train_digits.py)")
+    if args.outputs:
+        raise AmpError("--outputs does not apply with --training: name --loss and --train-op")
+    if not args.keep_io_types:
+        raise AmpError("--no-keep-io-types does not apply with --training: the loss and "
+                       "placeholders keep their dtypes")
+    if args.report and Path(args.report).resolve() in (Path(args.input).resolve(),
+                                                         Path(args.output).resolve()):
+        raise AmpError("--report must not be the input or output model path")
+    report = tf_training.convert_training_file(
+        args.input, args.output, loss=args.loss, train_op=args.train_op, target=args.target,
+        backend=args.backend, loss_scale=args.loss_scale, initial_scale=args.initial_scale,
+        growth_interval=args.growth_interval, growth_factor=args.growth_factor,
+        backoff_factor=args.backoff_factor, min_scale=args.min_scale,
+        hysteresis=args.hysteresis, clamp=args.clamp, allow=args.allow, infer=args.infer,
+        deny=args.deny, clear=args.clear, keep_nodes=args.keep_node, config=args.config)
+    status = _finish_convert(args, report, lambda: 0)
+    if not args.quiet:
+        training = report.training
+        rule = training["loss_scale_rule"]
+        if training.get("loss_scale_variable"):
+            print(f"loss scaling: dynamic, initial {rule['initial']:g}, x{rule['growth_factor']:g}"
+                  f" every {rule['growth_interval']} good steps, x{rule['backoff_factor']:g} on "
+                  f"overflow (min {rule['min_scale']:g}); {len(training['update_ops_gated'])} "
+                  f"update ops skip bad steps; scale {training['loss_scale']}, counter "
+                  f"{training['good_steps']}")
+        elif rule["mode"] == "fixed":
+            print(f"loss scaling: fixed {rule['initial']:g}; "
+                  f"{len(training['update_ops_gated'])} update ops skip bad steps")
+        else:
+            print("loss scaling: none")
+    return status
 
 
 def _validate_tf(args: argparse.Namespace, tf_api, report) -> int:
@@ -259,7 +331,17 @@ def _validate_tf(args: argparse.Namespace, tf_api, report) -> int:
 def _run_check(args: argparse.Namespace) -> int:
     from .check import check_model
 
-    result = check_model(args.model, args.target, args.backend, args.reference, args.rtol)
+    if is_tensorflow_input(args.model):
+        if args.reference:
+            raise AmpError("--reference is for ONNX models")
+        _import_tf_api()
+        from .tf_training import check_tf_graph
+        result = check_tf_graph(args.model, args.target,
+                                None if args.backend == "ort-cuda" else args.backend)
+    else:
+        result = check_model(args.model, args.target, args.backend, args.reference, args.rtol)
+    for note in result.notes:
+        print(f"note: {note}")
     for problem in result.problems:
         print(f"{problem['kind']}: {problem['message']}")
     for output in result.outputs:

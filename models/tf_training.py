@@ -139,11 +139,13 @@ def batches(x: np.ndarray, y: np.ndarray, batch: int, steps: int, seed: int = 0)
 
 
 def train(graph: tf.Graph, steps: int = 300, batch: int = 64, loss: str = "loss:0",
-          train_op: str = "train", data=None, seed: int = 0, session_hook=None
-          ) -> tuple[list[float], float]:
+          train_op: str = "train", data=None, seed: int = 0, session_hook=None,
+          end_hook=None) -> tuple[list[float], float]:
     """Train from the graph's initializers; returns (loss per step, test accuracy).
 
     `session_hook(session, step)` runs before each step (tests use it to look at variables).
+    `end_hook(session)` runs once after the last step, before the session closes (for state
+    that only exists inside it, such as a rewrite's final loss scale).
     """
     x_train, y_train, x_test, y_test = data if data is not None else digits_data()
     losses = []
@@ -155,4 +157,6 @@ def train(graph: tf.Graph, steps: int = 300, batch: int = 64, loss: str = "loss:
             _, value = session.run([train_op, loss], {"x:0": xb, "y:0": yb})
             losses.append(float(value))
         accuracy = session.run("accuracy:0", {"x:0": x_test, "y:0": y_test})
+        if end_hook is not None:
+            end_hook(session)
     return losses, float(accuracy)
