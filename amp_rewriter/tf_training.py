@@ -553,7 +553,7 @@ def _pins(plan: TrainingPlan, original: set[str], graph_def: graph_pb2.GraphDef
     pins = {}
     for nd in graph_def.node:
         name = nd.name
-        if name == plan.loss:
+        if name == plan.loss or name in plan.losses_differentiated:
             pins[name] = "the loss stays fp32"
         elif name not in original:
             pins[name] = "loss-scaling subgraph: fp32 by design"
