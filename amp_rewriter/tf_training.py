@@ -177,13 +177,18 @@ class _GraphIndex:
     def __init__(self, graph_def: graph_pb2.GraphDef):
         self.nodes = {nd.name: nd for nd in graph_def.node}
         self.consumers: dict[str, list[tuple[str, int, int]]] = {}  # node -> (consumer, slot, port)
+        self.control_consumers: dict[str, list[str]] = {}
         for nd in graph_def.node:
             for slot, ref in enumerate(nd.input):
                 producer, port, control = _split(ref)
-                if not control:
+                if control:
+                    self.control_consumers.setdefault(producer, []).append(nd.name)
+                else:
                     self.consumers.setdefault(producer, []).append((nd.name, slot, port))
 
-    def ancestors(self, roots: Iterable[str], data_only: bool = False) -> set[str]:
+    def ancestors(self, roots: Iterable[str], data_only: bool = False,
+                  ignored_controls: set[str] | frozenset[str] = frozenset()) -> set[str]:
+        """`roots` and everything they wait for (control edges from `ignored_controls` aside)."""
         seen: set[str] = set()
         stack = [r for r in roots if r in self.nodes]
         while stack:
@@ -193,12 +198,14 @@ class _GraphIndex:
             seen.add(name)
             for ref in self.nodes[name].input:
                 producer, _port, control = _split(ref)
-                if (not control or not data_only) and producer in self.nodes \
-                        and producer not in seen:
+                if control and (data_only or producer in ignored_controls):
+                    continue
+                if producer in self.nodes and producer not in seen:
                     stack.append(producer)
         return seen
 
     def descendants(self, roots: Iterable[str]) -> set[str]:
+        """Everything that runs after `roots` (data and control edges)."""
         seen: set[str] = set()
         stack = list(roots)
         while stack:
@@ -207,6 +214,7 @@ class _GraphIndex:
                 continue
             seen.add(name)
             stack.extend(c for c, _s, _p in self.consumers.get(name, []) if c not in seen)
+            stack.extend(c for c in self.control_consumers.get(name, []) if c not in seen)
         return seen
 
 
@@ -235,6 +243,8 @@ class TrainingPlan:
     gradient_aggregations: list[str]
     converted_region: set[str]
     losses_differentiated: list[str] = field(default_factory=list)
+    #: control edges moved from the passes to the train op: writer -> nodes that waited for it
+    deferred: dict[str, list[str]] = field(default_factory=dict)
 
 
 def plan_training_graph(graph_def: graph_pb2.GraphDef, loss: str | None, train_op: str
@@ -258,7 +268,10 @@ def plan_training_graph(graph_def: graph_pb2.GraphDef, loss: str | None, train_o
         match = None
         for match in GRADIENT_SCOPE.finditer(name):
             pass
-        if nd.op != "Fill" or match is None or len(nd.input) < 2:
+        # the seed sits right in the gradients scope (`gradients/grad_ys_0`, `gradients/Fill`);
+        # Fill(shape, 1) inside an op's `*_grad/` scope is part of that op's gradient
+        if nd.op != "Fill" or match is None or len(nd.input) < 2 or "/" in name[match.end():] \
+                or not tf.as_dtype(nd.attr["T"].type).is_floating:
             continue
         value_node = nodes.get(_split(nd.input[1])[0])
         value = _const_value(value_node) if value_node is not None else None
@@ -298,14 +311,19 @@ def plan_training_graph(graph_def: graph_pb2.GraphDef, loss: str | None, train_o
     if not frontier:
         raise AmpError(f"no gradient reaches an update of train op {train_op!r}: not a training "
                        f"graph?")
-    forward_and_backward = index.ancestors([p for p, _ in frontier] + [loss])
+    roots = [p for p, _ in frontier] + [loss]
+    deferred = _deferred_updates(index, roots, in_scope, set(update_ops))
+    forward_and_backward = index.ancestors(roots, ignored_controls=set(deferred))
     gated = [n for n in update_ops if n not in forward_and_backward]
     if not any(is_update_op(nodes[n].op) for n in gated):
         raise AmpError(f"train op {train_op!r} updates no variable (no Apply*/Assign* op in its "
                        f"ancestors): not a training graph?")
     optimizer_path = closure - forward_and_backward
     after_frontier = index.descendants(n for readers in frontier.values() for n in readers)
-    aggregations = sorted(n for n in optimizer_path & after_frontier
+    # what runs after an update (sparse Adam's `v + epsilon`, ...) must not feed the flag that
+    # gates the updates
+    after_updates = index.descendants(gated)
+    aggregations = sorted(n for n in (optimizer_path & after_frontier) - after_updates
                           if nodes[n].op in AGGREGATION_OPS)
     gradient_aggregations = []
     for producer, _port in frontier:
@@ -317,7 +335,28 @@ def plan_training_graph(graph_def: graph_pb2.GraphDef, loss: str | None, train_o
             gradient_aggregations.append(name)
     return TrainingPlan(loss, train_op, seeds, scopes, frontier, gated, optimizer_path,
                         aggregations, sorted(gradient_aggregations), forward_and_backward,
-                        differentiated)
+                        differentiated, deferred)
+
+
+def _deferred_updates(index: _GraphIndex, roots: list[str], in_scope: set[str],
+                      update_ops: set[str]) -> dict[str, list[str]]:
+    """Variable writes the passes wait for only through control edges -> the nodes that wait.
+
+    TF1 batch norm's `with tf.control_dependencies(UPDATE_OPS): train = opt.minimize(loss)`
+    makes the moving-average assigns control inputs of the gradient ops. Nothing in the passes
+    reads what they write, so the rewrite moves those control edges to the train op: the writes
+    then run after the all-finite flag and are gated like every other update.
+    """
+    everything = index.ancestors(roots)
+    control_only = everything - index.ancestors(roots, data_only=True) - in_scope
+    writers = {n for n in control_only if index.ancestors([n]) & update_ops}
+    waiting: dict[str, list[str]] = {}
+    for name in sorted(everything - writers):
+        for ref in index.nodes[name].input:
+            producer, _port, control = _split(ref)
+            if control and producer in writers:
+                waiting.setdefault(producer, []).append(name)
+    return waiting
 
 
 # -- building the loss-scaling subgraph ----------------------------------------------------------
@@ -328,6 +367,10 @@ class _Rewires:
     def __init__(self):
         self.inputs: dict[str, dict[int, str]] = {}
         self.controls: dict[str, list[str]] = {}
+        self.dropped_controls: dict[str, set[str]] = {}
+
+    def drop_control(self, node: str, op_name: str) -> None:
+        self.dropped_controls.setdefault(node, set()).add(f"^{op_name}")
 
     def replace(self, node: str, slot: int, new_ref: str) -> None:
         self.inputs.setdefault(node, {})[slot] = new_ref
@@ -339,6 +382,11 @@ class _Rewires:
         for nd in graph_def.node:
             for slot, ref in self.inputs.get(nd.name, {}).items():
                 nd.input[slot] = ref
+            dropped = self.dropped_controls.get(nd.name)
+            if dropped:
+                kept = [ref for ref in nd.input if ref not in dropped]
+                del nd.input[:]
+                nd.input.extend(kept)
             for ref in self.controls.get(nd.name, []):
                 if ref not in nd.input:
                     nd.input.append(ref)
@@ -597,6 +645,10 @@ def rewrite_training_meta_graph(
     with graph.as_default():
         tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
     rewires = _Rewires()
+    for writer, waiting in plan.deferred.items():
+        for name in waiting:
+            rewires.drop_control(name, writer)
+        rewires.add_control(plan.train_op, writer)
     scaler_names = None
     if scaler.mode != "none":
         scaler_names = build_loss_scaling(graph, plan, scaler, rewires)
@@ -639,6 +691,7 @@ def rewrite_training_meta_graph(
         "gradient_seeds_scaled": plan.seeds if scaler_names else [],
         "gradients_unscaled": sum(1 for _ in plan.frontier) if scaler_names else 0,
         "update_ops_gated": plan.update_ops if scaler_names else [],
+        "updates_moved_after_backward_pass": sorted(plan.deferred),
         "finite_checks": (len(plan.frontier) + len(plan.aggregations)) if scaler_names else 0,
         "nodes_pinned_fp32": sum(1 for n in report.nodes
                                  if n.get("class") == "fp32" and n["name"] in plan.optimizer_path),

@@ -325,3 +325,87 @@ def test_api_errors_name_the_problem():
         rewrite_training_graph(build_training_graph("mlp", "sgd"), loss="missing")
     with pytest.raises(AmpError, match="no gradients"):
         rewrite_training_graph(_inference_graph(), train_op="y")
+
+
+def _poisoned(x: np.ndarray) -> np.ndarray:
+    x = x.copy()
+    x[1, 3] = np.inf
+    return x
+
+
+def _skips_bad_step_then_trains(graph: tf.Graph) -> None:
+    """A bad step changes no global variable; 20 good steps lower the loss, with no NaN."""
+    result = rewrite_training_graph(graph, loss="loss", train_op="train", target="fp16")
+    xb, yb = _good_batch()
+    with tf.compat.v1.Session(graph=result.graph) as session:
+        session.run(tf.compat.v1.variables_initializer(result.graph.get_collection("variables")))
+        before = _variables(session, result.graph)
+        names = {op.name for op in graph.get_operations()}
+        bad = ({"x:0": xb, "y:0": yb, "poison:0": np.float32(np.inf)} if "poison" in names
+               else {"x:0": _poisoned(xb), "y:0": yb})
+        _, finite = session.run([result.train_op, result.all_finite], bad)
+        assert not finite
+        for name, value in _variables(session, result.graph).items():
+            np.testing.assert_array_equal(value, before[name], err_msg=name)
+        losses = [session.run([result.train_op, "loss:0"], {"x:0": xb, "y:0": yb})[1]
+                  for _ in range(20)]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def _classifier_head(features, labels, name: str = "head"):
+    w = tf.compat.v1.get_variable(name, [int(features.shape[-1]), 10])
+    logits = tf.matmul(features, w)
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits), name="loss")
+
+
+def test_integer_fill_inside_a_gradient_is_not_a_seed():
+    # reduce_sum over a non-batch axis with a dynamic batch: Sum_grad holds an int32 Fill(shape, 1)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 64], name="x")
+        y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+        w = tf.compat.v1.get_variable("w", [64, 40])
+        features = tf.reduce_sum(tf.reshape(tf.matmul(x, w), [-1, 10, 4]), axis=2)
+        _classifier_head(features, y)
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(graph.get_tensor_by_name(
+            "loss:0"), name="train")
+    _skips_bad_step_then_trains(graph)
+
+
+@pytest.mark.parametrize("resource", [False, True])
+def test_sparse_gradients_with_adam(resource):
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 64], name="x")
+        y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+        tokens = tf.cast(tf.round(x * 16.0), tf.int32) + tf.range(64) * 17
+        table = tf.compat.v1.get_variable("table", [64 * 17, 16], use_resource=resource)
+        # x picks the rows, so an inf goes in through a multiplier instead
+        poison = tf.compat.v1.placeholder_with_default(1.0, [], name="poison")
+        embedded = tf.reduce_mean(tf.nn.embedding_lookup(table, tokens), axis=1) * poison
+        loss = _classifier_head(embedded, y)
+        tf.compat.v1.train.AdamOptimizer(0.01).minimize(loss, name="train")
+    _skips_bad_step_then_trains(graph)
+
+
+def test_batch_norm_moving_averages_are_gated():
+    # the TF1 pattern: the train op is built under control_dependencies(UPDATE_OPS)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 64], name="x")
+        y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+        hidden = tf.matmul(x, tf.compat.v1.get_variable("w", [64, 32]))
+        mean, variance = tf.nn.moments(hidden, [0])
+        zeros = tf.compat.v1.zeros_initializer()
+        moving_mean = tf.compat.v1.get_variable("moving_mean", [32], initializer=zeros,
+                                                trainable=False, use_resource=False)
+        moving_variance = tf.compat.v1.get_variable("moving_variance", [32], initializer=zeros,
+                                                    trainable=False, use_resource=True)
+        updates = [tf.compat.v1.assign(moving_mean, 0.9 * moving_mean + 0.1 * mean),
+                   moving_variance.assign_sub(0.1 * (moving_variance - variance))]
+        normed = tf.nn.batch_normalization(hidden, mean, variance, None, None, 1e-3)
+        loss = _classifier_head(tf.nn.relu(normed), y)
+        with tf.control_dependencies(updates):
+            tf.compat.v1.train.MomentumOptimizer(0.05, 0.9).minimize(loss, name="train")
+    _skips_bad_step_then_trains(graph)
