@@ -676,6 +676,10 @@ def rewrite_training_meta_graph(
         raise AmpError(f"nothing in the forward or backward pass can run in {target}: the graph "
                        f"has no float32 compute ops (MatMul, Conv2D, ...) to convert")
     exported.graph_def.CopyFrom(converted)
+    differentiated = plan.losses_differentiated
+    if differentiated and plan.loss not in _GraphIndex(meta.graph_def).descendants(differentiated):
+        report.warnings.append(f"loss {plan.loss!r} is neither the tensor the gradients are taken "
+                               f"of ({', '.join(differentiated)}) nor computed from it")
 
     names = {"loss": plan.loss, "train_op": plan.train_op}
     if scaler_names is not None:
