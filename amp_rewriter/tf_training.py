@@ -129,10 +129,11 @@ class LossScaleConfig:
 class TrainingRewrite:
     """What `rewrite_training_graph` returns.
 
-    `loss_scale` and `good_steps` are tensors to fetch for the current scale and counter (they
-    read the variables, or give the initial values before the first step); the variables
-    themselves are `loss_scale_variable` and `good_steps_variable` (local variables, so a default
-    Saver neither saves nor needs them and fp32 checkpoints restore into the graph).
+    `loss` is the loss tensor's name ("loss:0") and `train_op` the train op's node name, ready
+    for `session.run`. `loss_scale` and `good_steps` are tensors to fetch for the current scale
+    and counter (they read the variables, or give the initial values before the first step); the
+    variables themselves are `loss_scale_variable` and `good_steps_variable` (local variables,
+    so a default Saver neither saves nor needs them and fp32 checkpoints restore into the graph).
     """
 
     graph: "tf.Graph"
@@ -299,6 +300,12 @@ def plan_training_graph(graph_def: graph_pb2.GraphDef, loss: str | None, train_o
             raise AmpError(f"give the loss (--loss NAME): gradients are taken of "
                            f"{', '.join(differentiated) or 'an unrecognised tensor'}")
         loss = differentiated[0]
+        # tf.identity(loss, name="loss") has no gradient op of its own: name the Identity
+        while True:
+            readers = [c for c, _s, _p in index.consumers.get(loss, []) if c not in in_scope]
+            if len(readers) != 1 or nodes[readers[0]].op != "Identity":
+                break
+            loss = readers[0]
 
     frontier: dict[tuple[str, int], list[str]] = {}
     for name in sorted(closure - in_scope):
@@ -617,6 +624,15 @@ def _pins(plan: TrainingPlan, original: set[str], graph_def: graph_pb2.GraphDef
     return pins
 
 
+def _loss_port(loss) -> int:
+    """The output index the caller named ("loss:1" -> 1; a node name or None -> 0)."""
+    name = getattr(loss, "name", loss)
+    if isinstance(name, str) and ":" in name:
+        port = name.rpartition(":")[2]
+        return int(port) if port.isdigit() else 0
+    return 0
+
+
 def rewrite_training_meta_graph(
         source, loss=None, train_op=None, target: str = "fp16", backend: str | None = None,
         loss_scale: str | float | None = None, *, initial_scale: float | None = None,
@@ -681,7 +697,8 @@ def rewrite_training_meta_graph(
         report.warnings.append(f"loss {plan.loss!r} is neither the tensor the gradients are taken "
                                f"of ({', '.join(differentiated)}) nor computed from it")
 
-    names = {"loss": plan.loss, "train_op": plan.train_op}
+    loss_port = _loss_port(loss)
+    names = {"loss": f"{plan.loss}:{loss_port}", "train_op": plan.train_op}
     if scaler_names is not None:
         names.update(loss_scale=scaler_names.scale_value,
                      loss_scale_variable=scaler_names.scale_variable,

@@ -73,6 +73,7 @@ def test_rewrites_train_as_well_as_fp32(model, optimizer, target):
 
 def test_weights_optimizer_and_update_stay_fp32():
     result = rewrite_training_graph(build_training_graph("mlp", "adam"), target="fp16")
+    assert (result.loss, result.train_op) == ("loss:0", "train")  # found without being named
     ops = {op.name: op for op in result.graph.get_operations()}
     variables = result.graph.get_collection("variables")
     assert all(v.dtype.base_dtype in (tf.float32, tf.int64) for v in variables)
