@@ -40,6 +40,7 @@ from tensorflow.core.framework import graph_pb2, node_def_pb2  # noqa: E402
 from tensorflow.core.protobuf import meta_graph_pb2  # noqa: E402
 
 from . import tf_api  # noqa: E402
+from .loaders.tf import parse_graph_input, value_name  # noqa: E402
 
 #: tf.gradients' name scopes: `gradients/`, `gradients_1/`, `tower_0/gradients/`, ...
 GRADIENT_SCOPE = re.compile(r"(?:^|/)gradients(?:_\d+)?/")
@@ -156,12 +157,8 @@ def _split(ref: str) -> tuple[str, int, bool]:
     """NodeDef input -> (node, port, is_control)."""
     if ref.startswith("^"):
         return ref[1:], -1, True
-    node, _, port = ref.partition(":")
-    return node, int(port) if port else 0, False
-
-
-def tensor_ref(node: str, port: int) -> str:
-    return node if port == 0 else f"{node}:{port}"
+    node, port = parse_graph_input(ref)
+    return node, port, False
 
 
 def _node_name(name_or_object) -> str:
@@ -400,7 +397,7 @@ class _Rewires:
 
 
 def _ref_of(tensor: "tf.Tensor") -> str:
-    return tensor_ref(tensor.op.name, tensor.value_index)
+    return value_name(tensor.op.name, tensor.value_index)
 
 
 def _lazy_read(variable, initial) -> "tf.Tensor":

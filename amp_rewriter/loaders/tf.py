@@ -180,7 +180,7 @@ def _allowed(op_def: op_def_pb2.OpDef, attr_name: str) -> frozenset[str] | None:
     return None
 
 
-def _parse_graph_input(ref: str) -> tuple[str, int]:
+def parse_graph_input(ref: str) -> tuple[str, int]:
     """GraphDef input "node" / "node:2" -> (node, port)."""
     name, sep, port = ref.rpartition(":")
     if sep and port.isdigit():
@@ -232,7 +232,7 @@ class TfLoader:
                         return node.outputs[slot]
             raise AmpError(f"{self.label}: node {consumer!r}: input {ref!r} names no function "
                            f"argument or node output")
-        name, port = _parse_graph_input(ref)
+        name, port = parse_graph_input(ref)
         node = self.nodes.get(name)
         if node is None:
             raise AmpError(f"{self.label}: node {consumer!r}: input {ref!r} refers to no node")
@@ -248,7 +248,7 @@ class TfLoader:
     def _producer_name(self, ref: str) -> str:
         if self.source.kind == "function":
             return ref.split(":")[0]
-        return _parse_graph_input(ref)[0]
+        return parse_graph_input(ref)[0]
 
     # -- ordering -------------------------------------------------------------------------
     def _topological_order(self) -> list[node_def_pb2.NodeDef]:
@@ -410,7 +410,7 @@ def default_fetches(graph_def: graph_pb2.GraphDef) -> list[str]:
     read: set[str] = set()
     for nd in graph_def.node:
         for ref in nd.input:
-            read.add(ref[1:] if ref.startswith("^") else _parse_graph_input(ref)[0])
+            read.add(ref[1:] if ref.startswith("^") else parse_graph_input(ref)[0])
     opdefs = OpDefs(graph_def.library)
     fetches = []
     for nd in graph_def.node:
@@ -439,7 +439,7 @@ def load_graphdef(graph_def: graph_pb2.GraphDef, fetches: list[str],
         if node is not None:
             node.pin_reason = reason
     for fetch in fetches:
-        name, port = _parse_graph_input(fetch)
+        name, port = parse_graph_input(fetch)
         node = loader.nodes.get(name)
         if node is None:
             raise AmpError(f"output {fetch!r} is not a node of the graph")
@@ -451,8 +451,8 @@ def load_graphdef(graph_def: graph_pb2.GraphDef, fetches: list[str],
         _add_graph_output(graph, node.outputs[port])
         if keep_fetch_nodes:
             node.pin_reason = (
-                f"fetch node (--outputs): preserved with its dtype, as Grappler preserves fetch "
-                f"nodes; casts go in front of it")
+                "fetch node (--outputs): preserved with its dtype, as Grappler preserves fetch "
+                "nodes; casts go in front of it")
     return model
 
 
