@@ -243,6 +243,10 @@ class TrainingPlan:
     losses_differentiated: list[str] = field(default_factory=list)
     #: control edges moved from the passes to the train op: writer -> nodes that waited for it
     deferred: dict[str, list[str]] = field(default_factory=dict)
+    #: NoOps that run variable initializers (the scaler's initializers join them)
+    initializer_groups: list[str] = field(default_factory=list)
+    #: the loss is neither a tensor the gradients are taken of nor computed from one
+    loss_unrelated: bool = False
 
 
 def plan_training_graph(graph_def: graph_pb2.GraphDef, loss: str | None, train_op: str
@@ -337,9 +341,11 @@ def plan_training_graph(graph_def: graph_pb2.GraphDef, loss: str | None, train_o
         if nodes[name].op in ("AddN", "AccumulateNV2") and name in in_scope \
                 and name not in gradient_aggregations:
             gradient_aggregations.append(name)
+    loss_unrelated = bool(differentiated) and loss not in index.descendants(differentiated)
     return TrainingPlan(loss, train_op, seeds, scopes, frontier, gated, optimizer_path,
                         aggregations, sorted(gradient_aggregations), forward_and_backward,
-                        differentiated, deferred)
+                        differentiated, deferred, _initializer_groups(index, closure),
+                        loss_unrelated)
 
 
 def _deferred_updates(index: _GraphIndex, roots: list[str], in_scope: set[str],
@@ -353,7 +359,7 @@ def _deferred_updates(index: _GraphIndex, roots: list[str], in_scope: set[str],
     """
     everything = index.ancestors(roots)
     control_only = everything - index.ancestors(roots, data_only=True) - in_scope
-    writers = {n for n in control_only if index.ancestors([n]) & update_ops}
+    writers = control_only & index.descendants(update_ops)  # writes, or waits for one
     waiting: dict[str, list[str]] = {}
     for name in sorted(everything - writers):
         for ref in index.nodes[name].input:
@@ -400,17 +406,19 @@ def _ref_of(tensor: "tf.Tensor") -> str:
     return value_name(tensor.op.name, tensor.value_index)
 
 
-def _lazy_read(variable, initial) -> "tf.Tensor":
+def _lazy_read(variable, initial, scope: str) -> "tf.Tensor":
     """The variable's value, or `initial` while it is uninitialized: the scaler then works with
     whichever initializer the training script runs (global, local, or none)."""
-    is_set = tf.raw_ops.VarIsInitializedOp(resource=variable.handle, name="is_initialized")
-    _unset_handle, set_handle = tf.raw_ops.Switch(data=variable.handle, pred=is_set,
-                                                  name="switch_handle")
-    stored = tf.raw_ops.ReadVariableOp(resource=set_handle, dtype=variable.dtype, name="stored")
-    fallback, _ = tf.raw_ops.Switch(data=tf.constant(initial, variable.dtype, name="initial"),
-                                    pred=is_set, name="switch_initial")
-    value, _index = tf.raw_ops.Merge(inputs=[fallback, stored], name="merge")
-    return tf.identity(value, name="value")
+    with variable.graph.name_scope(scope):
+        is_set = tf.raw_ops.VarIsInitializedOp(resource=variable.handle, name="is_initialized")
+        _unset_handle, set_handle = tf.raw_ops.Switch(data=variable.handle, pred=is_set,
+                                                      name="switch_handle")
+        stored = tf.raw_ops.ReadVariableOp(resource=set_handle, dtype=variable.dtype,
+                                           name="stored")
+        fallback, _ = tf.raw_ops.Switch(data=tf.constant(initial, variable.dtype, name="initial"),
+                                        pred=is_set, name="switch_initial")
+        value, _index = tf.raw_ops.Merge(inputs=[fallback, stored], name="merge")
+        return tf.identity(value, name="value")
 
 
 @dataclass
@@ -456,7 +464,7 @@ def _scale_update(config: LossScaleConfig, scale, good, bad, finite) -> tuple[li
     if bad is None:
         back_off = tf.logical_not(finite, name="back_off")
     else:
-        bad_value = _lazy_read_scoped(bad, 0, "bad_steps_read")
+        bad_value = _lazy_read(bad, 0, "bad_steps_read")
         bad_next = tf.add(bad_value, 1, name="bad_next")
         back_off = tf.logical_and(tf.logical_not(finite), bad_next >= config.hysteresis,
                                   name="back_off")
@@ -470,10 +478,6 @@ def _scale_update(config: LossScaleConfig, scale, good, bad, finite) -> tuple[li
     return updates, new_scale, new_good
 
 
-def _lazy_read_scoped(variable, initial, scope: str) -> "tf.Tensor":
-    with variable.graph.name_scope(scope):
-        return _lazy_read(variable, initial)
-
 
 def build_loss_scaling(graph: "tf.Graph", plan: TrainingPlan, config: LossScaleConfig,
                        rewires: _Rewires) -> _ScalerNames:
@@ -482,8 +486,8 @@ def build_loss_scaling(graph: "tf.Graph", plan: TrainingPlan, config: LossScaleC
     with graph.as_default(), graph.name_scope(SCOPE):
         scale_var, good_var, bad_var = _scale_state(config)
         if config.mode == "dynamic":
-            scale = _lazy_read_scoped(scale_var, config.initial, "scale_read")
-            good = _lazy_read_scoped(good_var, 0, "good_steps_read")
+            scale = _lazy_read(scale_var, config.initial, "scale_read")
+            good = _lazy_read(good_var, 0, "good_steps_read")
         else:
             scale, good = scale_var, None
 
@@ -586,11 +590,11 @@ def _collection_train_op(meta: meta_graph_pb2.MetaGraphDef) -> str:
     return names[0]
 
 
-def _initializer_groups(graph_def: graph_pb2.GraphDef, train_closure: set[str]) -> list[str]:
+def _initializer_groups(index: _GraphIndex, train_closure: set[str]) -> list[str]:
     """NoOps that run variable initializers (`init` from global_variables_initializer, ...)."""
-    nodes = {nd.name: nd for nd in graph_def.node}
+    nodes = index.nodes
     groups = []
-    for nd in graph_def.node:
+    for nd in nodes.values():
         if nd.op != "NoOp" or nd.name in train_closure:
             continue
         controls = [ref[1:] for ref in nd.input if ref.startswith("^")]
@@ -665,8 +669,7 @@ def rewrite_training_meta_graph(
     scaler_names = None
     if scaler.mode != "none":
         scaler_names = build_loss_scaling(graph, plan, scaler, rewires)
-        closure = _GraphIndex(meta.graph_def).ancestors([plan.train_op])
-        for group in _initializer_groups(meta.graph_def, closure):
+        for group in plan.initializer_groups:
             for initializer in scaler_names.initializers:
                 rewires.add_control(group, initializer)
     with graph.as_default():
@@ -689,10 +692,9 @@ def rewrite_training_meta_graph(
         raise AmpError(f"nothing in the forward or backward pass can run in {target}: the graph "
                        f"has no float32 compute ops (MatMul, Conv2D, ...) to convert")
     exported.graph_def.CopyFrom(converted)
-    differentiated = plan.losses_differentiated
-    if differentiated and plan.loss not in _GraphIndex(meta.graph_def).descendants(differentiated):
+    if plan.loss_unrelated:
         report.warnings.append(f"loss {plan.loss!r} is neither the tensor the gradients are taken "
-                               f"of ({', '.join(differentiated)}) nor computed from it")
+                               f"of ({', '.join(plan.losses_differentiated)}) nor computed from it")
 
     loss_port = _loss_port(loss)
     names = {"loss": f"{plan.loss}:{loss_port}", "train_op": plan.train_op}

@@ -252,15 +252,20 @@ def test_cli_meta_round_trip_is_deterministic_and_trains(tmp_path):
     assert losses[-1] < losses[0] and accuracy > 0.8
 
 
-def _fp16_adam_graph() -> tf.Graph:
-    """Pure-fp16 training (fp16 variables, Adam): its epsilon is cast to fp16 and underflows."""
+def _linear_graph(dtype, optimizer) -> tf.Graph:
+    """A one-layer regression graph whose variables and compute are all `dtype`."""
     graph = tf.Graph()
     with graph.as_default():
-        x = tf.compat.v1.placeholder(tf.float16, [None, 8], name="x")
-        w = tf.compat.v1.get_variable("w", [8, 1], tf.float16)
+        x = tf.compat.v1.placeholder(dtype, [None, 8], name="x")
+        w = tf.compat.v1.get_variable("w", [8, 1], dtype)
         loss = tf.reduce_mean(tf.square(tf.matmul(x, w)), name="loss")
-        tf.compat.v1.train.AdamOptimizer(1e-3).minimize(loss, name="train")
+        optimizer.minimize(loss, name="train")
     return graph
+
+
+def _fp16_adam_graph() -> tf.Graph:
+    """Pure-fp16 training (fp16 variables, Adam): its epsilon is cast to fp16 and underflows."""
+    return _linear_graph(tf.float16, tf.compat.v1.train.AdamOptimizer(1e-3))
 
 
 def test_check_flags_optimizer_constants_that_underflow(tmp_path):
@@ -278,13 +283,7 @@ def test_check_flags_optimizer_constants_that_underflow(tmp_path):
 
 
 def _float64_graph() -> tf.Graph:
-    graph = tf.Graph()
-    with graph.as_default():
-        x = tf.compat.v1.placeholder(tf.float64, [None, 8], name="x")
-        w = tf.compat.v1.get_variable("w", [8, 1], tf.float64)
-        loss = tf.reduce_mean(tf.square(tf.matmul(x, w)), name="loss")
-        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
-    return graph
+    return _linear_graph(tf.float64, tf.compat.v1.train.GradientDescentOptimizer(0.1))
 
 
 def _inference_graph() -> tf.Graph:
