@@ -1,0 +1,796 @@
+#!/usr/bin/env python
+"""Prove that two versions of amp_rewriter convert a corpus to byte-identical output.
+
+    .venv/bin/python scripts/same_output.py --before HEAD                 # HEAD vs the working tree
+    .venv/bin/python scripts/same_output.py --before main~3 --after main  # two revisions
+    .venv/bin/python scripts/same_output.py --before HEAD --skip real     # without the torch exports
+    .venv/bin/python scripts/same_output.py --determinism                 # the working tree, twice
+
+1. Builds the case corpus once into `--cache` (default bench_out/same_output; see CORPUS_PARTS),
+   each part in its own subprocess, without importing amp_rewriter; later runs reuse it.
+   Cases recorded by other tools (scripts/same_output_cases.py: record_case) in any folder
+   below `<cache>/cases/` are part of the corpus too.
+2. Checks REV out into a temporary `git worktree` (removed afterwards) and replays every case once
+   per code version, each in its own subprocess whose PYTHONPATH is that checkout (the replay
+   verifies that amp_rewriter and all its submodules are imported from there).
+3. Compares per case the sha256 of the converted output bytes, the decisions of the report
+   (node -> precision) and the error (class and first line) and prints the cases that differ.
+
+Exit status: 0 all identical, 1 some output, decision or error differs, 2 the run itself failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO_ROOT / "scripts"
+CASES_SCRIPT = SCRIPTS / "same_output_cases.py"
+DEFAULT_CACHE = REPO_ROOT / "bench_out" / "same_output"
+BUILT_MARK = ".built.json"
+
+
+def _load_by_path(name: str, path: Path):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+cases_lib = _load_by_path("same_output_cases", CASES_SCRIPT)
+
+
+# ================================================================================================
+# The corpus
+# ================================================================================================
+ONNX_VARIANTS: list[tuple[str, dict[str, Any]]] = [
+    ("fp16-ort-cuda", {"target": "fp16", "backend": "ort-cuda"}),
+    ("bf16-ort-cuda", {"target": "bf16", "backend": "ort-cuda"}),
+    ("fp16-ort-cpu", {"target": "fp16", "backend": "ort-cpu"}),
+    ("bf16-ort-cpu", {"target": "bf16", "backend": "ort-cpu"}),
+    ("fp16-no-keep-io-types", {"target": "fp16", "backend": "ort-cuda", "keep_io_types": False}),
+    ("bf16-no-keep-io-types", {"target": "bf16", "backend": "ort-cpu", "keep_io_types": False}),
+    ("fp16-clamp", {"target": "fp16", "backend": "ort-cuda", "clamp": True}),
+    ("fp16-overrides", {"target": "fp16", "backend": "ort-cuda", "deny": ["Relu", "Softmax"],
+                        "allow": ["Add", "Erf"], "infer": ["Tanh"], "clear": ["Transpose"]}),
+    ("bf16-overrides", {"target": "bf16", "backend": "ort-cpu", "deny": ["MatMul"],
+                        "allow": ["Softmax", "LayerNormalization", "Resize"]}),
+    ("fp16-check-off", {"target": "fp16", "backend": "ort-cuda", "check": False}),
+    ("defaults", {}),
+]
+ONNX_ERROR_VARIANTS: list[tuple[str, dict[str, Any]]] = [
+    ("error-allow-and-deny", {"target": "fp16", "allow": ["Relu"], "deny": ["Relu"]}),
+    ("error-unknown-target", {"target": "fp8"}),
+    ("error-unknown-backend", {"target": "fp16", "backend": "tpu"}),
+    ("error-bad-regex", {"target": "fp16", "keep_nodes": ["(unclosed"]}),
+]
+TF_TARGETS: list[tuple[str, dict[str, Any]]] = [
+    ("bf16-tf-cpu", {"target": "bf16", "backend": "tf-cpu"}),
+    ("fp16-tf-gpu", {"target": "fp16", "backend": "tf-gpu"}),
+    ("fp16-tf-cpu", {"target": "fp16", "backend": "tf-cpu"}),
+    ("bf16-tf-gpu", {"target": "bf16", "backend": "tf-gpu"}),
+]
+
+
+def _toml_list(values: list[str]) -> str:
+    return "[" + ", ".join(json.dumps(v) for v in values) + "]"
+
+
+def _write_config(path: Path, **lists: list[str]) -> Path:
+    path.write_text("".join(f"{key} = {_toml_list(values)}\n" for key, values in lists.items()))
+    return path
+
+
+def build_onnx(out: Path, tmp: Path) -> None:
+    """The hand-built models (models.BUILDERS) and models/examples/tiny_cnn.onnx, with every
+    option variant; convert_file with and without external data; a few error cases."""
+    import re
+
+    import onnx
+    import models
+
+    sources: dict[str, Path] = {}
+    for name, builder in models.BUILDERS.items():
+        sources[name] = tmp / f"{name}.onnx"
+        sources[name].write_bytes(builder().SerializeToString(deterministic=True))
+    sources["tiny_cnn"] = REPO_ROOT / "models" / "examples" / "tiny_cnn.onnx"
+    record = cases_lib.record_case
+    for name, path in sources.items():
+        model = onnx.load(str(path))
+        node_names = [n.name for n in model.graph.node if n.name]
+        for variant, options in ONNX_VARIANTS:
+            record(out, "onnx", path, options, name=f"{name}/{variant}")
+        keep = [re.escape(node_names[len(node_names) // 2]), r"(?i).*(conv|matmul|gemm|attn).*1.*"]
+        record(out, "onnx", path, {"target": "fp16", "backend": "ort-cuda", "keep_nodes": keep},
+               name=f"{name}/fp16-keep-nodes")
+        record(out, "onnx", path, {"target": "bf16", "backend": "ort-cpu",
+                                   "keep_nodes": [node_names[0], "no-such-node"]},
+               name=f"{name}/bf16-keep-nodes")
+        config = _write_config(tmp / f"{name}-lists.toml", deny=["Softmax", "Pow"],
+                               allow=["Erf", "ReduceMean"], keep_nodes=[keep[1]])
+        record(out, "onnx", path, {"target": "fp16", "backend": "ort-cuda", "config": config},
+               name=f"{name}/fp16-config")
+        record(out, "onnx", path, {"target": "bf16", "backend": "ort-cuda", "config": config,
+                                   "deny": ["Relu"], "allow": ["Softmax"]},
+               name=f"{name}/bf16-config-and-options")
+        record(out, "onnx", path, {"target": "fp16", "backend": "ort-cuda"}, input="proto",
+               name=f"{name}/fp16-model-proto")
+        record(out, "onnx_file", path, {"target": "fp16", "backend": "ort-cuda"},
+               name=f"{name}/fp16-convert-file")
+        # The same model with its weights in external data (every tensor of 64+ bytes).
+        external_dir = tmp / f"{name}-external"
+        external_dir.mkdir()
+        onnx.save_model(onnx.load(str(path)), str(external_dir / "model.onnx"),
+                        save_as_external_data=True, all_tensors_to_one_file=True,
+                        location="model.onnx.data", size_threshold=64, convert_attribute=False)
+        record(out, "onnx_file", external_dir / "model.onnx", {"target": "fp16",
+                                                                "backend": "ort-cuda"},
+               name=f"{name}/fp16-convert-file-external-data")
+        record(out, "onnx_file", external_dir / "model.onnx", {"target": "bf16",
+                                                                "backend": "ort-cpu"},
+               name=f"{name}/bf16-convert-file-external-data")
+    bad_config = tmp / "bad.toml"
+    bad_config.write_text("deny = [\"Relu\"]\nunknown_key = 1\n")
+    for variant, options in ONNX_ERROR_VARIANTS + [("error-bad-config", {"config": bad_config})]:
+        record(out, "onnx", sources["cnn"], options, name=f"cnn/{variant}")
+    garbage = tmp / "garbage.onnx"
+    garbage.write_bytes(b"\x08\x07\x12\xff\xff not a model")
+    record(out, "onnx", garbage, {"target": "fp16"}, name="errors/not-a-model")
+
+
+def build_real(out: Path, tmp: Path) -> None:
+    """Real architectures exported by torch (models/torch_export.py) at opsets 17 and 18: fp16 and
+    bf16 conversions, and convert_file of a copy with external data (the exports themselves are
+    single files)."""
+    import onnx
+    from models import torch_export
+
+    record = cases_lib.record_case
+    for name, exporter in torch_export.EXPORTERS.items():
+        for opset in torch_export.SUPPORTED_OPSETS:
+            stem = f"{name}_opset{opset}"
+            started = time.perf_counter()
+            path = exporter(tmp / f"{stem}.onnx", opset)
+            print(f"  exported {stem} in {time.perf_counter() - started:.1f} s", flush=True)
+            record(out, "onnx", path, {"target": "fp16", "backend": "ort-cuda"},
+                   name=f"{stem}/fp16-ort-cuda", link=True)
+            record(out, "onnx", path, {"target": "bf16", "backend": "ort-cpu"},
+                   name=f"{stem}/bf16-ort-cpu", link=True)
+            external_dir = tmp / f"{stem}-external"
+            external_dir.mkdir()
+            onnx.save_model(onnx.load(str(path)), str(external_dir / "model.onnx"),
+                            save_as_external_data=True, all_tensors_to_one_file=True,
+                            location="model.onnx.data", size_threshold=1024,
+                            convert_attribute=False)
+            record(out, "onnx_file", external_dir / "model.onnx",
+                   {"target": "fp16", "backend": "ort-cuda"},
+                   name=f"{stem}/fp16-convert-file-external-data", link=True)
+
+
+def build_synthetic(out: Path, tmp: Path) -> None:
+    """The 10k-node synthetic transformer graph (scripts/synthetic_graph.py)."""
+    synthetic = _load_by_path("synthetic_graph", SCRIPTS / "synthetic_graph.py")
+    path = tmp / "synthetic_10k.onnx"
+    path.write_bytes(synthetic.build_synthetic_model(10000).SerializeToString(deterministic=True))
+    cases_lib.record_case(out, "onnx", path, {"target": "fp16", "backend": "ort-cuda"},
+                          name="synthetic_10k/fp16-ort-cuda", link=True)
+    cases_lib.record_case(out, "onnx", path, {"target": "bf16", "backend": "ort-cpu"},
+                          name="synthetic_10k/bf16-ort-cpu", link=True)
+
+
+def build_node(out: Path, tmp: Path) -> None:
+    """Every model of onnx's backend test corpus (as scripts/corpus_check.py finds them), fp16 and
+    bf16 on ort-cuda."""
+    corpus = _load_by_path("corpus_check", SCRIPTS / "corpus_check.py")
+    listed = corpus.list_cases()
+    for suite, name, path in listed:
+        first = cases_lib.record_case(out, "onnx", path, {"target": "fp16", "backend": "ort-cuda"},
+                                      name=f"{suite}/{name}/fp16")
+        cases_lib.record_case(out, "onnx", first / "model.onnx",
+                              {"target": "bf16", "backend": "ort-cuda"},
+                              name=f"{suite}/{name}/bf16", link=True)
+    print(f"  {len(listed)} backend-test models", flush=True)
+
+
+def build_tf(out: Path, tmp: Path) -> None:
+    """TF1 GraphDefs (models/tf_graphs.py) for every target/backend pair, option variants,
+    Grappler's list variables, a .meta file and a .pb -> .pbtxt file conversion."""
+    from models import tf_graphs
+
+    record = cases_lib.record_case
+    graphs = {name: builder() for name, builder in tf_graphs.BUILDERS.items()}
+    for name, (graph_def, outputs) in graphs.items():
+        for variant, options in TF_TARGETS:
+            record(out, "tf_graphdef", graph_def, options, outputs=outputs,
+                   name=f"{name}/{variant}")
+    gd = lambda name: graphs[name][0]  # noqa: E731
+    outs = lambda name: graphs[name][1]  # noqa: E731
+    bf16 = {"target": "bf16", "backend": "tf-cpu"}
+    fp16 = {"target": "fp16", "backend": "tf-gpu"}
+    extra: list[tuple[str, str, dict[str, Any], Any, dict[str, str] | None]] = [
+        ("existing_casts", "bf16-no-keep-io-types", {**bf16, "keep_io_types": False}, "default",
+         None),
+        ("conv_matmul", "bf16-no-keep-io-types", {**bf16, "keep_io_types": False}, "default",
+         None),
+        ("fp16_mask", "fp16-clamp", {**fp16, "clamp": True}, "default", None),
+        ("divisions", "fp16-clamp", {**fp16, "clamp": True}, "default", None),
+        ("two_matmuls_relu", "bf16-overrides", {**bf16, "deny": ["Relu"], "allow": ["Tanh"]},
+         "default", None),
+        ("exp_pow_deny", "fp16-overrides", {**fp16, "allow": ["Exp"], "infer": ["Relu"],
+                                            "clear": ["Sigmoid"]}, "default", None),
+        ("conv_matmul", "bf16-keep-nodes", {**bf16, "keep_nodes": ["conv|rel.*", "nope"]},
+         "default", None),
+        ("sqrt_log_infer", "bf16-default-outputs", bf16, None, None),
+        ("sqrt_log_infer", "bf16-default-backend", {"target": "bf16"}, "default", None),
+        ("sqrt_log_infer", "fp16-default-backend", {"target": "fp16"}, "default", None),
+        ("while_loop_v1", "bf16-check-off", {**bf16, "check": False}, "default", None),
+        ("two_matmuls_relu", "bf16-grappler-env-deny-relu", bf16, "default",
+         {"TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_CLEARLIST_REMOVE": "Relu",
+          "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD": "Relu"}),
+        ("two_matmuls_relu", "bf16-grappler-env-no-matmul", bf16, "default",
+         {"TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_ALLOWLIST_REMOVE": "MatMul"}),
+        ("sqrt_log_infer", "bf16-grappler-env-infer-as-deny", bf16, "default",
+         {"TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL": "TREAT_INFER_AS_DENY"}),
+        ("mlp_relu", "error-unknown-output", bf16, ["nope"], None),
+        ("mlp_relu", "error-allow-and-deny", {**bf16, "allow": ["Relu"], "deny": ["Relu"]},
+         "default", None),
+        ("mlp_relu", "error-unknown-backend", {"target": "bf16", "backend": "tf-tpu"}, "default",
+         None),
+    ]
+    for name, variant, options, outputs, env in extra:
+        fetches = outs(name) if outputs == "default" else outputs
+        record(out, "tf_graphdef", gd(name), options, outputs=fetches, env=env,
+               name=f"{name}/{variant}")
+    config = _write_config(tmp / "tf-lists.toml", deny=["Relu"], allow=["Sqrt"],
+                           keep_nodes=["mm3"])
+    for name in ("exp_pow_deny", "sqrt_log_infer"):
+        record(out, "tf_graphdef", gd(name), {**bf16, "config": config}, outputs=outs(name),
+               name=f"{name}/bf16-config")
+        record(out, "tf_graphdef", gd(name), {**fp16, "config": config, "deny": ["Tanh"]},
+               outputs=outs(name), name=f"{name}/fp16-config-and-options")
+    meta = tf_graphs.meta_graph_with_saver()
+    for variant, options in TF_TARGETS[:2]:
+        record(out, "tf_meta", meta, options, outputs=["y"], name=f"meta_graph_with_saver/{variant}")
+        record(out, "tf_meta", meta, options, name=f"meta_graph_with_saver/{variant}-default-outputs")
+    pb = tmp / "conv_matmul.pb"
+    pb.write_bytes(gd("conv_matmul").SerializeToString(deterministic=True))
+    record(out, "tf_meta", pb, bf16, outputs=outs("conv_matmul"), output="model.pbtxt",
+           name="conv_matmul/bf16-pb-to-pbtxt-file")
+    record(out, "tf_meta", pb, fp16, outputs=outs("conv_matmul"),
+           name="conv_matmul/fp16-pb-file")
+    garbage = tmp / "garbage.pb"
+    garbage.write_bytes(b"\x0a\xff\xff\xff garbage")
+    record(out, "tf_meta", garbage, bf16, name="errors/not-a-graphdef")
+
+
+def build_saved_model(out: Path, tmp: Path) -> None:
+    """SavedModels (models/tf_saved_models.py): Keras model.export and tf.saved_model.save, a
+    module with nested functions and an asset, a TF1 simple_save."""
+    from models import tf_saved_models
+
+    record = cases_lib.record_case
+    exported = {name: exporter(tmp / name) for name, exporter in tf_saved_models.EXPORTERS.items()}
+    bf16 = {"target": "bf16", "backend": "tf-cpu"}
+    fp16 = {"target": "fp16", "backend": "tf-gpu"}
+    for name, path in exported.items():
+        record(out, "tf_saved_model", path, bf16, name=f"{name}/bf16-tf-cpu", link=True)
+        record(out, "tf_saved_model", path, {**fp16, "check": False},
+               name=f"{name}/fp16-tf-gpu-check-off", link=True)
+    for name, variant, options in [
+            ("keras_cnn", "fp16-tf-gpu", fp16),
+            ("keras_cnn", "fp16-tf-cpu", {"target": "fp16", "backend": "tf-cpu"}),
+            ("keras_cnn", "bf16-no-keep-io-types", {**bf16, "keep_io_types": False}),
+            ("keras_cnn", "bf16-overrides", {**bf16, "deny": ["Relu"], "allow": ["Mean"]}),
+            ("keras_encoder", "bf16-keep-nodes", {**bf16, "keep_nodes": [".*softmax.*"]}),
+            ("keras_encoder", "fp16-tf-gpu", fp16),
+            ("tf1_simple_save", "fp16-tf-gpu", fp16),
+            ("nested_module", "bf16-clamp", {**bf16, "clamp": True})]:
+        record(out, "tf_saved_model", exported[name], options, name=f"{name}/{variant}",
+               link=True)
+
+
+def build_training(out: Path, tmp: Path) -> None:
+    """TF1 training graphs (models/tf_training.py) as .meta files through rewrite_training_graph:
+    mlp/cnn x sgd/momentum/adam x ref/resource variables x one/two towers, fp16 and bf16, and
+    loss-scale and override variants."""
+    import tensorflow as tf
+    from models.tf_training import build_training_graph
+
+    record = cases_lib.record_case
+
+    def meta_file(stem: str, **graph_args: Any) -> Path:
+        graph = build_training_graph(**graph_args)
+        with graph.as_default():
+            meta = tf.compat.v1.train.export_meta_graph(graph=graph)
+        path = tmp / f"{stem}.meta"
+        path.write_bytes(meta.SerializeToString(deterministic=True))
+        return path
+
+    for model in ("mlp", "cnn"):
+        for optimizer in ("sgd", "momentum", "adam"):
+            for resource in (False, True):
+                for towers in (1, 2):
+                    stem = (f"{model}-{optimizer}-{'resource' if resource else 'ref'}"
+                            f"-{towers}tower{'s' if towers > 1 else ''}")
+                    path = meta_file(stem, model=model, optimizer=optimizer, resource=resource,
+                                     towers=towers)
+                    names = {"loss": "loss", "train_op": "train"} if towers > 1 else {}
+                    for target in ("fp16", "bf16"):
+                        record(out, "tf_training", path, {"target": target, **names},
+                               name=f"{stem}/{target}", link=True)
+    mlp = meta_file("mlp-adam", model="mlp", optimizer="adam")
+    variants: list[tuple[str, Path, dict[str, Any]]] = [
+        ("mlp-adam/fp16-loss-scale-fixed", mlp, {"target": "fp16", "loss_scale": 1024.0}),
+        ("mlp-adam/fp16-loss-scale-none", mlp, {"target": "fp16", "loss_scale": "none"}),
+        ("mlp-adam/bf16-loss-scale-dynamic", mlp, {"target": "bf16", "loss_scale": "dynamic"}),
+        ("mlp-adam/fp16-scaler-rule", mlp, {"target": "fp16", "initial_scale": 256.0,
+                                            "growth_interval": 10, "growth_factor": 4.0,
+                                            "backoff_factor": 0.25, "min_scale": 2.0,
+                                            "hysteresis": 3}),
+        ("mlp-adam/fp16-tf-cpu", mlp, {"target": "fp16", "backend": "tf-cpu"}),
+        ("mlp-adam/bf16-tf-gpu", mlp, {"target": "bf16", "backend": "tf-gpu"}),
+        ("mlp-adam/fp16-names-given", mlp, {"target": "fp16", "loss": "loss:0",
+                                            "train_op": "train"}),
+        ("mlp-adam/fp16-overrides", mlp, {"target": "fp16", "deny": ["Relu"],
+                                          "keep_nodes": ["model/MatMul_1"], "clamp": True}),
+        ("mlp-adam/error-bad-loss-scale", mlp, {"target": "fp16", "loss_scale": "sometimes"}),
+        ("mlp-adam/error-unknown-train-op", mlp, {"target": "fp16", "train_op": "nope"}),
+    ]
+    two_towers = meta_file("cnn-momentum-2towers", model="cnn", optimizer="momentum", towers=2)
+    variants.append(("cnn-momentum-2towers/error-loss-not-given", two_towers, {"target": "fp16"}))
+    no_step = meta_file("mlp-rmsprop-no-global-step", model="mlp", optimizer="rmsprop",
+                        global_step=False)
+    variants += [("mlp-rmsprop-no-global-step/fp16", no_step, {"target": "fp16"}),
+                 ("mlp-rmsprop-no-global-step/bf16", no_step, {"target": "bf16"})]
+    tiny_loss = meta_file("mlp-sgd-tiny-loss", model="mlp", optimizer="sgd",
+                          loss_multiplier=1e-6)
+    variants.append(("mlp-sgd-tiny-loss/fp16", tiny_loss, {"target": "fp16"}))
+    for name, path, options in variants:
+        record(out, "tf_training", path, options, name=name, link=True)
+
+
+#: Part name -> builder, in build order. The part is the cases' top-level folder name.
+CORPUS_PARTS: dict[str, Callable[[Path, Path], None]] = {
+    "onnx": build_onnx,
+    "synthetic": build_synthetic,
+    "node": build_node,
+    "real": build_real,
+    "tf": build_tf,
+    "saved_model": build_saved_model,
+    "training": build_training,
+}
+
+
+def build_part_here(part: str, cases_dir: Path) -> int:
+    """The subprocess side of build_corpus: build one part into cases_dir/<part>."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import logging
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)  # deprecation notices of tf.compat.v1
+    sys.path.insert(0, str(REPO_ROOT))
+    started = time.perf_counter()
+    cases_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=cases_dir, prefix=f".building-{part}-"))
+    try:
+        with tempfile.TemporaryDirectory(dir=cases_dir, prefix=f".tmp-{part}-") as tmp:
+            CORPUS_PARTS[part](staging, Path(tmp))
+        if "amp_rewriter" in sys.modules:
+            print(f"building {part} imported amp_rewriter: the corpus must not depend on it",
+                  file=sys.stderr)
+            return 2
+        count = len(cases_lib.find_cases(staging))
+        mark = {"part": part, "cases": count, "seconds": round(time.perf_counter() - started, 1),
+                "format": cases_lib.FORMAT}
+        (staging / BUILT_MARK).write_text(json.dumps(mark, indent=1) + "\n")
+        target = cases_dir / part
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return 0
+
+
+def _child_env(pythonpath: Path | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONDONTWRITEBYTECODE": "1",
+                "OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1",
+                "TF_NUM_INTEROP_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+                "PYTHONWARNINGS": "ignore"})
+    env.pop("PYTHONPATH", None)
+    env.pop(cases_lib.RECORD_ENV, None)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return env
+
+
+def build_corpus(cache: Path, parts: list[str], rebuild: bool) -> dict[str, float]:
+    """Build each missing (or, with rebuild, each) part in its own subprocess; part -> seconds."""
+    cases_dir = cache / "cases"
+    timings = {}
+    for part in parts:
+        if (cases_dir / part / BUILT_MARK).is_file() and not rebuild:
+            continue
+        print(f"building corpus part {part} ...", flush=True)
+        started = time.perf_counter()
+        result = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--build-part",
+                                 part, "--cache", str(cache)], cwd=REPO_ROOT,
+                                env=_child_env(REPO_ROOT))
+        if result.returncode != 0:
+            raise RuntimeError(f"building corpus part {part} failed (exit {result.returncode})")
+        timings[part] = time.perf_counter() - started
+        mark = json.loads((cases_dir / part / BUILT_MARK).read_text())
+        print(f"  {part}: {mark['cases']} cases in {timings[part]:.1f} s", flush=True)
+    return timings
+
+
+# ================================================================================================
+# Code versions
+# ================================================================================================
+def _git(*args: str, cwd: Path = REPO_ROOT) -> str:
+    result = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)}: {result.stderr.strip()}")
+    return result.stdout.strip()
+
+
+class Version:
+    """One code version: a checkout folder (the working tree, or a temporary git worktree)."""
+
+    def __init__(self, spec: str, workdir: Path, label: str):
+        self.spec = spec
+        self.worktree: Path | None = None
+        path = Path(spec)
+        if path.is_dir() and (path / "amp_rewriter").is_dir():
+            self.root = path.resolve()
+            self.describe = f"{spec} (checkout {self.root})"
+            return
+        sha = _git("rev-parse", "--verify", "--quiet", f"{spec}^{{commit}}")
+        self.worktree = workdir / f"{label}-{sha[:12]}"
+        _git("worktree", "add", "--detach", "--quiet", str(self.worktree), sha)
+        self.root = self.worktree
+        self.describe = f"{spec} = {sha[:12]} (worktree {self.worktree})"
+
+    def remove(self) -> None:
+        if self.worktree is None:
+            return
+        try:
+            _git("worktree", "remove", "--force", str(self.worktree))
+        except RuntimeError:
+            shutil.rmtree(self.worktree, ignore_errors=True)
+            subprocess.run(["git", "worktree", "prune"], cwd=REPO_ROOT, capture_output=True)
+        self.worktree = None
+
+
+# ================================================================================================
+# Replay and comparison
+# ================================================================================================
+def _count_lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as handle:
+            return sum(1 for _ in handle)
+    except FileNotFoundError:
+        return 0
+
+
+def replay(sides: list[tuple[str, Path]], cases_dir: Path, workdir: Path, only: list[str],
+           skip: list[str], total: int, jobs: int, timeout: float
+           ) -> dict[str, dict[str, Any]]:
+    """Replay the corpus once per side, each in a subprocess with PYTHONPATH=its root.
+
+    Returns label -> {"header", "results": {case: record}, "footer", "seconds", "log", "rc"}.
+    """
+    runs: dict[str, dict[str, Any]] = {}
+    pending = list(sides)
+    active: dict[str, dict[str, Any]] = {}
+    last_progress = time.perf_counter()
+    while pending or active:
+        while pending and len(active) < jobs:
+            label, root = pending.pop(0)
+            slug = label.replace(" ", "_")
+            results, log = workdir / f"results-{slug}.jsonl", workdir / f"replay-{slug}.log"
+            command = [sys.executable, str(CASES_SCRIPT), "replay", str(cases_dir), str(results),
+                       "--expect-root", str(root)]
+            if only:
+                command += ["--only", ",".join(only)]
+            if skip:
+                command += ["--skip", ",".join(skip)]
+            with open(log, "w") as log_handle:
+                process = subprocess.Popen(command, cwd=root, env=_child_env(root),
+                                           stdout=log_handle, stderr=subprocess.STDOUT)
+            active[label] = {"process": process, "results": results, "log": log,
+                             "started": time.perf_counter()}
+        time.sleep(0.5)
+        for label in list(active):
+            run = active[label]
+            rc = run["process"].poll()
+            elapsed = time.perf_counter() - run["started"]
+            if rc is None and elapsed > timeout:
+                run["process"].kill()
+                rc = run["process"].wait()
+                print(f"[{label}] timed out after {timeout:.0f} s", flush=True)
+            if rc is not None:
+                run["rc"] = rc
+                run["seconds"] = elapsed
+                runs[label] = run
+                del active[label]
+                print(f"[{label}] replay finished in {elapsed:.1f} s (exit {rc})", flush=True)
+        if active and time.perf_counter() - last_progress > 30:
+            last_progress = time.perf_counter()
+            progress = ", ".join(f"{label} {min(max(_count_lines(run['results']) - 1, 0), total)}"
+                                 f"/{total}"
+                                 for label, run in active.items())
+            print(f"  replaying: {progress}", flush=True)
+    for label, run in runs.items():
+        run["header"], run["footer"], run["records"] = None, None, {}
+        if run["results"].is_file():
+            for line in run["results"].read_text().splitlines():
+                record = json.loads(line)
+                if record.get("header"):
+                    run["header"] = record
+                elif record.get("footer"):
+                    run["footer"] = record
+                else:
+                    run["records"][record["case"]] = record
+    return runs
+
+
+def _outcome(record: dict[str, Any] | None) -> str:
+    if record is None:
+        return "missing"
+    if record["status"] == "error":
+        return f"error {record['error']}"
+    return "ok"
+
+
+def _decision_changes(before: dict[str, str], after: dict[str, str], limit: int = 8
+                      ) -> tuple[int, list[str]]:
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key, "(absent)"), after.get(key, "(absent)")
+        if old != new:
+            changes.append(f"{key}: {old} -> {new}")
+    return len(changes), changes[:limit]
+
+
+def compare(names: list[str], before: dict[str, dict], after: dict[str, dict]
+            ) -> dict[str, list[dict[str, Any]]]:
+    """Classify each case: identical, differing (bytes, decisions or error), missing."""
+    identical, differing, missing, errors = [], [], [], []
+    for name in names:
+        a, b = before.get(name), after.get(name)
+        if a is None or b is None:
+            missing.append({"case": name, "before": _outcome(a), "after": _outcome(b)})
+            continue
+        entry: dict[str, Any] = {"case": name, "kind": b.get("kind")}
+        if a["status"] == "error" or b["status"] == "error":
+            errors.append({**entry, "before": a.get("error"), "after": b.get("error")})
+        reasons = []
+        if a["status"] != b["status"] or a.get("error") != b.get("error"):
+            reasons.append(f"before: {_outcome(a)}; after: {_outcome(b)}")
+        if a["status"] == b["status"] == "ok":
+            if a["digest"] != b["digest"]:
+                changed = sorted(k for k in set(a["outputs"]) | set(b["outputs"])
+                                 if a["outputs"].get(k) != b["outputs"].get(k))
+                reasons.append(f"output bytes differ ({', '.join(changed)})")
+            if a["decisions_digest"] != b["decisions_digest"]:
+                count, shown = _decision_changes(a["decisions"], b["decisions"])
+                entry["decisions_changed"] = count
+                entry["decision_changes"] = shown
+                reasons.append(f"{count} node decision(s) differ")
+            elif a["digest"] != b["digest"]:
+                reasons.append("the decisions are the same (node -> precision)")
+        if reasons:
+            differing.append({**entry, "reasons": reasons})
+        else:
+            identical.append(entry)
+    return {"identical": identical, "differing": differing, "missing": missing,
+            "errors": errors}
+
+
+def _print_section(title: str, entries: list[str], show: int) -> None:
+    print(title)
+    for line in entries[:show]:
+        print(f"  {line}")
+    if len(entries) > show:
+        print(f"  ... and {len(entries) - show} more (--show N, or --json)")
+
+
+def report(comparison: dict[str, list[dict]], labels: tuple[str, str], show: int) -> None:
+    first, second = labels
+    differing = comparison["differing"]
+    identical = comparison["identical"]
+    errors = comparison["errors"]
+    same_errors = sum(1 for e in errors if e["before"] == e["after"])
+    total = len(identical) + len(differing) + len(comparison["missing"])
+    print(f"\nidentical: {len(identical)} of {total} cases"
+          + (f" ({same_errors} of them raise the same error on both sides)" if same_errors else ""))
+    lines = []
+    for entry in differing:
+        text = f"{entry['case']} [{entry['kind']}]: " + "; ".join(entry["reasons"])
+        if entry.get("decision_changes"):
+            text += "\n      " + "\n      ".join(entry["decision_changes"])
+            if entry["decisions_changed"] > len(entry["decision_changes"]):
+                text += f"\n      ... {entry['decisions_changed'] - len(entry['decision_changes'])} more"
+        lines.append(text)
+    _print_section(f"differing: {len(differing)}", lines, show)
+    if comparison["missing"]:
+        _print_section(f"missing (a replay stopped early): {len(comparison['missing'])}",
+                       [f"{m['case']}: {first} {m['before']}, {second} {m['after']}"
+                        for m in comparison["missing"]], show)
+    lines = []
+    for entry in errors:
+        if entry["before"] == entry["after"]:
+            lines.append(f"{entry['case']}: {entry['before']}  (both)")
+        else:
+            lines.append(f"{entry['case']}: {first}: {entry['before'] or 'ok'} | "
+                         f"{second}: {entry['after'] or 'ok'}")
+    _print_section(f"errors on either side: {len(errors)}", lines, show)
+
+
+# ================================================================================================
+# Command line
+# ================================================================================================
+def _parts(value: str | None) -> list[str]:
+    return [p.strip() for p in (value or "").split(",") if p.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="corpus parts: " + ", ".join(CORPUS_PARTS) + " (plus any folder of recorded "
+               "cases below CACHE/cases)")
+    parser.add_argument("--before", metavar="REV", help="the reference version: a git revision "
+                        "(or a checkout folder)")
+    parser.add_argument("--after", metavar="PATH_OR_REV", default=str(REPO_ROOT),
+                        help="the version under test: a checkout folder or a git revision "
+                             "(default: this working tree)")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
+                        help="corpus and results folder (default: bench_out/same_output)")
+    parser.add_argument("--only", help="comma-separated corpus parts to build and replay")
+    parser.add_argument("--skip", help="comma-separated corpus parts to leave out")
+    parser.add_argument("--json", type=Path, help="write the comparison here")
+    parser.add_argument("--rebuild", action="store_true",
+                        help="rebuild the selected parts of the corpus even if cached")
+    parser.add_argument("--no-build", action="store_true",
+                        help="replay only what is in the cache (e.g. recorded cases)")
+    parser.add_argument("--build-only", action="store_true", help="build the corpus and stop")
+    parser.add_argument("--determinism", action="store_true",
+                        help="replay the --after version twice (two processes) and compare")
+    parser.add_argument("--jobs", type=int, choices=(1, 2), default=2,
+                        help="replays run at once (default 2: both versions in parallel)")
+    parser.add_argument("--timeout", type=float, default=3600,
+                        help="seconds one replay may take (default 3600)")
+    parser.add_argument("--show", type=int, default=40, help="list at most N cases per section")
+    parser.add_argument("--build-part", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    cache = args.cache.resolve()
+    cases_dir = cache / "cases"
+    if args.build_part:
+        return build_part_here(args.build_part, cases_dir)
+    only, skip = _parts(args.only), _parts(args.skip)
+    if not (args.before or args.determinism or args.build_only):
+        parser.error("give --before REV (or --determinism, or --build-only)")
+    if args.before and args.determinism:
+        parser.error("--determinism replays --after twice; leave out --before")
+
+    started = time.perf_counter()
+    build_parts = [p for p in CORPUS_PARTS if (not only or p in only) and p not in skip]
+    unknown = [p for p in only + skip if p not in CORPUS_PARTS
+               and not (cases_dir / p).is_dir()]
+    if unknown:
+        parser.error(f"unknown corpus part(s) {', '.join(unknown)} (known: "
+                     f"{', '.join(CORPUS_PARTS)}, or a folder below {cases_dir})")
+    try:
+        build_times = {} if args.no_build else build_corpus(cache, build_parts, args.rebuild)
+    except RuntimeError as exc:
+        print(f"same_output: {exc}", file=sys.stderr)
+        return 2
+    built_at = time.perf_counter()
+    cases = cases_lib.find_cases(cases_dir, only or None, skip)
+    per_part = Counter(cases_lib.part_of(name) for name, _ in cases)
+    print(f"corpus {cases_dir}: {len(cases)} cases ("
+          + ", ".join(f"{part} {count}" for part, count in per_part.items()) + ")")
+    if args.build_only:
+        return 0
+    if not cases:
+        print("same_output: no cases to replay", file=sys.stderr)
+        return 2
+
+    workdir = Path(tempfile.mkdtemp(prefix="same_output-"))
+    versions: list[Version] = []
+    try:
+        try:
+            if args.determinism:
+                after = Version(args.after, workdir, "after")
+                versions.append(after)
+                sides = [("run 1", after.root), ("run 2", after.root)]
+                print(f"version: {after.describe}, replayed twice")
+            else:
+                before = Version(args.before, workdir, "before")
+                versions.append(before)
+                after = Version(args.after, workdir, "after")
+                versions.append(after)
+                sides = [("before", before.root), ("after", after.root)]
+                print(f"before: {before.describe}\nafter:  {after.describe}")
+        except RuntimeError as exc:
+            print(f"same_output: {exc}", file=sys.stderr)
+            return 2
+        runs = replay(sides, cases_dir, workdir, only, skip, len(cases), args.jobs, args.timeout)
+        failed = False
+        for label, _root in sides:
+            run = runs[label]
+            origin = (run["header"] or {}).get("amp_rewriter", "?")
+            print(f"[{label}] amp_rewriter imported from {origin}; {len(run['records'])} cases "
+                  f"in {run['seconds']:.1f} s")
+            stray = (run["footer"] or {}).get("stray_modules")
+            if run["rc"] != 0 or run["footer"] is None:
+                failed = True
+                tail = run["log"].read_text().splitlines()[-15:] if run["log"].is_file() else []
+                print(f"[{label}] replay failed (exit {run['rc']}); last log lines:\n    "
+                      + "\n    ".join(tail), file=sys.stderr)
+            if stray:
+                print(f"[{label}] modules imported from outside the checkout: {stray}",
+                      file=sys.stderr)
+        names = [name for name, _ in cases]
+        labels = (sides[0][0], sides[1][0])
+        comparison = compare(names, runs[labels[0]]["records"], runs[labels[1]]["records"])
+        report(comparison, labels, args.show)
+        slowest = sorted(((r["seconds"], n) for n, r in runs[labels[1]]["records"].items()),
+                         reverse=True)[:5]
+        total_seconds = time.perf_counter() - started
+        print(f"\ntime: {total_seconds:.0f} s in all (corpus build "
+              f"{built_at - started:.0f} s, replays "
+              + ", ".join(f"{label} {runs[label]['seconds']:.0f} s" for label in labels)
+              + f"; slowest cases: " + ", ".join(f"{n} {s:.1f} s" for s, n in slowest) + ")")
+        last = cache / "last"  # the raw results (every digest and decision) of this run
+        shutil.rmtree(last, ignore_errors=True)
+        last.mkdir(parents=True)
+        for label in labels:
+            for key in ("results", "log"):
+                if runs[label][key].is_file():
+                    shutil.copyfile(runs[label][key], last / runs[label][key].name)
+        print(f"raw results and replay logs: {last}")
+        if args.json:
+            data = {
+                "versions": {label: {"spec": v.spec, "root": str(root), "amp_rewriter":
+                                     (runs[label]["header"] or {}).get("amp_rewriter")}
+                             for (label, root), v in zip(sides, versions * (2 // len(versions)))},
+                "cases": len(cases), "parts": dict(per_part),
+                "build_seconds": build_times, "replay_seconds": {label: runs[label]["seconds"]
+                                                                 for label in labels},
+                **comparison,
+            }
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(data, indent=1) + "\n")
+        if failed or comparison["missing"]:
+            print("RESULT: the replay failed (see above)")
+            return 2
+        if comparison["differing"]:
+            print(f"RESULT: {len(comparison['differing'])} case(s) differ")
+            return 1
+        print("RESULT: identical")
+        return 0
+    finally:
+        for version in versions:
+            version.remove()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
