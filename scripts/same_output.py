@@ -426,11 +426,16 @@ def build_corpus(cache: Path, parts: list[str], rebuild: bool) -> dict[str, floa
             continue
         print(f"building corpus part {part} ...", flush=True)
         started = time.perf_counter()
-        result = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--build-part",
-                                 part, "--cache", str(cache)], cwd=REPO_ROOT,
-                                env=_child_env(REPO_ROOT))
+        cases_dir.mkdir(parents=True, exist_ok=True)
+        log = cases_dir / f".build-{part}.log"  # TensorFlow's start-up noise goes here
+        with open(log, "w") as log_handle:
+            result = subprocess.run([sys.executable, str(Path(__file__).resolve()),
+                                     "--build-part", part, "--cache", str(cache)],
+                                    cwd=REPO_ROOT, env=_child_env(REPO_ROOT), stderr=log_handle)
         if result.returncode != 0:
-            raise RuntimeError(f"building corpus part {part} failed (exit {result.returncode})")
+            tail = "\n    ".join(log.read_text().splitlines()[-15:])
+            raise RuntimeError(f"building corpus part {part} failed (exit {result.returncode}); "
+                               f"{log}:\n    {tail}")
         timings[part] = time.perf_counter() - started
         mark = json.loads((cases_dir / part / BUILT_MARK).read_text())
         print(f"  {part}: {mark['cases']} cases in {timings[part]:.1f} s", flush=True)
@@ -458,7 +463,11 @@ class Version:
             self.root = path.resolve()
             self.describe = f"{spec} (checkout {self.root})"
             return
-        sha = _git("rev-parse", "--verify", "--quiet", f"{spec}^{{commit}}")
+        try:
+            sha = _git("rev-parse", "--verify", "--quiet", f"{spec}^{{commit}}")
+        except RuntimeError:
+            raise RuntimeError(f"{spec!r} is neither a checkout folder (with amp_rewriter/) nor "
+                               f"a git revision") from None
         self.worktree = workdir / f"{label}-{sha[:12]}"
         _git("worktree", "add", "--detach", "--quiet", str(self.worktree), sha)
         self.root = self.worktree
@@ -678,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", type=int, default=40, help="list at most N cases per section")
     parser.add_argument("--build-part", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # progress and errors in order when piped
 
     cache = args.cache.resolve()
     cases_dir = cache / "cases"
