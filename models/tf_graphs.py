@@ -22,14 +22,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 v1 = tf.compat.v1
 
@@ -46,7 +46,7 @@ class _Weights:
         return (self.rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def _build(fn: Callable[[], None]) -> "tf.compat.v1.GraphDef":
+def _build(fn: Callable[[], None]) -> tf.compat.v1.GraphDef:
     graph = tf.Graph()
     with graph.as_default():
         fn()
@@ -326,7 +326,7 @@ BUILDERS: dict[str, Callable[[], GraphAndOutputs]] = {
 }
 
 
-def meta_graph_with_saver(seed: int = 16) -> "tf.compat.v1.MetaGraphDef":
+def meta_graph_with_saver(seed: int = 16) -> tf.compat.v1.MetaGraphDef:
     """A TF1 MetaGraphDef: a ref variable (get_variable), MatMul -> Relu -> `y`, `y` in an
     `outputs` collection, a Saver (saver_def and save/restore ops)."""
     w = _Weights(seed)

@@ -28,14 +28,14 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 #: Written into fingerprint.pb's uuid field instead of TensorFlow's random one.
 FIXED_UUID = "00000000000000000000000000000000"
@@ -84,7 +84,7 @@ def _variables_in_name_order() -> Iterator[None]:
 
     def sorted_variables(fns):
         trainable, non_trainable = original(fns)
-        key = lambda v: (getattr(v, "path", None) or v.name)  # noqa: E731
+        key = lambda v: (getattr(v, "path", None) or v.name)
         return sorted(trainable, key=key), sorted(non_trainable, key=key)
 
     archive._list_variables_used_by_fns = sorted_variables

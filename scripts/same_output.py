@@ -31,8 +31,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO_ROOT / "scripts"
@@ -101,6 +102,7 @@ def build_onnx(out: Path, tmp: Path) -> None:
     import re
 
     import onnx
+
     import models
 
     sources: dict[str, Path] = {}
@@ -157,6 +159,7 @@ def build_real(out: Path, tmp: Path) -> None:
     bf16 conversions, and convert_file of a copy with external data (the exports themselves are
     single files)."""
     import onnx
+
     from models import torch_export
 
     record = cases_lib.record_case
@@ -217,8 +220,8 @@ def build_tf(out: Path, tmp: Path) -> None:
         for variant, options in TF_TARGETS:
             record(out, "tf_graphdef", graph_def, options, outputs=outputs,
                    name=f"{name}/{variant}")
-    gd = lambda name: graphs[name][0]  # noqa: E731
-    outs = lambda name: graphs[name][1]  # noqa: E731
+    gd = lambda name: graphs[name][0]
+    outs = lambda name: graphs[name][1]
     bf16 = {"target": "bf16", "backend": "tf-cpu"}
     fp16 = {"target": "fp16", "backend": "tf-gpu"}
     extra: list[tuple[str, str, dict[str, Any], Any, dict[str, str] | None]] = [
@@ -308,6 +311,7 @@ def build_training(out: Path, tmp: Path) -> None:
     mlp/cnn x sgd/momentum/adam x ref/resource variables x one/two towers, fp16 and bf16, and
     loss-scale and override variants."""
     import tensorflow as tf
+
     from models.tf_training import build_training_graph
 
     record = cases_lib.record_case
@@ -431,7 +435,8 @@ def build_corpus(cache: Path, parts: list[str], rebuild: bool) -> dict[str, floa
         with open(log, "w") as log_handle:
             result = subprocess.run([sys.executable, str(Path(__file__).resolve()),
                                      "--build-part", part, "--cache", str(cache)],
-                                    cwd=REPO_ROOT, env=_child_env(REPO_ROOT), stderr=log_handle)
+                                    cwd=REPO_ROOT, env=_child_env(REPO_ROOT), stderr=log_handle,
+                                    check=False)
         if result.returncode != 0:
             tail = "\n    ".join(log.read_text().splitlines()[-15:])
             raise RuntimeError(f"building corpus part {part} failed (exit {result.returncode}); "
@@ -446,7 +451,7 @@ def build_corpus(cache: Path, parts: list[str], rebuild: bool) -> dict[str, floa
 # Code versions
 # ================================================================================================
 def _git(*args: str, cwd: Path = REPO_ROOT) -> str:
-    result = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    result = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"git {' '.join(args)}: {result.stderr.strip()}")
     return result.stdout.strip()
@@ -480,7 +485,8 @@ class Version:
             _git("worktree", "remove", "--force", str(self.worktree))
         except RuntimeError:
             shutil.rmtree(self.worktree, ignore_errors=True)
-            subprocess.run(["git", "worktree", "prune"], cwd=REPO_ROOT, capture_output=True)
+            subprocess.run(["git", "worktree", "prune"], cwd=REPO_ROOT, capture_output=True,
+                           check=False)
         self.worktree = None
 
 
@@ -767,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ntime: {total_seconds:.0f} s in all (corpus build "
               f"{built_at - started:.0f} s, replays "
               + ", ".join(f"{label} {runs[label]['seconds']:.0f} s" for label in labels)
-              + f"; slowest cases: " + ", ".join(f"{n} {s:.1f} s" for s, n in slowest) + ")")
+              + "; slowest cases: " + ", ".join(f"{n} {s:.1f} s" for s, n in slowest) + ")")
         last = cache / "last"  # the raw results (every digest and decision) of this run
         shutil.rmtree(last, ignore_errors=True)
         last.mkdir(parents=True)

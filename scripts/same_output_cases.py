@@ -69,8 +69,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 FORMAT = 1
 CASE_FILE = "case.json"
@@ -511,8 +512,9 @@ def _run(kind: str, spec: dict, model_path: Path, out_path: Path, out_dir: Path,
         _model, report = amp_rewriter.convert_file(model_path, out_path, **options)
         return _folder_outputs(out_dir), report
     if kind == "tf_graphdef":
-        from amp_rewriter.tf import convert_graphdef
         from tensorflow.core.framework import graph_pb2
+
+        from amp_rewriter.tf import convert_graphdef
 
         graph_def = graph_pb2.GraphDef()
         if model_path.suffix == ".pbtxt":
