@@ -8,10 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import AmpError
-from .ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, Node
+from .ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, Node, short_name
 from .passes.base import PassContext, PassResult
-
-PRECISION_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 
 
 def node_entry(node: Node, graph_name: str) -> dict[str, Any]:
@@ -19,24 +17,27 @@ def node_entry(node: Node, graph_name: str) -> dict[str, Any]:
     decided = [g for g in node.type_groups if g.precision is not None]
     dtypes = {g.precision for g in decided}
     if not decided:
-        has_float = any(v is not None and v.dtype in FLOAT_DTYPES for v in node.outputs + node.inputs)
+        has_float = any(v is not None and v.dtype in FLOAT_DTYPES
+                        for v in node.outputs + node.inputs)
         low = any(v is not None and v.dtype in LOW_PRECISION_DTYPES for v in node.outputs)
         precision = ("low" if low else "fp32") if has_float else "n/a"
         reason = node.class_reason or "no float tensors"
+        kind = node.class_kind
     elif len(dtypes) == 1:
-        precision = PRECISION_NAMES.get(next(iter(dtypes)), next(iter(dtypes)))
-        reason = decided[0].reason
+        precision = short_name(next(iter(dtypes))) or ""
+        reason, kind = decided[0].reason, decided[0].kind
     else:
         precision = "mixed"
         reason = "; ".join(f"{g.name}: {g.reason}" for g in decided)
+        kind = decided[0].kind
     entry: dict[str, Any] = {"name": node.name, "op": node.qualified_op, "precision": precision,
-                             "class": node.op_class, "reason": reason}
+                             "class": node.op_class, "kind": kind, "reason": reason}
     if graph_name != "main":
         entry["graph"] = graph_name
     groups = []
     for g in decided:
-        group = {"group": g.name, "precision": PRECISION_NAMES.get(g.precision, g.precision),
-                 "reason": g.reason}
+        group: dict[str, Any] = {"group": g.name, "precision": short_name(g.precision),
+                                 "kind": g.kind, "reason": g.reason}
         if g.via is not None:  # the decision this one followed; explain walks these links
             group["via"] = {"node": g.via.node.name, "group": g.via.name}
         groups.append(group)
@@ -92,13 +93,14 @@ def build_report(ctx: PassContext, original_nodes: list[tuple[Node, str]],
         "low_precision_nodes": low,
         "casts_inserted": new_casts,
         "casts_removed": sum(1 for n in original_casts if id(n) not in final_ids),
-        "constants_converted": sum(1 for c in ctx.constants if c.action in ("converted", "clamped")),
+        "constants_converted": sum(1 for c in ctx.constants
+                                   if c.action in ("converted", "clamped")),
         "constants_kept_fp32": kept,
         "constants_clamped": sum(1 for c in ctx.constants if c.action == "clamped"),
         "values_flushed_to_zero": sum(c.flushed_to_zero for c in ctx.constants
                                       if c.action in ("converted", "clamped")),
     }
-    return Report(ctx.options.target, ctx.options.backend, summary, entries,
+    return Report(ctx.options.target, ctx.options.backend or "", summary, entries,
                   [asdict(c) for c in ctx.constants],
                   [{"name": r.name, "changed": r.changed, "notes": r.notes} for r in results])
 
@@ -125,14 +127,17 @@ def explain_text(report: Report, node_name: str) -> str:
         raise AmpError(f"no node named {node_name!r} in the report{hint}")
     lines = [f"{entry['name']} ({entry['op']})",
              f"  class:     {entry['class']}",
-             f"  precision: {entry['precision']}  [target {report.target}, backend {report.backend}]",
+             f"  precision: {entry['precision']}  [target {report.target}, "
+             f"backend {report.backend}]",
+             f"  decided by: {entry.get('kind') or 'n/a'}",
              f"  reason:    {entry['reason']}"]
     if entry.get("class_reason"):
         lines.append(f"  op list:   {entry['class_reason']}")
     by_name = {n["name"]: n for n in report.nodes}
     for group in entry.get("groups", []):
         if len(entry.get("groups", [])) > 1:
-            lines.append(f"  type group {group['group']}: {group['precision']} - {group['reason']}")
+            lines.append(f"  type group {group['group']}: {group['precision']} "
+                         f"[{group.get('kind') or 'n/a'}] - {group['reason']}")
         for step in _chain(by_name, group):
             lines.append(f"    because {step}")
     return "\n".join(lines)
@@ -151,7 +156,26 @@ def _chain(by_name: dict[str, dict], group: dict, limit: int = 12) -> list[str]:
         source = next((g for g in node.get("groups", []) if g["group"] == link["group"]), None)
         if source is None:
             break
-        steps.append(f"{node['name']} ({node['op']}, {source['group']}): {source['precision']} - "
-                     f"{source['reason']}")
+        steps.append(f"{node['name']} ({node['op']}, {source['group']}): {source['precision']} "
+                     f"[{source.get('kind') or 'n/a'}] - {source['reason']}")
         link = source.get("via")
     return steps
+
+
+@dataclass
+class CheckResult:
+    """What `check` found in a converted model; no problems means it passes."""
+
+    target: str
+    problems: list[dict] = field(default_factory=list)
+    outputs: list[dict] = field(default_factory=list)
+    #: Findings that do not fail the check (shown, and kept in the JSON).
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "target": self.target, "problems": self.problems,
+                "outputs": self.outputs, "notes": self.notes}

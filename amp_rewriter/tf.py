@@ -1,4 +1,4 @@
-"""TensorFlow entry points (needs the `tensorflow` extra).
+"""TensorFlow entry points (needs the `tensorflow` extra); they live in `amp_rewriter.formats.tf`.
 
     from amp_rewriter.tf import rewrite_training_graph
     result = rewrite_training_graph(tf.compat.v1.get_default_graph(), loss=loss, train_op=train_op)
@@ -7,9 +7,15 @@
 Inference graphs and SavedModels: `convert_graphdef`, `convert_saved_model`, `convert_tf_file`.
 """
 
-from .tf_api import convert_graphdef, convert_saved_model, convert_tf_file
-from .tf_training import (LossScaleConfig, TrainingRewrite, check_tf_graph,
-                          rewrite_training_graph)
+from .formats.tf import (
+    LossScaleConfig,
+    TrainingRewrite,
+    check_tf_graph,
+    convert_graphdef,
+    convert_saved_model,
+    convert_tf_file,
+    rewrite_training_graph,
+)
 
 __all__ = ["rewrite_training_graph", "TrainingRewrite", "LossScaleConfig", "check_tf_graph",
            "convert_graphdef", "convert_saved_model", "convert_tf_file"]

@@ -12,7 +12,8 @@ already imported by its package before runpy executed it.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import onnx
 

@@ -7,8 +7,8 @@ anything time- or host-dependent, so the serialized bytes are identical across r
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnx

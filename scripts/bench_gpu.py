@@ -36,9 +36,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -48,9 +49,9 @@ sys.path.insert(0, str(REPO_ROOT))
 
 # torch must be imported before onnxruntime on the GPU host: its bundled CUDA libraries are the
 # ones onnxruntime's preload_dlls() finds.
-import torch  # noqa: E402
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
+import torch  # noqa: E402
 
 OPSET = 17
 SEED = 0

@@ -5,7 +5,7 @@ and amp-rewriter's bf16 SavedModel, in one run.
         [--runs 10] [--warmup 3] [--rounds 3] [--json results.json]
 
 For each model (weights=None, seeded, logits output) the script exports an fp32 SavedModel with
-`model.export`, converts it with `amp_rewriter.tf_api.convert_saved_model(target="bf16",
+`model.export`, converts it with `amp_rewriter.tf.convert_saved_model(target="bf16",
 backend="tf-cpu")`, and serves `serving_default` on the same batch of seeded random images in
 three fresh processes (TensorFlow's optimizer options are process-wide):
 
@@ -112,8 +112,9 @@ def main() -> None:
     import numpy as np
 
     sys.path.insert(0, str(REPO))
-    from amp_rewriter.tf_api import convert_saved_model
     import tensorflow as tf
+
+    from amp_rewriter.tf import convert_saved_model
 
     print(f"TensorFlow {tf.__version__}, {os.cpu_count()} CPU(s), batch {args.batch} at 224x224, "
           f"{args.rounds} rounds x {args.runs} calls per variant (after {args.warmup} warm-up "

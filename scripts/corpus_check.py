@@ -24,7 +24,7 @@ and classifies the result (first failing stage wins):
     ort_fail            the fp32 original runs in ORT CPU, the converted model does not load/run
     ort_missing_kernel  as ort_fail, but a hand-made low-precision copy of the failing op alone
                         fails the same way (NOT_IMPLEMENTED): an ORT CPU limitation, not ours
-    emulation_fail      bf16 only: amp_rewriter.validate.emulate_bfloat16 raised, or its model
+    emulation_fail      bf16 only: amp_rewriter.formats.onnx.validate.emulate_bfloat16 raised, or its model
                         does not load/run
     mismatch            outputs differ from fp32: max|a-b|/max|a| above the tolerance, NaN/Inf where
                         fp32 is finite, integer/bool outputs that differ, or a different structure
@@ -240,7 +240,7 @@ def load_feeds(model_path: str, model: Any) -> tuple[dict[str, Any] | None, str]
             missing = sorted(set(by_name) - set(feeds))
             return None, f"test data lacks inputs {missing}"
         return feeds, "test_data_set_0"
-    from amp_rewriter.validate import random_inputs
+    from amp_rewriter.formats.onnx.validate import random_inputs
     try:
         return random_inputs(model, seed=0), "random (seed 0)"
     except Exception as exc:  # noqa: BLE001 - e.g. an input dtype it cannot make
@@ -566,6 +566,7 @@ def check_case(model_path: str, target: str = "fp16", backend: str = "ort-cuda",
                keep_model: bool = False) -> dict[str, Any]:
     """Convert one corpus model and classify the outcome; returns a JSON-able record."""
     import onnx
+
     from amp_rewriter import AmpError, convert
 
     started = time.perf_counter()
@@ -642,7 +643,7 @@ def check_case(model_path: str, target: str = "fp16", backend: str = "ort-cuda",
                     message=f"fp32 original does not {stage} in ORT CPU: {error}")
     candidate = converted
     if target == "bf16":
-        from amp_rewriter.validate import emulate_bfloat16, has_bfloat16
+        from amp_rewriter.formats.onnx.validate import emulate_bfloat16, has_bfloat16
         record["bf16_in_model"] = has_bfloat16_anywhere(converted)
         if (record["bf16_in_model"] and not has_bfloat16(converted)
                 and not has_bfloat16_anywhere(original)):

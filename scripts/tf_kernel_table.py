@@ -17,7 +17,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from amp_rewriter.tf_api import kernel_checker  # noqa: E402
+from amp_rewriter.formats.tf.lists import kernel_checker  # noqa: E402
 from amp_rewriter.op_lists import _read_list_file  # noqa: E402
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16"}

@@ -29,9 +29,10 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 # TensorFlow reads this when it loads, so it has to be set before the first TF import (ours or
 # amp_rewriter's). setdefault keeps a value the user chose to see TF's logs.
@@ -78,7 +79,7 @@ def _import_tensorflow_quietly():
 tf = _import_tensorflow_quietly()
 tf.get_logger().setLevel("ERROR")
 
-from amp_rewriter.tf_training import rewrite_training_graph  # noqa: E402
+from amp_rewriter.tf import rewrite_training_graph  # noqa: E402
 from models.tf_training import OPTIMIZERS, build_training_graph, digits_data, train  # noqa: E402
 
 MODELS = ("mlp", "cnn")

@@ -14,7 +14,8 @@ Loop) comes from `b.subgraph(...)`, a nested builder sharing this one's name cou
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -49,7 +50,7 @@ class GraphBuilder:
     """Build one ONNX graph (and, via `build`, a model) in a few lines."""
 
     def __init__(self, opset: int = 17, *, ir_version: int = 8, seed: int = 0,
-                 name: str = "main", _parent: "GraphBuilder | None" = None):
+                 name: str = "main", _parent: GraphBuilder | None = None):
         self.opset = opset
         self.ir_version = ir_version
         self.name = name
@@ -68,7 +69,7 @@ class GraphBuilder:
         self._infer_outputs: set[str] = set()
 
     # -- values ---------------------------------------------------------------------------------
-    def _root(self) -> "GraphBuilder":
+    def _root(self) -> GraphBuilder:
         return self if self._parent is None else self._parent._root()
 
     def fresh(self, base: str) -> str:
@@ -123,7 +124,7 @@ class GraphBuilder:
             if dtype is None and shape is None:
                 self._infer_outputs.add(name)
 
-    def subgraph(self, name: str) -> "GraphBuilder":
+    def subgraph(self, name: str) -> GraphBuilder:
         """A nested builder for an If branch or Loop/Scan body; call `.graph()` on it."""
         return GraphBuilder(self.opset, name=name, _parent=self)
 

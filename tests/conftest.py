@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -16,6 +16,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # and the tests import the `models` package that lives there.
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+# Every conversion in the tests, in-process or through the CLI, checks the IR's invariants after
+# loading and after every pass (an error names the pass that broke them).
+os.environ["AMP_REWRITER_LINT"] = "1"
 
 #: Generous per-call limit: a hung CLI should fail one test, not stall the suite.
 CLI_TIMEOUT_S = 120

@@ -7,13 +7,13 @@ checks that the CLI neither wrote an output nor touched any file in that folder.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
+from conftest import CliRunner, describe_run
 from onnx import TensorProto, helper
 
-from conftest import CliRunner, describe_run
 from models import BUILDERS
 
 OUTPUT_NAME = "converted.onnx"

@@ -16,11 +16,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import CliRunner, describe_run
 from onnx import TensorProto
 
-from amp_rewriter.validate import emulate_bfloat16
-
-from conftest import CliRunner, describe_run
+from amp_rewriter.formats.onnx.validate import emulate_bfloat16
 from models import BUILDERS, MODEL_NAMES
 from models.cnn import TINY_EXAMPLE_PATH, build_tiny_model
 from models.custom_op import CUSTOM_DOMAIN, CUSTOM_NODE_NAME, CUSTOM_OP

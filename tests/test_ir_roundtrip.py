@@ -21,12 +21,13 @@ REPO = TESTS.parent
 sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(REPO))
 
-import amp_rewriter  # noqa: E402
-from amp_rewriter.emitters.onnx import emit_onnx  # noqa: E402
-from amp_rewriter.ir import lint  # noqa: E402
-from amp_rewriter.loaders.onnx import load_onnx  # noqa: E402
-from amp_rewriter.passes.propagate import GroupGraph  # noqa: E402
 from builder import GraphBuilder, assert_close, check, feeds_for, run  # noqa: E402
+
+import amp_rewriter  # noqa: E402
+from amp_rewriter.formats.onnx.emit import emit_onnx  # noqa: E402
+from amp_rewriter.formats.onnx.load import load_onnx  # noqa: E402
+from amp_rewriter.ir import lint  # noqa: E402
+from amp_rewriter.passes.analysis.group_graph import GroupGraph  # noqa: E402
 from models import BUILDERS  # noqa: E402
 
 EXAMPLES = sorted((REPO / "models" / "examples").glob("*.onnx"))

@@ -234,7 +234,7 @@ def test_curated_set_converts_something(corpus: dict[str, str]):
 
 def test_has_bfloat16_sees_subgraphs(corpus: dict[str, str]):
     import amp_rewriter
-    from amp_rewriter.validate import has_bfloat16
+    from amp_rewriter.formats.onnx.validate import has_bfloat16
 
     case = "node/test_linear_attention_linear_expanded"
     if case not in corpus:

@@ -25,8 +25,6 @@ from onnx import TensorProto, helper, numpy_helper
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import amp_rewriter  # noqa: E402
-from amp_rewriter.report import explain_text  # noqa: E402
 from builder import (  # noqa: E402
     GraphBuilder,
     all_nodes,
@@ -41,6 +39,9 @@ from builder import (  # noqa: E402
     producers,
     run,
 )
+
+import amp_rewriter  # noqa: E402
+from amp_rewriter.report import explain_text  # noqa: E402
 
 FLOAT, FLOAT16, BFLOAT16 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16
 
@@ -911,3 +912,23 @@ def test_api_takes_a_single_string_and_refuses_conflicting_classes():
     assert precisions(report)["mm2"] == "fp32"
     with pytest.raises(amp_rewriter.AmpError, match="both name"):
         convert(model, allow=["Relu"], deny=["Relu"])
+
+
+def test_a_divisor_that_partly_flushes_keeps_the_division_fp32():
+    """relu(x @ w) / c with one element of c (1e-9) below fp16's smallest subnormal: in fp16 that
+    element is 0, and 0 / 0 is NaN where fp32 gives 0, so the Div stays fp32 (the TF twin is in
+    tests/tf)."""
+    b = GraphBuilder(opset=17)
+    x = b.input("x", [2, 4])
+    c = b.const("c", np.array([1.0, 1e-9, 2.0, 4.0], np.float32))
+    y = b.op("Relu", b.op("MatMul", x, b.weight("w", [4, 4]), name="mm"), name="relu")
+    q = b.op("Tanh", b.op("Div", y, c, name="div"), name="tanh")
+    b.output(b.op("MatMul", q, b.weight("w2", [4, 4]), name="mm2"))
+    model = b.build()
+    converted, report = convert(model)
+    entry = report.node("div")
+    assert entry["precision"] == "fp32" and entry["kind"] == "constant_range"
+    assert "a divisor" in entry["reason"]
+    assert precisions(report)["mm"] == "fp16"
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)}
+    assert_close(model, converted, feeds, 2e-2)

@@ -330,7 +330,8 @@ def test_fp16_accuracy_at_least_as_good_as_onnxruntime(real_model, name: str, op
     reference_problem = case.theirs.error or case.theirs.run_error
     if reference_problem is not None:
         record_property("onnxruntime_float16_failure", reference_problem)
-        warnings.warn(f"onnxruntime's fp16 converter gives no usable {name} opset {opset}: {reference_problem}")
+        warnings.warn(f"onnxruntime's fp16 converter gives no usable {name} opset {opset}: {reference_problem}",
+                      stacklevel=2)
 
     for output_name, fp32_values in case.fp32_outputs.items():
         ours = case.ours.outputs[output_name]

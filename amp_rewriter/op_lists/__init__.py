@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -19,7 +19,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from ..errors import AmpError
-from ..ir import ALLOW, CLEAR, DENY, FP32, INFER
+from ..ir import ALLOW, CLEAR, DENY, FP32, INFER, decisions
 
 CLASSES = (ALLOW, INFER, DENY, CLEAR)
 TARGETS = ("fp16", "bf16")
@@ -42,7 +42,7 @@ class Overrides:
         self.source[op] = source
 
     @classmethod
-    def from_config(cls, path: str | Path, into: "Overrides | None" = None) -> "Overrides":
+    def from_config(cls, path: str | Path, into: Overrides | None = None) -> Overrides:
         """Read a TOML file: `allow = [..]`, `infer`, `deny`, `clear`, `keep_nodes = [..]`.
 
         The lists may also sit under an `[ops]` table; unknown keys are refused so typos surface.
@@ -100,10 +100,13 @@ class OpLists:
     #: When set, asked last: (op, type group name such as "T" or "T[1]") -> whether the backend
     #: has a kernel for the op with that group in the target dtype (a front end's kernel registry).
     kernel_check: Callable[[str, str | None], bool] | None = None
+    #: Ops whose class the user set (overrides, config, environment lists): decision kind
+    #: user_override instead of op_list.
+    user_set: set[str] = field(default_factory=set)
 
     @classmethod
     def load(cls, fmt: str, target: str, backend: str,
-             overrides: Overrides | None = None) -> "OpLists":
+             overrides: Overrides | None = None) -> OpLists:
         """Merge generic lists, backend profile and overrides for `fmt`/`target`/`backend`."""
         if target not in TARGETS:
             raise AmpError(f"unknown target {target!r} (expected fp16 or bf16)")
@@ -138,14 +141,23 @@ class OpLists:
     def apply_overrides(self, overrides: Overrides) -> None:
         """Move ops between classes as the user asked."""
         for op, op_class in overrides.moves.items():
-            self.classes[op] = op_class
-            self.reasons[op] = f"{op_class} by user override ({overrides.source[op]})"
+            self.set_class(op, op_class, f"{op_class} by user override ({overrides.source[op]})")
+
+    def set_class(self, op: str, op_class: str, reason: str) -> None:
+        """Put `op` in `op_class` because the user asked (an override, a config, a variable)."""
+        self.classes[op] = op_class
+        self.reasons[op] = reason
+        self.user_set.add(op)
 
     def class_of(self, op: str) -> tuple[str, str]:
         """(class, reason) for an op; unlisted ops are fp32."""
         if op in self.classes:
             return self.classes[op], self.reasons[op]
         return FP32, f"{op} is on no list: unlisted ops stay fp32 and block propagation"
+
+    def kind_of(self, op: str) -> str:
+        """The decision kind behind `class_of(op)`: the user's override or the op lists."""
+        return decisions.USER_OVERRIDE if op in self.user_set else decisions.OP_LIST
 
     def has_kernel(self, op: str, group: str | None = None) -> bool:
         """Whether the backend can run `op` (with type group `group`) in the target precision."""

@@ -13,7 +13,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 tf = pytest.importorskip("tensorflow")
 
 from amp_rewriter import cli  # noqa: E402
-from amp_rewriter.tf_api import compare_graphdefs, convert_graphdef  # noqa: E402
+from amp_rewriter.formats.tf import compare_graphdefs, convert_graphdef  # noqa: E402
 
 v1 = tf.compat.v1
 RNG = np.random.default_rng(0)
@@ -52,7 +52,7 @@ class Converted:
             assert comparison.relative < rtol, comparison
 
 
-def build(fn) -> "tf.compat.v1.GraphDef":
+def build(fn) -> tf.compat.v1.GraphDef:
     graph = tf.Graph()
     with graph.as_default():
         fn()
@@ -378,6 +378,27 @@ def test_fp16_overflowing_constant_keeps_its_consumer_fp32():
     assert "finite range" in c.entries["masked"]["reason"]
     assert c.report.constants and c.report.constants[0]["action"] == "kept_fp32"
     c.run(rtol=2e-2)
+
+
+def test_a_divisor_that_partly_flushes_keeps_the_division_fp32():
+    """`x / c` (RealDiv) with one element of c below fp16's smallest subnormal stays fp32, as
+    ONNX's Div does: in fp16 that element would be 0, and relu's zeros / 0 NaN."""
+    def model():
+        x = v1.placeholder(tf.float32, [4, 4], name="x")
+        h = tf.nn.relu(tf.matmul(x, weights(4, 4), name="mm"), name="relu")
+        q = tf.math.truediv(h, np.array([1.0, 1e-9, 2.0, 4.0], np.float32), name="div")
+        t = tf.tanh(q, name="tanh")
+        tf.identity(tf.matmul(t, weights(4, 4), name="mm2"), name="y")
+
+    graph_def = build(model)
+    assert next(n for n in graph_def.node if n.name == "div").op == "RealDiv"
+    c = Converted(graph_def, ["y"], target="fp16", backend="tf-gpu")
+    assert c.precision("mm") == "fp16"
+    assert c.precision("div") == "fp32"
+    assert c.entries["div"]["kind"] == "constant_range"
+    assert "a divisor" in c.entries["div"]["reason"]
+    for comparison in compare_graphdefs(c.original, c.graph_def, ["y"]):
+        assert not comparison.nonfinite_new and comparison.relative < 2e-2, comparison
 
 
 def test_v1_while_loop_constant_inside_the_frame_keeps_its_control_input(control_flow_v1):

@@ -15,8 +15,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 from amp_rewriter import cli  # noqa: E402
-from amp_rewriter.tf_api import (compare_saved_models, convert_saved_model,  # noqa: E402
-                                 read_saved_model)
+from amp_rewriter.formats.tf import compare_saved_models, convert_saved_model, read_saved_model  # noqa: E402
 
 
 def _function_signatures(path: Path) -> dict[str, tuple]:

@@ -13,20 +13,19 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from amp_rewriter.errors import AmpError  # noqa: E402
-from amp_rewriter.tf import (LossScaleConfig, check_tf_graph,  # noqa: E402
-                             rewrite_training_graph)
+from amp_rewriter.tf import LossScaleConfig, check_tf_graph, rewrite_training_graph  # noqa: E402
 from models.tf_training import build_training_graph, digits_data, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 200
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _data():
     return digits_data()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fp32_accuracy(model: str, optimizer: str) -> float:
     return train(build_training_graph(model, optimizer), steps=STEPS, data=_data())[1]
 

@@ -1,0 +1,65 @@
+"""The contract every format package fulfils, so the CLI and the API never name a format's
+details: a format converts a file, validates a conversion, checks a converted model and
+explains a model, all with the same `Options`."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..options import Options, TrainingOptions
+from ..passes.base import FormatRules
+from ..report import CheckResult, Report
+from ..validation import Validation
+
+
+class Format(ABC):
+    """One model format (ONNX, TensorFlow): its rules for the passes and its entry points."""
+
+    #: Short name ("onnx", "tf"), as in op_lists/<name>.toml.
+    name: str
+    rules: FormatRules
+
+    @abstractmethod
+    def default_backend(self, target: str) -> str:
+        """The backend profile used when the user names none."""
+
+    @abstractmethod
+    def convert_file(self, input_path: Path, output_path: Path, options: Options,
+                     training: TrainingOptions | None = None) -> Report:
+        """Convert `input_path` and write the result to `output_path` (the input is never
+        touched; nothing is left behind on failure)."""
+
+    @abstractmethod
+    def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
+                 inputs: str | None, rtol: float) -> Validation:
+        """Run the fp32 and converted models on the same inputs and compare their outputs."""
+
+    @abstractmethod
+    def check(self, path: Path, target: str | None, backend: str | None,
+              reference: Path | None, rtol: float | None) -> CheckResult:
+        """Lint a converted model for CI."""
+
+    @abstractmethod
+    def explain(self, source: Path, options: Options) -> Report:
+        """Convert `source` in memory (nothing written) for `explain`."""
+
+    def discard_output(self, output_path: Path) -> None:
+        """Remove an output a failed run must not leave behind."""
+        output_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def cyclic_gc_paused() -> Iterator[None]:
+    """The IR makes hundreds of thousands of small objects that live until the end; Python's
+    cyclic collector would rescan them again and again (half the run time at 50k nodes)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -1,0 +1,177 @@
+"""IR -> ONNX: patch the loaded ModelProto in place and write it atomically.
+
+Nodes the passes did not touch keep their original NodeProto (attributes, doc strings, metadata);
+only renamed inputs/outputs, retargeted casts and converted fill values are patched. Initializers
+keep their original TensorProto unless converted. New casts get fresh NodeProtos.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import external_data_helper, helper, numpy_helper
+
+from ...errors import AmpError
+from ...ir import Graph, IRError, LazyTensor, Model, Node, Value, present
+from ...ir.dtypes import NUMPY_DTYPES
+from .load import PROTOBUF_LIMIT, all_tensors, elem_type_code
+
+
+def _tensor_proto(name: str, tensor: LazyTensor) -> onnx.TensorProto:
+    array = np.asarray(tensor.numpy())
+    if array.dtype != NUMPY_DTYPES.get(tensor.dtype, array.dtype):
+        array = array.astype(NUMPY_DTYPES[tensor.dtype])
+    if tensor.dtype == "bfloat16":
+        proto = helper.make_tensor(name, onnx.TensorProto.BFLOAT16, array.shape,
+                                   array.view(np.uint16).tobytes(), raw=True)
+        return proto
+    return numpy_helper.from_array(array, name)
+
+
+def _data(initializer: Value) -> LazyTensor:
+    if initializer.const is None:
+        raise IRError(f"initializer {initializer.name!r} has no data")
+    return initializer.const
+
+
+def _patch_node(node: Node, cast_takes_string: bool = False) -> onnx.NodeProto:
+    proto = node.handle
+    if proto is None:  # a cast a pass created
+        code = elem_type_code(node.attrs["to"])
+        to = onnx.TensorProto.DataType.Name(code) if cast_takes_string else code
+        return helper.make_node("Cast", [present(node.inputs[0]).name],
+                                [present(node.outputs[0]).name], name=node.name, to=to)
+    for slot, value in enumerate(node.inputs):
+        name = value.name if value is not None else ""
+        if proto.input[slot] != name:
+            proto.input[slot] = name
+    for slot, value in enumerate(node.outputs):
+        name = value.name if value is not None else ""
+        if proto.output[slot] != name:
+            proto.output[slot] = name
+    if node.op_type == "Cast" and node.outputs[0] is not None:
+        out = node.outputs[0]
+        if out.dtype != out.original_dtype and out.dtype is not None:
+            for attr in proto.attribute:
+                if attr.name == "to":
+                    attr.i = elem_type_code(out.dtype)
+    if node.op_type == "ConstantOfShape":
+        fill = node.attrs.get("value")
+        if fill is not None and fill.handle is None:
+            for attr in list(proto.attribute):
+                if attr.name == "value":
+                    proto.attribute.remove(attr)
+            proto.attribute.append(helper.make_attribute("value", _tensor_proto("", fill)))
+    return proto
+
+
+def _set_elem_type(info: onnx.ValueInfoProto, dtype: str | None) -> None:
+    if dtype is None or not info.type.HasField("tensor_type"):
+        return
+    code = elem_type_code(dtype)
+    if info.type.tensor_type.elem_type != code:
+        info.type.tensor_type.elem_type = code
+
+
+def _emit_graph(graph: Graph, cast_takes_string: bool = False) -> None:
+    proto: onnx.GraphProto = graph.handle
+    nodes = [_patch_node(node, cast_takes_string) for node in graph.nodes]
+    del proto.node[:]
+    proto.node.extend(nodes)
+
+    kept: list[onnx.TensorProto] = []
+    emitted: set[str] = set()
+    for tensor in proto.initializer:
+        value = graph.initializers.get(tensor.name)
+        if value is None:
+            continue
+        const = _data(value)
+        kept.append(tensor if const.handle is tensor else _tensor_proto(value.name, const))
+        emitted.add(tensor.name)
+    for name, value in graph.initializers.items():
+        if name not in emitted:
+            const = _data(value)
+            kept.append(const.handle if const.handle is not None else _tensor_proto(name, const))
+    del proto.initializer[:]
+    proto.initializer.extend(kept)
+
+    declared = {info.name: info for info in proto.input}
+    inputs = []
+    for value in graph.inputs:
+        info = declared.get(value.name)
+        if info is None:  # a converted initializer that IR < 4 must list as an input too
+            info = helper.make_tensor_value_info(value.name, elem_type_code(_data(value).dtype),
+                                                 list(_data(value).shape))
+        _set_elem_type(info, value.dtype)
+        inputs.append(info)
+    if [i.name for i in inputs] != [i.name for i in proto.input]:
+        del proto.input[:]
+        proto.input.extend(inputs)
+    for info, value in zip(proto.output, graph.outputs):
+        if info.name != value.name:
+            info.name = value.name
+        _set_elem_type(info, value.dtype)
+    kept_info = []
+    for info in proto.value_info:
+        value = graph.values.get(info.name)
+        if value is None:
+            continue
+        _set_elem_type(info, value.dtype)
+        kept_info.append(info)
+    if len(kept_info) != len(proto.value_info):
+        del proto.value_info[:]
+        proto.value_info.extend(kept_info)
+
+
+def emit_onnx(model: Model) -> onnx.ModelProto:
+    """Write the IR back into its ModelProto (inner graphs first, so copies see final bodies)."""
+    opset = next((imp.version for imp in model.handle.opset_import
+                  if imp.domain in ("", "ai.onnx")), 0)
+    for graph in reversed(list(model.graph.walk_graphs())):
+        _emit_graph(graph, cast_takes_string=opset < 6)  # Cast-1's `to` is a type name
+    return model.handle
+
+
+def _default_file_mode() -> int:
+    """The mode a plain new file gets under the current umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def has_external_data(model: onnx.ModelProto) -> bool:
+    """Whether any tensor of the model (subgraphs included) lives in an external file."""
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in all_tensors(model.graph))
+
+
+def save_onnx(model: onnx.ModelProto, path: str | os.PathLike,
+              source_dir: str | os.PathLike | None = None, external: bool | None = None) -> None:
+    """Write `model` to `path` atomically (temporary file, then rename).
+
+    Tensors stored externally in the input (relative to `source_dir`) are read and written next to
+    the output as `<name>.data`; so is everything when the model is too big for one protobuf.
+    """
+    path = Path(path)
+    out_dir = path.parent if str(path.parent) else Path(".")
+    if not out_dir.is_dir():
+        raise AmpError(f"{path}: output folder {out_dir} does not exist")
+    if external is None:
+        external = has_external_data(model) or model.ByteSize() > PROTOBUF_LIMIT
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".amp-rewriter-") as tmp:
+        tmp_model = Path(tmp) / path.name
+        if external:
+            if source_dir is not None:
+                external_data_helper.load_external_data_for_model(model, str(source_dir))
+            data_name = path.name + ".data"
+            onnx.save_model(model, str(tmp_model), save_as_external_data=True,
+                            all_tensors_to_one_file=True, location=data_name,
+                            size_threshold=1024, convert_attribute=False)
+            os.chmod(Path(tmp) / data_name, _default_file_mode())  # onnx writes it 0600
+            os.replace(Path(tmp) / data_name, out_dir / data_name)
+        else:
+            tmp_model.write_bytes(model.SerializeToString(deterministic=True))
+        os.replace(tmp_model, path)

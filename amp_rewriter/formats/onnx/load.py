@@ -1,0 +1,495 @@
+"""ONNX ModelProto -> IR.
+
+Type groups come from the op schema's type constraints at the model's opset; If/Loop/Scan get
+groups that tie their outer slots to their bodies' inputs and outputs. Dtypes come from our own
+inference over the schemas; shape inference and existing value_info only fill what that cannot
+decide, so no correctness depends on them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ...errors import AmpError
+from ...fileio import read_input_bytes
+from ...ir import FLOAT32, Graph, LazyTensor, Model, Node, TypeGroup, Value
+from .rules import ATTRIBUTE_TYPED_OUTPUTS, CONTROL_FLOW_OPS, FIXED_TYPE_PARAMS
+
+#: 2 GiB: the protobuf limit on one serialized message.
+PROTOBUF_LIMIT = 2**31 - 1
+
+_ELEM_TYPE_NAMES = {
+    "FLOAT": "float32", "DOUBLE": "float64", "FLOAT16": "float16", "BFLOAT16": "bfloat16",
+}
+
+
+def dtype_name(elem_type: int) -> str | None:
+    """Our dtype name for an ONNX TensorProto elem_type code (None for UNDEFINED)."""
+    if not elem_type:
+        return None
+    name = onnx.TensorProto.DataType.Name(elem_type)
+    return _ELEM_TYPE_NAMES.get(name, name.lower())
+
+
+def elem_type_code(dtype: str) -> int:
+    """The ONNX elem_type code for one of our dtype names."""
+    for onnx_name, ours in _ELEM_TYPE_NAMES.items():
+        if ours == dtype:
+            return getattr(onnx.TensorProto, onnx_name)
+    return getattr(onnx.TensorProto, dtype.upper())
+
+
+def _type_str_dtype(type_str: str) -> str | None:
+    """'tensor(float16)' -> 'float16'; sequence/optional/map types -> None."""
+    if not type_str.startswith("tensor(") or not type_str.endswith(")"):
+        return None
+    inner = type_str[len("tensor("):-1]
+    return {"float": "float32", "double": "float64"}.get(inner, inner)
+
+
+class _Formal:
+    """How a schema's formal inputs/outputs map onto a node's slots."""
+
+    __slots__ = ("inputs", "outputs", "constraints", "has_containers")
+
+    def __init__(self, schema: onnx.defs.OpSchema):
+        def formals(params: Sequence[Any]) -> list[tuple[str, bool, bool]]:
+            result = []
+            for p in params:
+                variadic = p.option == onnx.defs.OpSchema.FormalParameterOption.Variadic
+                result.append((p.type_str, variadic, bool(getattr(p, "is_homogeneous", True))))
+            return result
+
+        self.inputs = formals(schema.inputs)
+        self.outputs = formals(schema.outputs)
+        self.constraints: dict[str, frozenset[str]] = {}
+        for constraint in schema.type_constraints:
+            allowed = {_type_str_dtype(t) for t in constraint.allowed_type_strs}
+            self.constraints[constraint.type_param_str] = frozenset(
+                t for t in allowed if t is not None)
+        #: Ops that always read or write a sequence/optional/map are left as they are (ops such
+        #: as Identity whose constraint merely admits containers are not: a container value has
+        #: no tensor dtype, so it never joins a group decision anyway).
+        containers = ("seq(", "optional(", "map(")
+        self.has_containers = schema.name.startswith(("Sequence", "Optional")) or any(
+            all(t.startswith(containers) for t in c.allowed_type_strs)
+            for c in schema.type_constraints) or any(
+            p.type_str.startswith(containers) for p in list(schema.inputs) + list(schema.outputs))
+
+    def slot_params(self, formals: list[tuple[str, bool, bool]], count: int
+                    ) -> list[tuple[str, bool]]:
+        """(type_str, homogeneous) for each of `count` actual slots."""
+        result: list[tuple[str, bool]] = []
+        for index in range(count):
+            if index < len(formals):
+                type_str, _variadic, homogeneous = formals[index]
+            elif formals and formals[-1][1]:
+                type_str, _variadic, homogeneous = formals[-1]
+            else:
+                type_str, homogeneous = "", True
+            result.append((type_str, homogeneous))
+        return result
+
+
+@cache
+def _group_plan(formal: _Formal, op_type: str, inputs: int, outputs: int
+                ) -> tuple[tuple[bool, int, str, str], ...]:
+    """(is_input, slot, group key, type param) for every slot bound to a type constraint.
+
+    Homogeneous params share one group per type param; heterogeneous variadic slots get one each.
+    """
+    plan = []
+    for is_input, formals, count in ((True, formal.inputs, inputs),
+                                     (False, formal.outputs, outputs)):
+        for slot, (type_str, homogeneous) in enumerate(formal.slot_params(formals, count)):
+            if type_str not in formal.constraints:
+                continue  # a fixed type such as tensor(int64)
+            key = type_str if homogeneous else f"{type_str}[{'in' if is_input else 'out'}{slot}]"
+            plan.append((is_input, slot, key, type_str))
+    return tuple(plan)
+
+
+@cache
+def _formal(op_type: str, domain: str, opset: int) -> _Formal | None:
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, domain)
+    except Exception:  # onnx raises SchemaError for unknown ops; any failure means "no schema"
+        return None
+    return _Formal(schema)
+
+
+def _check_external_location(tensor: onnx.TensorProto, base_dir: Path) -> None:
+    """Refuse external data that points outside the model's folder (path traversal)."""
+    location = next((e.value for e in tensor.external_data if e.key == "location"), None)
+    if location is None:
+        raise AmpError(f"tensor {tensor.name!r} is marked external but has no location")
+    if os.path.isabs(location) or location.startswith(("\\", "/")) or ":" in location:
+        raise AmpError(f"tensor {tensor.name!r}: external data location {location!r} is not "
+                       f"a relative path inside the model's folder")
+    resolved = (base_dir / location).resolve()
+    try:
+        resolved.relative_to(base_dir.resolve())
+    except ValueError:
+        raise AmpError(f"tensor {tensor.name!r}: external data location {location!r} points "
+                       f"outside the model's folder") from None
+    if not resolved.is_file():
+        raise AmpError(f"tensor {tensor.name!r}: external data file {location!r} not found")
+
+
+def _tensor_loader(tensor: onnx.TensorProto, base_dir: Path | None):
+    def load() -> np.ndarray:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            return numpy_helper.to_array(tensor, str(base_dir) if base_dir else "")
+        return numpy_helper.to_array(tensor)
+    return load
+
+
+def lazy_tensor(tensor: onnx.TensorProto, base_dir: Path | None) -> LazyTensor:
+    """Wrap a TensorProto without reading its (possibly external) data."""
+    return LazyTensor(dtype_name(tensor.data_type) or "undefined", tuple(tensor.dims),
+                      _tensor_loader(tensor, base_dir), handle=tensor)
+
+
+def read_model_file(path: str | os.PathLike) -> onnx.ModelProto:
+    """Parse an .onnx file without loading external data; bad files raise AmpError."""
+    data = read_input_bytes(path, "expected an .onnx file or a SavedModel directory (one with "
+                                  "saved_model.pb)")
+    return parse_model_bytes(data, str(path))
+
+
+def parse_model_bytes(data: bytes, label: str) -> onnx.ModelProto:
+    """Parse serialized ModelProto bytes; anything but a sound ONNX model raises AmpError."""
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except Exception:
+        raise AmpError(f"{label}: not an ONNX model (the protobuf does not parse; truncated or "
+                       f"another format?)") from None
+    if model.ir_version <= 0 or not model.HasField("graph") or not model.opset_import:
+        raise AmpError(f"{label}: not an ONNX model (no graph, IR version or opset import)")
+    return model
+
+
+def all_tensors(graph: onnx.GraphProto):
+    """Every TensorProto in a graph and its subgraphs (initializers and attribute tensors)."""
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        yield from g.initializer
+        for node in g.node:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+                if attr.HasField("g"):
+                    stack.append(attr.g)
+                stack.extend(attr.graphs)
+
+
+class OnnxLoader:
+    """Builds the IR for one ONNX model. Use `load_onnx`."""
+
+    def __init__(self, model: onnx.ModelProto, base_dir: Path | None):
+        self.model = model
+        self.base_dir = base_dir
+        self.opsets = {(imp.domain or ""): imp.version for imp in model.opset_import}
+        if "ai.onnx" in self.opsets:
+            self.opsets.setdefault("", self.opsets["ai.onnx"])
+        self.local_functions = {(f.domain, f.name) for f in model.functions}
+        self.hints: dict[str, tuple[str | None, tuple | None]] = {}
+        self.ir_model = self._new_model()
+        self.order = 0
+
+    def _new_model(self) -> Model:
+        return Model(graph=Graph("main"), format="onnx", handle=self.model)
+
+    # -- dtype hints from value_info and shape inference ------------------------------------
+    def _collect_hints(self) -> None:
+        """Dtypes the model itself declares (value_info, inputs, outputs), as fallbacks."""
+        stack = [self.model.graph]
+        while stack:
+            g = stack.pop()
+            for infos in (g.value_info, g.input, g.output):
+                for info in infos:
+                    elem_type = info.type.tensor_type.elem_type
+                    if elem_type and info.name not in self.hints:
+                        self.hints[info.name] = (dtype_name(elem_type), None)
+            for node in g.node:
+                for attr in node.attribute:
+                    if attr.HasField("g"):
+                        stack.append(attr.g)
+                    stack.extend(attr.graphs)
+
+    def _add_inferred_hints(self) -> None:
+        """Dtypes from onnx shape inference, for values our own schema rules left open."""
+        try:
+            inferred = onnx.shape_inference.infer_shapes(self.model, strict_mode=False)
+        except Exception:  # inference is only a hint source; our own dtype rules come first
+            return
+        stack = [inferred.graph]
+        while stack:
+            g = stack.pop()
+            for info in g.value_info:
+                tt = info.type.tensor_type
+                if info.type.HasField("tensor_type") and tt.elem_type:
+                    self.hints.setdefault(info.name, (dtype_name(tt.elem_type), None))
+            for node in g.node:
+                for attr in node.attribute:
+                    if attr.HasField("g"):
+                        stack.append(attr.g)
+                    stack.extend(attr.graphs)
+
+    # -- graphs ---------------------------------------------------------------------------
+    def load(self) -> Model:
+        for tensor in all_tensors(self.model.graph):
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                if self.base_dir is None:
+                    raise AmpError(f"tensor {tensor.name!r} has external data, but the model was "
+                                   f"not given as a file path")
+                _check_external_location(tensor, self.base_dir)
+        self._collect_hints()
+        self._load_graph(self.model.graph, self.ir_model.graph)
+        if self._has_unknown_dtypes():
+            # Only now pay for shape inference, and rebuild with its answers as hints.
+            self._add_inferred_hints()
+            self.ir_model = self._new_model()
+            self.order = 0
+            self._load_graph(self.model.graph, self.ir_model.graph)
+            self._dtypes_from_consumers()
+        return self.ir_model
+
+    def _dtypes_from_consumers(self) -> None:
+        """A value still of unknown dtype (a custom op's output without value_info) takes the
+        dtype its consumers' type groups say it must have, so casts are placed around it."""
+        for node in self.ir_model.graph.walk_nodes():
+            for value in node.outputs:
+                if value is None or value.dtype is not None:
+                    continue
+                for consumer, slot in value.uses:
+                    group = consumer.input_group[slot]
+                    dtype = group.dtype if group is not None else None
+                    if dtype is not None:
+                        value.dtype = value.original_dtype = dtype
+                        break
+
+    def _has_unknown_dtypes(self) -> bool:
+        return any(value is not None and value.dtype is None
+                   for node in self.ir_model.graph.walk_nodes() for value in node.outputs)
+
+    def _new_value(self, graph: Graph, name: str, dtype: str | None = None,
+                   shape: tuple | None = None) -> Value:
+        hint_dtype, hint_shape = self.hints.get(name, (None, None))
+        value = Value(name, graph, dtype or hint_dtype, shape if shape is not None else hint_shape)
+        graph.add_value(value)
+        self.ir_model.used_names.add(name)
+        return value
+
+    def _load_graph(self, proto: onnx.GraphProto, graph: Graph) -> None:
+        graph.handle = proto
+        # Below IR 4 every initializer is listed as an input too, and is a constant all the same;
+        # from IR 4 on, an initializer listed as an input is a default the caller may override.
+        graph.initializers_are_inputs = self.model.ir_version < 4
+        for init in proto.initializer:
+            value = self._new_value(graph, init.name, dtype_name(init.data_type), tuple(init.dims))
+            value.const = lazy_tensor(init, self.base_dir)
+            graph.initializers[init.name] = value
+        for info in proto.input:
+            value = graph.values.get(info.name) or self._new_value(graph, info.name)
+            tt = info.type.tensor_type
+            if info.type.HasField("tensor_type") and tt.elem_type:
+                value.dtype = value.original_dtype = dtype_name(tt.elem_type)
+            value.overridable = value.const is not None and not graph.initializers_are_inputs
+            graph.add_input(value)
+        for index, node_proto in enumerate(proto.node):
+            graph.append_node(self._load_node(node_proto, graph, index))
+        for info in proto.output:
+            output = graph.lookup(info.name)
+            if output is None:
+                raise AmpError(f"graph {proto.name or graph.name!r}: output {info.name!r} is "
+                               f"never produced")
+            value = output
+            if value.dtype is None and info.type.tensor_type.elem_type:
+                value.dtype = value.original_dtype = dtype_name(info.type.tensor_type.elem_type)
+            graph.add_output(value)
+
+    def _load_node(self, proto: onnx.NodeProto, graph: Graph, index: int) -> Node:
+        name = proto.name or self.ir_model.unique_name(f"{proto.op_type}_{index}")
+        node = Node(name, proto.op_type, proto.domain, graph)
+        node.handle = proto
+        node.order = self.order
+        self.order += 1
+        self.ir_model.used_names.add(name)
+        for input_name in proto.input:
+            if not input_name:
+                node.add_input(None)
+                continue
+            value = graph.lookup(input_name)
+            if value is None:
+                raise AmpError(f"node {name!r} ({proto.op_type}): input {input_name!r} is not "
+                               f"produced before it (graph not in topological order, or a "
+                               f"missing graph input)")
+            node.add_input(value)
+        for attr in proto.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                sub = Graph(f"{name}/{attr.name}", parent=graph, owner=node)
+                self._load_graph(attr.g, sub)
+                node.subgraphs[attr.name] = sub
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                raise AmpError(f"node {name!r}: graph-list attributes are not supported")
+            elif attr.type == onnx.AttributeProto.TENSOR:
+                node.attrs[attr.name] = lazy_tensor(attr.t, self.base_dir)
+            elif attr.type == onnx.AttributeProto.INT:
+                node.attrs[attr.name] = attr.i
+            elif attr.type == onnx.AttributeProto.FLOAT:
+                node.attrs[attr.name] = attr.f
+        for output_name in proto.output:
+            if not output_name:
+                node.add_output(None)
+                continue
+            value = self._new_value(graph, output_name)
+            node.add_output(value)
+            if proto.op_type == "Constant" and "value" in node.attrs:
+                value.const = node.attrs["value"]
+        self._build_type_groups(node)
+        self._infer_output_dtypes(node)
+        return node
+
+    # -- type groups ------------------------------------------------------------------------
+    def _build_type_groups(self, node: Node) -> None:
+        node.input_group = [None] * len(node.inputs)
+        node.output_group = [None] * len(node.outputs)
+        if node.op_type in CONTROL_FLOW_OPS and node.domain in ("", "ai.onnx"):
+            self._control_flow_groups(node)
+            return
+        formal = None
+        if (node.domain, node.op_type) not in self.local_functions:
+            opset = self.opsets.get(node.domain or "")
+            if opset is not None:
+                formal = _formal(node.op_type, node.domain or "", opset)
+        if formal is None:
+            node.has_schema = False
+            return
+        plan = _group_plan(formal, node.op_type, len(node.inputs), len(node.outputs))
+        groups: dict[str, TypeGroup] = {}
+        for is_input, slot, key, type_str in plan:
+            values = node.inputs if is_input else node.outputs
+            if values[slot] is None:
+                continue
+            group = groups.get(key)
+            if group is None:
+                fixed_reason = FIXED_TYPE_PARAMS.get((node.op_type, type_str))
+                if formal.has_containers:
+                    fixed_reason = "sequence/optional ops keep their element dtype"
+                elif node.op_type in ATTRIBUTE_TYPED_OUTPUTS and (not is_input
+                                                                or node.op_type == "BitCast"):
+                    fixed_reason = f"{node.op_type}'s output dtype is set by an attribute"
+                group = TypeGroup(node, key, allowed=formal.constraints[type_str],
+                                  fixed=fixed_reason is not None, reason=fixed_reason or "")
+                groups[key] = group
+                node.type_groups.append(group)
+            if is_input:
+                group.input_slots.append(slot)
+                node.input_group[slot] = group
+            else:
+                group.output_slots.append(slot)
+                node.output_group[slot] = group
+
+    def _control_flow_groups(self, node: Node) -> None:
+        """Tie each loop-carried / branch / scan value to one group across the body boundary."""
+
+        cast_formal = _formal("Cast", "", self.opsets.get("", 0))
+        castable = cast_formal.constraints.get("T2") if cast_formal is not None else None
+
+        def add(name: str, inputs: list[int], outputs: list[int], defs: list[Value],
+                uses: list[tuple[Graph, int]]) -> None:
+            group = TypeGroup(node, name, list(inputs), list(outputs), allowed=castable,
+                              inner_defs=defs, inner_uses=uses)
+            node.type_groups.append(group)
+            for slot in inputs:
+                node.input_group[slot] = group
+            for slot in outputs:
+                node.output_group[slot] = group
+
+        if node.op_type == "If":
+            then_g, else_g = node.subgraphs.get("then_branch"), node.subgraphs.get("else_branch")
+            branches = [g for g in (then_g, else_g) if g is not None]
+            for i in range(len(node.outputs)):
+                add(f"out{i}", [], [i], [], [(branch, i) for branch in branches])
+        elif node.op_type == "Loop":
+            body = node.subgraphs["body"]
+            carried = len(node.inputs) - 2
+            for i in range(carried):
+                add(f"carried{i}", [2 + i], [i], [body.inputs[2 + i]], [(body, 1 + i)])
+            for k in range(len(node.outputs) - carried):
+                add(f"scan_out{k}", [], [carried + k], [], [(body, 1 + carried + k)])
+        else:  # Scan; before opset 9 its first input is sequence_lens
+            body = node.subgraphs["body"]
+            first = 1 if self.opsets.get("", 0) < 9 else 0
+            scan_inputs = int(node.attrs.get("num_scan_inputs", 0))
+            states = len(node.inputs) - first - scan_inputs
+            for i in range(states):
+                add(f"state{i}", [first + i], [i], [body.inputs[i]], [(body, i)])
+            for j in range(scan_inputs):
+                add(f"scan_in{j}", [first + states + j], [], [body.inputs[states + j]], [])
+            for k in range(len(node.outputs) - states):
+                add(f"scan_out{k}", [], [states + k], [], [(body, states + k)])
+
+    # -- dtypes -----------------------------------------------------------------------------
+    def _infer_output_dtypes(self, node: Node) -> None:
+        """Our own dtype rule for each output; hints only fill what the schema leaves open."""
+        for slot, value in enumerate(node.outputs):
+            if value is None:
+                continue
+            dtype = self._output_dtype(node, slot)
+            if dtype is not None:
+                value.dtype = dtype
+            value.original_dtype = value.dtype
+
+    def _output_dtype(self, node: Node, slot: int) -> str | None:
+        op = node.op_type
+        if node.domain in ("", "ai.onnx"):
+            if op == "Cast" and "to" in node.attrs:
+                return dtype_name(node.attrs["to"])
+            if op == "CastLike" and len(node.inputs) > 1 and node.inputs[1] is not None:
+                return node.inputs[1].dtype
+            if op in ("Constant", "ConstantOfShape"):
+                tensor = node.attrs.get("value")
+                if tensor is not None:
+                    return tensor.dtype
+                return FLOAT32 if op == "ConstantOfShape" else None
+            if op in ("RandomNormal", "RandomUniform", "EyeLike", "RandomNormalLike",
+                      "RandomUniformLike", "Bernoulli", "Multinomial") and "dtype" in node.attrs:
+                return dtype_name(node.attrs["dtype"])
+        value = node.outputs[slot]
+        assert value is not None
+        group = node.output_group[slot] if slot < len(node.output_group) else None
+        if group is None:
+            formal = (_formal(op, node.domain or "", self.opsets.get(node.domain or "", 0))
+                      if node.has_schema and op not in CONTROL_FLOW_OPS else None)
+            if formal is not None:
+                params = formal.slot_params(formal.outputs, len(node.outputs))
+                return _type_str_dtype(params[slot][0]) or value.dtype
+            return value.dtype
+        for in_slot in group.input_slots:
+            source = node.inputs[in_slot]
+            if source is not None and source.dtype is not None:
+                return source.dtype
+        for body, index in group.inner_uses:
+            if index < len(body.outputs) and body.outputs[index].dtype:
+                return body.outputs[index].dtype
+        if group.allowed is not None and len(group.allowed) == 1:
+            return next(iter(group.allowed))
+        return value.dtype
+
+
+def load_onnx(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None) -> Model:
+    """Build the IR for `model`. `base_dir` is the folder external data is relative to."""
+    return OnnxLoader(model, Path(base_dir) if base_dir is not None else None).load()

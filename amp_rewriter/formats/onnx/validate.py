@@ -1,0 +1,178 @@
+"""Run an fp32 ONNX model and its converted version in onnxruntime (CPU) on the same inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from ...errors import AmpError
+from ...validation import OutputComparison, compare_outputs
+
+_NUMPY_OF_ELEM = {
+    onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
+    onnx.TensorProto.DOUBLE: np.float64, onnx.TensorProto.INT64: np.int64,
+    onnx.TensorProto.INT32: np.int32, onnx.TensorProto.INT8: np.int8,
+    onnx.TensorProto.UINT8: np.uint8, onnx.TensorProto.BOOL: np.bool_,
+}
+#: Symbolic dims are resolved to this size (small, so validation is quick).
+SYMBOLIC_DIM_SIZE = 2
+SEQUENCE_DIM_SIZE = 8
+
+
+def _embedding_rows(model: onnx.ModelProto) -> dict[str, int]:
+    """For integer inputs that index an embedding table (Gather on an initializer): its rows."""
+    inits = {t.name: t for t in model.graph.initializer}
+    rows: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and len(node.input) > 1 and node.input[0] in inits:
+            table = inits[node.input[0]]
+            if table.dims:
+                name = node.input[1]
+                rows[name] = min(rows.get(name, table.dims[0]), table.dims[0])
+    return rows
+
+
+def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded inputs of the right dtype and shape; symbolic dims get small sizes."""
+    rng = np.random.default_rng(seed)
+    initializer_names = {t.name for t in model.graph.initializer}
+    rows = _embedding_rows(model)
+    feeds: dict[str, np.ndarray] = {}
+    for info in model.graph.input:
+        if info.name in initializer_names:
+            continue
+        tt = info.type.tensor_type
+        dtype = _NUMPY_OF_ELEM.get(tt.elem_type)
+        if dtype is None:
+            raise AmpError(f"input {info.name!r}: cannot make random data of elem_type "
+                           f"{tt.elem_type}; pass --inputs")
+        shape = []
+        for index, dim in enumerate(tt.shape.dim):
+            if dim.HasField("dim_value") and dim.dim_value > 0:
+                shape.append(dim.dim_value)
+            else:
+                shape.append(SYMBOLIC_DIM_SIZE if index == 0 else SEQUENCE_DIM_SIZE)
+        lower = info.name.lower()
+        if dtype == np.bool_:
+            data = rng.random(shape) > 0.5
+        elif np.issubdtype(dtype, np.integer):
+            if "mask" in lower:
+                data = np.ones(shape, dtype)
+                if data.ndim >= 2 and data.shape[-1] > 1:
+                    data[..., -1, data.shape[-1] // 2:] = 0  # some padding in the last row
+            else:
+                high = rows.get(info.name, 2)
+                data = rng.integers(0, high, size=shape).astype(dtype)
+        else:
+            data = rng.standard_normal(shape).astype(dtype)
+        feeds[info.name] = np.asarray(data, dtype=dtype)
+    return feeds
+
+
+def _session(model: onnx.ModelProto | str, label: str):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        source = model if isinstance(model, str) else model.SerializeToString()
+        return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AmpError(f"onnxruntime cannot load the {label} model: {message}") from None
+
+
+def compare_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto | str,
+                   feeds: dict[str, np.ndarray]) -> list[OutputComparison]:
+    """Run both models on `feeds`; per-output max-abs and relative (max-abs / max|ref|) errors."""
+    ref_session = _session(reference, "fp32")
+    new_session = _session(candidate, "converted")
+    names = [o.name for o in ref_session.get_outputs()]
+    candidate_names = {o.name for o in new_session.get_outputs()}
+    missing = [n for n in names if n not in candidate_names]
+    if missing:
+        raise AmpError(f"the models have different outputs: {', '.join(missing)} missing from the "
+                       f"converted model")
+    wanted = {i.name for i in ref_session.get_inputs()}
+    ref_feeds = {k: v for k, v in feeds.items() if k in wanted}
+    new_feeds = {}
+    for info in new_session.get_inputs():
+        if info.name not in feeds:
+            raise AmpError(f"no data for input {info.name!r}")
+        value = feeds[info.name]
+        if info.type == "tensor(float16)" and value.dtype == np.float32:
+            value = value.astype(np.float16)
+        new_feeds[info.name] = value
+    try:
+        ref_outputs = ref_session.run(names, ref_feeds)
+        new_outputs = new_session.run(names, new_feeds)
+    except Exception as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AmpError(f"onnxruntime failed to run a model on these inputs: {message} (give "
+                       f"real inputs with --inputs x.npz)") from None
+    return [compare_outputs(name, ref, new)
+            for name, ref, new in zip(names, ref_outputs, new_outputs)]
+
+
+def emulate_bfloat16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """An fp32 model that rounds every bf16 tensor of `model` to bf16 where it is produced.
+
+    onnxruntime's CPU provider has almost no bf16 kernels, so a bf16 model cannot run there. This
+    copy computes each op in fp32 and rounds its bf16 outputs (Cast to bf16 and back), which is
+    what a bf16 kernel with fp32 accumulation does; validation runs it in place of the bf16 model.
+    """
+    from .load import load_onnx
+
+    emulated = onnx.ModelProto()
+    emulated.CopyFrom(model)
+    ir_model = load_onnx(emulated)
+    bf16, f32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+    # Inner graphs first: re-adding an outer node copies its body, so bodies must be final by then.
+    for graph in reversed(list(ir_model.graph.walk_graphs())):
+        proto = graph.handle
+        nodes = []
+        for node in graph.nodes:
+            nodes.append(node.handle)
+            for slot, value in enumerate(node.outputs):
+                if value is None or value.dtype != "bfloat16":
+                    continue
+                raw = f"{value.name}__bf16_emulation"
+                node.handle.output[slot] = raw
+                if node.op_type == "Cast":
+                    nodes.append(onnx.helper.make_node("Cast", [raw], [value.name], to=f32))
+                else:
+                    rounded = f"{raw}_rounded"
+                    nodes.append(onnx.helper.make_node("Cast", [raw], [rounded], to=bf16))
+                    nodes.append(onnx.helper.make_node("Cast", [rounded], [value.name], to=f32))
+        del proto.node[:]
+        proto.node.extend(nodes)
+        for index, tensor in enumerate(proto.initializer):
+            if tensor.data_type == bf16:
+                array = onnx.numpy_helper.to_array(tensor).astype(np.float32)
+                proto.initializer[index].CopyFrom(onnx.numpy_helper.from_array(array, tensor.name))
+        for info in list(proto.input) + list(proto.output):
+            if info.type.tensor_type.elem_type == bf16:
+                info.type.tensor_type.elem_type = f32
+        del proto.value_info[:]
+    return emulated
+
+
+def has_bfloat16(model: onnx.ModelProto) -> bool:
+    """Whether any graph of the model (bodies included) has a bf16 initializer, cast or IO."""
+    bf16 = onnx.TensorProto.BFLOAT16
+    stack = [model.graph]
+    while stack:
+        graph = stack.pop()
+        if any(t.data_type == bf16 for t in graph.initializer):
+            return True
+        if any(i.type.tensor_type.elem_type == bf16
+               for i in list(graph.input) + list(graph.output)):
+            return True
+        for node in graph.node:
+            for attr in node.attribute:
+                if node.op_type == "Cast" and attr.name == "to" and attr.i == bf16:
+                    return True
+                if attr.HasField("g"):
+                    stack.append(attr.g)
+                stack.extend(attr.graphs)
+    return False

@@ -1,0 +1,99 @@
+"""TensorFlow: load (GraphDef / FunctionDef -> IR), emit, rules (what op names mean), lists
+(tf.toml, Grappler's variables, TF's kernel registry), files, convert (GraphDefs, MetaGraphs,
+SavedModels), validate (TF on the CPU), check (CI lint), training (TF1 training graphs).
+`FORMAT` is the package's `Format`.
+
+Importing this package imports TensorFlow, with its C++ start-up notes kept off stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from pathlib import Path
+
+from ...errors import AmpError
+from ...options import Options, TrainingOptions
+from ...report import CheckResult, Report
+from ...validation import Validation, load_inputs
+from ..base import Format
+from . import _tensorflow  # noqa: F401  (sorts first of this package: TensorFlow, quietly)
+from .check import check_tf_graph
+from .convert import (
+    convert_file,
+    convert_graph_def,
+    convert_graphdef,
+    convert_saved_model,
+    convert_saved_model_dir,
+    convert_tf_file,
+    meta_graph_fetches,
+)
+from .files import is_saved_model_dir, read_graphdef, read_meta_graph, read_saved_model
+from .lists import default_backend
+from .rules import TF_RULES
+from .training.loss_scale import LossScaleConfig
+from .training.rewrite import TrainingRewrite, convert_training_file, rewrite_training_graph
+from .validate import compare_graphdefs, compare_saved_models
+
+
+class TfFormat(Format):
+    """TensorFlow GraphDefs (.pb, .pbtxt), MetaGraphDefs (.meta) and SavedModel directories."""
+
+    name = "tf"
+    rules = TF_RULES
+
+    def default_backend(self, target: str) -> str:
+        return default_backend(target)
+
+    def convert_file(self, input_path: Path, output_path: Path, options: Options,
+                     training: TrainingOptions | None = None) -> Report:
+        if training is not None:
+            return convert_training_file(input_path, output_path, options, training)
+        return convert_file(input_path, output_path, options)
+
+    def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
+                 inputs: str | None, rtol: float) -> Validation:
+        feeds = load_inputs(inputs) if inputs else None
+        if is_saved_model_dir(input_path):
+            comparisons = compare_saved_models(input_path, output_path, feeds)
+        elif input_path.suffix == ".meta":
+            comparisons = compare_graphdefs(read_meta_graph(input_path).graph_def,
+                                            read_meta_graph(output_path).graph_def,
+                                            report.summary["outputs"], feeds)
+        else:
+            comparisons = compare_graphdefs(read_graphdef(input_path), read_graphdef(output_path),
+                                            report.summary["outputs"], feeds)
+        return Validation(comparisons, rtol)
+
+    def check(self, path: Path, target: str | None, backend: str | None,
+              reference: Path | None, rtol: float | None) -> CheckResult:
+        if reference is not None:
+            raise AmpError("--reference is for ONNX models")
+        return check_tf_graph(path, target, backend)
+
+    def explain(self, source: Path, options: Options) -> Report:
+        options = dataclasses.replace(options, check=False)
+        if is_saved_model_dir(source):
+            with tempfile.TemporaryDirectory(prefix="amp-rewriter-explain-") as tmp:
+                return convert_saved_model_dir(source, Path(tmp) / "out", options)
+        if source.suffix == ".meta":
+            meta = read_meta_graph(source)
+            if not options.outputs:
+                options = dataclasses.replace(options, outputs=meta_graph_fetches(meta) or None)
+            return convert_graph_def(meta.graph_def, options)[1]
+        return convert_graph_def(read_graphdef(source), options)[1]
+
+    def discard_output(self, output_path: Path) -> None:
+        if output_path.is_dir():
+            shutil.rmtree(output_path, ignore_errors=True)
+        else:
+            output_path.unlink(missing_ok=True)
+
+
+FORMAT = TfFormat()
+
+__all__ = ["FORMAT", "TfFormat", "convert_graphdef", "convert_saved_model", "convert_tf_file",
+           "rewrite_training_graph", "TrainingRewrite", "LossScaleConfig", "check_tf_graph",
+           "compare_graphdefs", "compare_saved_models", "read_graphdef", "read_meta_graph",
+           "read_saved_model"]

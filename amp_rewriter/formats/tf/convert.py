@@ -1,0 +1,290 @@
+"""TensorFlow conversion: frozen GraphDefs, MetaGraphDefs and SavedModels through the same IR,
+op lists and passes as ONNX.
+
+    graph_def, report = convert_graphdef(graph_def, outputs=["y"], target="bf16", backend="tf-cpu")
+    report = convert_saved_model("model_dir", "model_bf16_dir", target="bf16", backend="tf-cpu")
+    report = convert_tf_file("model.pb", "model_bf16.pb", outputs=["y"], target="bf16")
+
+A SavedModel's functions are rewritten one by one (as Grappler optimizes each function as its own
+item) with their signatures unchanged, so every caller (signatures, StatefulPartitionedCall and
+PartitionedCall nodes, other functions) still matches; variables, assets and the object graph are
+copied unchanged, so variables stay fp32 and reads of weights get a cast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+from tensorflow.core.protobuf import meta_graph_pb2
+from tensorflow.python.framework import op_def_registry
+
+from ...errors import AmpError
+from ...ir import ALLOW, Model
+from ...op_lists import OpLists
+from ...options import Options
+from ...passes import PassContext, run_pipeline
+from ...report import Report, build_report
+from ..base import cyclic_gc_paused
+from .emit import emit_function, emit_graphdef
+from .files import (
+    is_saved_model_dir,
+    read_graphdef,
+    read_meta_graph,
+    read_saved_model,
+    write_graphdef,
+    write_saved_model,
+)
+from .lists import default_backend, load_tf_lists
+from .load import default_fetches, load_function, load_graphdef
+from .rules import TF_RULES
+
+#: Functions that save or restore checkpoints are copied as they are.
+_CHECKPOINT_OPS = frozenset({"SaveV2", "RestoreV2", "MergeV2Checkpoints", "Save", "Restore",
+                             "RestoreSlice", "SaveSlices"})
+
+
+def _run(ir_model: Model, lists: OpLists, options: Options, graph_name: str,
+         pipeline: str = "tf", pins: dict[str, str] | None = None) -> Report:
+    original = [(node, graph_name) for node in ir_model.graph.nodes]
+    ctx = PassContext(ir_model, lists, options, TF_RULES, pins=dict(pins or {}))
+    results = run_pipeline(ctx, pipeline)
+    return build_report(ctx, original, results)
+
+
+def _resolved(options: Options) -> tuple[Options, OpLists]:
+    """The options with the target's default backend filled in, and their op lists."""
+    options = options.with_backend(default_backend(options.target))
+    assert options.backend is not None
+    return options, load_tf_lists(options.target, options.backend, options.overrides)
+
+
+def _warnings(options: Options, report: Report, unknown_ops: set[str]) -> list[str]:
+    """Overrides that cannot have done anything (likely typos), and ops TF does not know."""
+    warnings = []
+    overrides = options.overrides
+    for op in overrides.moves:
+        if op_def_registry.get(op) is None:
+            warnings.append(f"{overrides.source[op]} {op}: no such TensorFlow op")
+    names = [entry["name"] for entry in report.nodes]
+    for pattern in options.keep_node_patterns:
+        if not any(pattern.fullmatch(name) for name in names):
+            warnings.append(f"--keep-node {pattern.pattern!r} matches no node")
+    if unknown_ops:
+        warnings.append(f"ops with no OpDef (custom ops) left as they are, fp32 barriers: "
+                        f"{', '.join(sorted(unknown_ops))}")
+    return warnings
+
+
+def convert_graphdef(graph_def: graph_pb2.GraphDef, outputs: Iterable[str] | None = None,
+                     target: str = "bf16", backend: str | None = None, **options: Any
+                     ) -> tuple[graph_pb2.GraphDef, Report]:
+    """Convert an fp32 GraphDef (left unmodified) to mixed precision.
+
+    `outputs` are the fetch tensors ("y" or "y:1"); by default the nodes nothing reads. With
+    `keep_io_types` their nodes are preserved, as Grappler preserves fetch nodes, so the outputs
+    keep their names and dtypes. `**options` are the other fields of `amp_rewriter.Options`;
+    `check` imports the result into a tf.Graph.
+    """
+    return convert_graph_def(graph_def, Options(
+        target=target, backend=backend, outputs=list(outputs) if outputs else None, **options))
+
+
+def convert_graph_def(graph_def: graph_pb2.GraphDef, options: Options,
+                      pipeline: str = "tf", pins: dict[str, str] | None = None
+                      ) -> tuple[graph_pb2.GraphDef, Report]:
+    """`convert_graphdef` with the options as one object; `pins` maps node names to the reason
+    a front end keeps them fp32 (the training rewrite's plan, with its own `pipeline`)."""
+    options, lists = _resolved(options)
+    copy = graph_pb2.GraphDef()
+    copy.CopyFrom(graph_def)
+    fetches = list(options.outputs) if options.outputs else default_fetches(copy)
+    if not fetches:
+        raise AmpError("no output found: name the fetch nodes with --outputs")
+    with cyclic_gc_paused():
+        ir_model = load_graphdef(copy, fetches, keep_fetch_nodes=options.keep_io_types)
+        report = _run(ir_model, lists, options, "main", pipeline, pins)
+        converted = emit_graphdef(ir_model)
+    report.summary["outputs"] = fetches
+    report.warnings = _warnings(options, report, ir_model.handle.unknown_ops)
+    if options.check:
+        check_graphdef(converted)
+    return converted, report
+
+
+def meta_graph_fetches(meta: meta_graph_pb2.MetaGraphDef) -> list[str]:
+    """What a MetaGraph's users fetch: signature outputs and the nodes its collections name
+    (train_op, saver ops, ...), so all of them are preserved."""
+    names = {nd.name for nd in meta.graph_def.node}
+    fetches: list[str] = []
+    for signature in meta.signature_def.values():
+        for info in signature.outputs.values():
+            if info.name.partition(":")[0] in names and info.name not in fetches:
+                fetches.append(info.name)
+    for collection in meta.collection_def.values():
+        for entry in collection.node_list.value:
+            node = entry.lstrip("^").partition(":")[0]
+            if node in names and node not in fetches:
+                fetches.append(node)
+    return fetches
+
+
+def convert_meta_graph_file(input_path: Path, output_path: Path, options: Options) -> Report:
+    """Convert the graph of a .meta file; signatures, collections and saver stay as they are."""
+    meta = read_meta_graph(input_path)
+    if not options.outputs:
+        options = dataclasses.replace(options, outputs=meta_graph_fetches(meta) or None)
+    converted, report = convert_graph_def(meta.graph_def, options)
+    out = meta_graph_pb2.MetaGraphDef()
+    out.CopyFrom(meta)
+    out.graph_def.CopyFrom(converted)
+    write_graphdef(out, output_path)
+    return report
+
+
+def check_graphdef(graph_def: graph_pb2.GraphDef) -> None:
+    """Import into a fresh tf.Graph (checks every op, input dtype and attr); AmpError if not."""
+    try:
+        with tf.Graph().as_default():
+            tf.compat.v1.import_graph_def(graph_def, name="")
+    except Exception as exc:  # TF raises ValueError / InvalidArgumentError
+        raise AmpError(f"the converted graph does not import into TensorFlow: "
+                       f"{_first_line(exc)}") from None
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _convertible(fdef) -> bool:
+    return not any(nd.op in _CHECKPOINT_OPS for nd in fdef.node_def)
+
+
+def convert_saved_model(input_dir: str | os.PathLike, output_dir: str | os.PathLike,
+                        target: str = "bf16", backend: str | None = None, **options: Any
+                        ) -> Report:
+    """Convert every function of a SavedModel; variables and assets are copied unchanged.
+
+    Function signatures never change, so `keep_io_types` is always in force inside functions and
+    every signature serves the same input and output dtypes. `check` loads the result with
+    tf.saved_model.load. `**options` are the other fields of `amp_rewriter.Options`.
+    """
+    return convert_saved_model_dir(Path(input_dir), Path(output_dir),
+                                   Options(target=target, backend=backend, **options))
+
+
+def convert_saved_model_dir(input_dir: Path, output_dir: Path, options: Options) -> Report:
+    """`convert_saved_model` with the options as one object."""
+    if options.outputs:
+        raise AmpError("--outputs is for GraphDefs: a SavedModel's signatures name its outputs")
+    asked_keep_io_types = options.keep_io_types
+    options, lists = _resolved(dataclasses.replace(options, keep_io_types=True))
+    saved = read_saved_model(input_dir)
+    reports: list[Report] = []
+    unknown_ops: set[str] = set()
+    with cyclic_gc_paused():
+        for meta_graph in saved.meta_graphs:
+            library = meta_graph.graph_def.library
+            original = type(library)()
+            original.CopyFrom(library)  # every function loads against the unmodified library
+            for index, fdef in enumerate(original.function):
+                if not _convertible(fdef):
+                    continue
+                ir_model = load_function(fdef, original)
+                reports.append(_run(ir_model, lists, options, fdef.signature.name))
+                library.function[index].CopyFrom(emit_function(ir_model))
+                unknown_ops |= ir_model.handle.unknown_ops
+            reports.extend(_convert_main_graph(meta_graph, lists, options))
+    report = merge_reports(reports, options)
+    report.warnings = _warnings(options, report, unknown_ops)
+    existed = output_dir.exists()
+    write_saved_model(saved, input_dir, output_dir)
+    if options.check:
+        try:
+            check_saved_model(output_dir)
+        except AmpError:
+            if not existed:  # leave nothing half-made behind
+                shutil.rmtree(output_dir, ignore_errors=True)
+            raise
+    if not asked_keep_io_types:
+        report.summary["note"] = ("--no-keep-io-types has no effect on SavedModels: signatures "
+                                  "keep their dtypes")
+    return report
+
+
+def _convert_main_graph(meta_graph, lists: OpLists, options: Options) -> list[Report]:
+    """A MetaGraph's own graph (where TF1 SavedModels keep their compute), with the signatures'
+    output tensors as preserved fetches. TF2 graphs hold only variables and calls: skipped."""
+    graph_def = meta_graph.graph_def
+    if not any(lists.class_of(nd.op)[0] == ALLOW for nd in graph_def.node):
+        return []
+    names = {nd.name: nd for nd in graph_def.node}
+    fetches = []
+    for signature in meta_graph.signature_def.values():
+        for info in signature.outputs.values():
+            node, _, port = info.name.partition(":")
+            if node in names and info.name not in fetches:
+                fetches.append(info.name if port else node)
+    ir_model = load_graphdef(graph_def, fetches, keep_fetch_nodes=True, label="main graph")
+    report = _run(ir_model, lists, options, "main graph")
+    converted = emit_graphdef(ir_model)
+    graph_def.ClearField("node")
+    graph_def.node.extend(converted.node)
+    return [report]
+
+
+def check_saved_model(path: Path) -> None:
+    """Load the SavedModel with tf.saved_model.load; AmpError if it does not load."""
+    try:
+        tf.saved_model.load(str(path))
+    except Exception as exc:
+        raise AmpError(f"the converted SavedModel does not load: {_first_line(exc)}") from None
+
+
+def merge_reports(reports: list[Report], options: Options) -> Report:
+    """One report for many function bodies: nodes concatenated, counts added."""
+    summary: dict = {}
+    nodes: list[dict] = []
+    constants: list[dict] = []
+    passes: dict[str, dict] = {}
+    for report in reports:
+        for key, value in report.summary.items():
+            summary[key] = summary.get(key, 0) + value
+        nodes.extend(report.nodes)
+        constants.extend(report.constants)
+        for entry in report.passes:
+            merged = passes.setdefault(entry["name"], {"name": entry["name"], "changed": 0,
+                                                       "notes": []})
+            merged["changed"] += entry["changed"]
+    summary["graphs_converted"] = len(reports)  # function bodies and main graphs
+    return Report(options.target, options.backend or "", summary, nodes, constants,
+                  list(passes.values()))
+
+
+def convert_tf_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
+                    outputs: Iterable[str] | None = None, target: str = "bf16",
+                    backend: str | None = None, **options: Any) -> Report:
+    """Convert a GraphDef file (.pb/.pbtxt/.meta) or a SavedModel directory; the input is
+    untouched. `**options` are the other fields of `amp_rewriter.Options`."""
+    return convert_file(Path(input_path), Path(output_path),
+                        Options(target=target, backend=backend,
+                                outputs=list(outputs) if outputs else None, **options))
+
+
+def convert_file(input_path: Path, output_path: Path, options: Options) -> Report:
+    """`convert_tf_file` with the options as one object."""
+    if output_path.exists() and input_path.exists() and os.path.samefile(input_path, output_path):
+        raise AmpError("the output path is the input: refusing to overwrite the input")
+    if is_saved_model_dir(input_path):
+        return convert_saved_model_dir(input_path, output_path, options)
+    if input_path.suffix == ".meta":
+        return convert_meta_graph_file(input_path, output_path, options)
+    converted, report = convert_graph_def(read_graphdef(input_path), options)
+    write_graphdef(converted, output_path)
+    return report

@@ -1,0 +1,438 @@
+"""The IR's objects: values, nodes, graphs, type groups, and the mutators that keep them in sync.
+
+A `Graph` holds `Node`s in topological order and the `Value`s that flow between them. Every node
+carries `TypeGroup`s: the sets of its input and output slots that must share one dtype (an ONNX
+type constraint such as ``T``, a TensorFlow type attribute). A type group is the unit that the
+passes paint low precision or fp32. Loaders fill the IR from a model file and keep a handle to the
+original proto on every node, so emitters can write back everything the passes did not touch.
+
+Use lists (`Value.uses`, `Value.graph_output_uses`), node inputs and outputs, and node order are
+read freely but changed only through the methods here (`Node.add_input`, `Node.set_input`,
+`Value.replace_all_uses_with`, `Graph.append_node`, `Graph.insert_nodes`, `Graph.remove_nodes`,
+...), which keep both ends of every edge in step; `lint` checks that they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .dtypes import FLOAT32
+from .tensors import LazyTensor
+
+#: Op classes, after Grappler: always low precision / follows its inputs / numerically dangerous /
+#: no numeric effect. `FP32` is the conservative default for unlisted ops: never painted, and a
+#: barrier to propagation in both directions.
+ALLOW, INFER, DENY, CLEAR, FP32 = "allow", "infer", "deny", "clear", "fp32"
+
+
+class IRError(Exception):
+    """A mutation that would break the IR's invariants (a bug in the caller, not bad input)."""
+
+
+class Value:
+    """A tensor: produced by one node output (or a graph input / initializer), used by many."""
+
+    __slots__ = ("name", "dtype", "shape", "producer", "producer_slot", "uses", "graph_output_uses",
+                 "const", "graph", "is_graph_input", "original_dtype", "origin", "overridable",
+                 "loop_back")
+
+    def __init__(self, name: str, graph: Graph, dtype: str | None = None,
+                 shape: tuple | None = None):
+        self.name = name
+        self.graph = graph
+        self.dtype = dtype
+        self.original_dtype = dtype
+        self.shape = shape
+        self.producer: Node | None = None
+        self.producer_slot = -1
+        #: (consumer node, input slot); consumers may sit in nested graphs (captured values).
+        #: Read-only outside the IR: change it through Node.set_input and friends.
+        self.uses: list[tuple[Node, int]] = []
+        #: (graph, output index) for every graph output this value is.
+        self.graph_output_uses: list[tuple[Graph, int]] = []
+        #: Set for initializers and Constant-node outputs whose data is known.
+        self.const: LazyTensor | None = None
+        self.is_graph_input = False
+        #: An initializer a caller may replace by feeding an input of the same name: its value
+        #: is not a constant the conversion may fold.
+        self.overridable = False
+        #: For a constant a pass made (a converted copy), the value it was made from.
+        self.origin: Value | None = None
+        #: Carried back by a loop to nodes that run before its producer (TF1 NextIteration ->
+        #: Merge): the one kind of value read before it is produced.
+        self.loop_back = False
+
+    def __repr__(self) -> str:
+        return f"Value({self.name!r}, {self.dtype})"
+
+    @property
+    def is_initializer(self) -> bool:
+        return self.const is not None and self.producer is None
+
+    @property
+    def is_used(self) -> bool:
+        """Whether any node or graph output still reads this value."""
+        return bool(self.uses or self.graph_output_uses)
+
+    def replace_all_uses_with(self, new: Value) -> None:
+        """Make every node that reads this value read `new` instead (graph outputs stay)."""
+        if new is self:
+            return
+        for consumer, slot in self.uses:
+            consumer.inputs[slot] = new
+            new.uses.append((consumer, slot))
+        self.uses = []
+
+    def rename(self, new_name: str) -> None:
+        """Give the value a new name (its graph's name table follows)."""
+        if self.graph.values.get(self.name) is self:
+            del self.graph.values[self.name]
+        self.name = new_name
+        self.graph.values[new_name] = self
+
+
+@dataclass(eq=False)
+class TypeGroup:
+    """Slots of one node that must share a dtype, and the precision decision made for them.
+
+    `inner_defs` are subgraph values whose dtype follows the group (a Loop body's loop-carried
+    input); `inner_uses` are subgraph outputs that must have the group's dtype (a Loop body's
+    loop-carried output, an If branch's output).
+    """
+
+    node: Node
+    name: str
+    input_slots: list[int] = field(default_factory=list)
+    output_slots: list[int] = field(default_factory=list)
+    allowed: frozenset[str] | None = None
+    #: True when the slots' dtype is fixed by meaning (Resize scales, Dropout ratio): never painted.
+    fixed: bool = False
+    inner_defs: list[Value] = field(default_factory=list)
+    inner_uses: list[tuple[Graph, int]] = field(default_factory=list)
+    #: Decision: the dtype the group runs in, what kind of rule decided it, and why.
+    precision: str | None = None
+    reason: str = ""
+    kind: str = ""
+    #: The group whose decision led to this one (propagation path), for `explain`.
+    via: TypeGroup | None = None
+    #: Set by classification: may this group be painted, and if not, why not.
+    paintable: bool = False
+    #: Forced fp32 before propagation (an fp16-overflowing constant input), with the reason.
+    forced_deny: str = ""
+
+    def __repr__(self) -> str:
+        return f"TypeGroup({self.node.name}.{self.name}, {self.precision})"
+
+    def __lt__(self, other: TypeGroup) -> bool:  # stable ordering for worklists
+        return (self.node.order, self.name) < (other.node.order, other.name)
+
+    def decide(self, precision: str, kind: str, reason: str,
+               via: TypeGroup | None = None) -> None:
+        """Record the group's precision with the kind of rule that chose it and the reason."""
+        self.precision, self.kind, self.reason, self.via = precision, kind, reason, via
+
+    @property
+    def dtype(self) -> str | None:
+        """The dtype the group's slots carry in the input model."""
+        return self._first_known("original_dtype")
+
+    @property
+    def current_dtype(self) -> str | None:
+        """The dtype the group's slots carry now (after the passes' decisions)."""
+        return self._first_known("dtype")
+
+    def _first_known(self, attribute: str) -> str | None:
+        # Plain loops: this runs for every group in every pass, at 100k+ nodes.
+        node = self.node
+        for slot in self.output_slots:
+            value = node.outputs[slot]
+            if value is not None and getattr(value, attribute) is not None:
+                return getattr(value, attribute)
+        for slot in self.input_slots:
+            value = node.inputs[slot]
+            if value is not None and getattr(value, attribute) is not None:
+                return getattr(value, attribute)
+        for value in self.inner_defs:
+            if getattr(value, attribute) is not None:
+                return getattr(value, attribute)
+        return None
+
+    def values(self) -> Iterator[Value]:
+        """Every value bound to this group's slots."""
+        for value in [self.node.inputs[s] for s in self.input_slots] + \
+                [self.node.outputs[s] for s in self.output_slots]:
+            if value is not None:
+                yield value
+
+
+class Node:
+    """One operation. `handle` is the loader's original proto, kept so emitters can patch it."""
+
+    __slots__ = ("name", "op_type", "domain", "inputs", "outputs", "attrs", "subgraphs",
+                 "type_groups", "input_group", "output_group", "graph", "handle", "op_class",
+                 "class_reason", "class_kind", "order", "has_schema", "pin_reason", "pin_kind")
+
+    def __init__(self, name: str, op_type: str, domain: str = "", graph: Graph | None = None):
+        self.name = name
+        self.op_type = op_type
+        self.domain = domain
+        self.graph = graph
+        #: Read-only outside the IR: change through add_input / set_input / add_output.
+        self.inputs: list[Value | None] = []
+        self.outputs: list[Value | None] = []
+        self.attrs: dict[str, Any] = {}
+        self.subgraphs: dict[str, Graph] = {}
+        self.type_groups: list[TypeGroup] = []
+        #: slot -> TypeGroup (None for slots of no group, e.g. variadic extras of unknown ops).
+        self.input_group: list[TypeGroup | None] = []
+        self.output_group: list[TypeGroup | None] = []
+        self.handle: Any = None
+        self.op_class = FP32
+        self.class_reason = ""
+        #: The kind of rule that gave the node its class (see `decisions`).
+        self.class_kind = ""
+        self.order = 0
+        self.has_schema = True
+        #: Why a loader, front end or the user pinned this node to fp32 ("" when nothing did),
+        #: and the kind of that rule.
+        self.pin_reason = ""
+        self.pin_kind = ""
+
+    def __repr__(self) -> str:
+        return f"Node({self.name!r}, {self.op_type})"
+
+    @property
+    def qualified_op(self) -> str:
+        """The op name as users write it in op lists: `Op` (default domain) or `domain.Op`."""
+        return self.op_type if self.domain in ("", "ai.onnx") else f"{self.domain}.{self.op_type}"
+
+    def float_groups(self) -> list[TypeGroup]:
+        """Groups that carry fp32 in the input model and may be repainted."""
+        return [g for g in self.type_groups if not g.fixed and g.dtype == FLOAT32]
+
+    # -- edges ------------------------------------------------------------------------------
+    def add_input(self, value: Value | None) -> None:
+        """Append an input slot reading `value` (None: an omitted optional input)."""
+        self.inputs.append(value)
+        if value is not None:
+            value.uses.append((self, len(self.inputs) - 1))
+
+    def set_input(self, slot: int, value: Value | None) -> None:
+        """Make input `slot` read `value` instead of what it reads now."""
+        old = self.inputs[slot]
+        if old is value:
+            return
+        if old is not None:
+            old.uses.remove((self, slot))
+        self.inputs[slot] = value
+        if value is not None:
+            value.uses.append((self, slot))
+
+    def add_output(self, value: Value | None) -> None:
+        """Append an output slot producing `value` (None: an omitted optional output)."""
+        if value is not None:
+            value.producer, value.producer_slot = self, len(self.outputs)
+        self.outputs.append(value)
+
+    def detach_inputs(self) -> None:
+        """Stop reading every input (before the node is removed)."""
+        for slot, value in enumerate(self.inputs):
+            if value is not None:
+                value.uses.remove((self, slot))
+                self.inputs[slot] = None
+
+    @property
+    def is_used(self) -> bool:
+        """Whether anything reads one of the node's outputs."""
+        return any(v is not None and v.is_used for v in self.outputs)
+
+
+class Graph:
+    """A list of nodes in topological order with its inputs, outputs and initializers.
+
+    Nested graphs (If/Loop/Scan bodies) have `parent` and `owner` set; their nodes may use values
+    of enclosing graphs directly (captures), which is why `Value.uses` can point into subgraphs.
+    """
+
+    def __init__(self, name: str, parent: Graph | None = None, owner: Node | None = None):
+        self.name = name
+        self.parent = parent
+        self.owner = owner
+        #: Read-only outside the IR: change through append_node / insert_nodes / remove_nodes.
+        self.nodes: list[Node] = []
+        self.inputs: list[Value] = []
+        self.outputs: list[Value] = []
+        self.initializers: dict[str, Value] = {}
+        self.values: dict[str, Value] = {}
+        self.handle: Any = None
+        #: Formats where every initializer must also be listed as a graph input (ONNX IR < 4).
+        self.initializers_are_inputs = False
+
+    def __repr__(self) -> str:
+        return f"Graph({self.name!r}, {len(self.nodes)} nodes)"
+
+    def lookup(self, name: str) -> Value | None:
+        """Find a value by name in this graph or any enclosing one (ONNX scoping)."""
+        graph: Graph | None = self
+        while graph is not None:
+            value = graph.values.get(name)
+            if value is not None:
+                return value
+            graph = graph.parent
+        return None
+
+    def walk_graphs(self) -> Iterator[Graph]:
+        """This graph and every nested graph, outer before inner, without recursion."""
+        stack = [self]
+        while stack:
+            graph = stack.pop()
+            yield graph
+            nested = [sub for node in graph.nodes if node.subgraphs
+                      for sub in node.subgraphs.values()]
+            stack.extend(reversed(nested))
+
+    def walk_nodes(self) -> Iterator[Node]:
+        """Every node of this graph and its nested graphs."""
+        for graph in self.walk_graphs():
+            yield from graph.nodes
+
+    def depth(self) -> int:
+        depth, graph = 0, self.parent
+        while graph is not None:
+            depth, graph = depth + 1, graph.parent
+        return depth
+
+    # -- values -----------------------------------------------------------------------------
+    def add_value(self, value: Value) -> Value:
+        """Register a value of this graph under its name."""
+        self.values[value.name] = value
+        return value
+
+    def add_input(self, value: Value) -> None:
+        """Append a graph input."""
+        value.is_graph_input = True
+        self.inputs.append(value)
+
+    def replace_input(self, old: Value, new: Value) -> None:
+        """Put `new` where `old` is in the input list."""
+        new.is_graph_input = True
+        self.inputs[self.inputs.index(old)] = new
+
+    def add_initializer(self, value: Value, replacing: Value | None = None) -> None:
+        """Add a constant to the graph. Where the format lists initializers as inputs too, it
+        takes the input place of `replacing` (a constant it supersedes) or is appended."""
+        self.values[value.name] = value
+        self.initializers[value.name] = value
+        if self.initializers_are_inputs:
+            if replacing is not None and replacing in self.inputs:
+                self.replace_input(replacing, value)
+            else:
+                self.add_input(value)
+
+    def remove_initializer(self, value: Value) -> None:
+        """Drop an initializer nothing reads any more."""
+        if value.is_used:
+            raise IRError(f"initializer {value.name!r} is still used")
+        if self.values.get(value.name) is value:
+            del self.values[value.name]
+        if self.initializers.get(value.name) is value:
+            del self.initializers[value.name]
+
+    def add_output(self, value: Value) -> None:
+        """Append a graph output."""
+        value.graph_output_uses.append((self, len(self.outputs)))
+        self.outputs.append(value)
+
+    def set_output(self, index: int, value: Value) -> None:
+        """Make graph output `index` be `value`."""
+        old = self.outputs[index]
+        old.graph_output_uses.remove((self, index))
+        value.graph_output_uses.append((self, index))
+        self.outputs[index] = value
+
+    # -- node order -------------------------------------------------------------------------
+    def append_node(self, node: Node) -> None:
+        """Add a node at the end (its inputs must already be produced)."""
+        node.graph = self
+        self.nodes.append(node)
+
+    def insert_nodes(self, after: dict[int, list[Node]] | None = None,
+                     at_start: Iterable[Node] = ()) -> None:
+        """Insert many nodes in one sweep: `after` maps id(anchor node) -> nodes to put right
+        after it (in order); `at_start` go before every node."""
+        after = after or {}
+        nodes = list(at_start)
+        for node in self.nodes:
+            nodes.append(node)
+            nodes.extend(after.get(id(node), ()))
+        for node in nodes:
+            node.graph = self
+        self.nodes = nodes
+
+    def insert_after(self, anchor: Node, new_nodes: Iterable[Node]) -> None:
+        """Insert `new_nodes` right after `anchor`."""
+        self.insert_nodes(after={id(anchor): list(new_nodes)})
+
+    def insert_before(self, anchor: Node, new_nodes: Iterable[Node]) -> None:
+        """Insert `new_nodes` right before `anchor`."""
+        index = self.nodes.index(anchor)
+        new = list(new_nodes)
+        for node in new:
+            node.graph = self
+        self.nodes[index:index] = new
+
+    def remove_nodes(self, doomed: Iterable[Node]) -> int:
+        """Remove nodes whose outputs nothing reads; they stop reading their inputs. Returns how
+        many were removed. Removing a node that is still read raises IRError."""
+        doomed_ids = {id(node) for node in doomed}
+        if not doomed_ids:
+            return 0
+        kept = []
+        for node in self.nodes:
+            if id(node) not in doomed_ids:
+                kept.append(node)
+                continue
+            if node.is_used:
+                raise IRError(f"cannot remove {node.name!r} ({node.op_type}): its output is "
+                              f"still used")
+            node.detach_inputs()
+            for value in node.outputs:
+                if value is not None and self.values.get(value.name) is value:
+                    del self.values[value.name]
+        removed = len(self.nodes) - len(kept)
+        self.nodes = kept
+        return removed
+
+
+@dataclass
+class Model:
+    """The IR of a whole model file: the main graph plus what the loader needs to write it back."""
+
+    graph: Graph
+    format: str
+    handle: Any = None
+    #: Names already taken anywhere in the model (values and nodes), for unique new names.
+    used_names: set[str] = field(default_factory=set)
+
+    def unique_name(self, base: str) -> str:
+        """A deterministic name not used anywhere in the model yet."""
+        return unique_name(base, self.used_names)
+
+
+def present(value: Value | None) -> Value:
+    """`value`, for slots that cannot be empty (an omitted optional slot there is a bug)."""
+    if value is None:
+        raise IRError("an empty slot where a value is required")
+    return value
+
+
+def unique_name(base: str, taken: set[str]) -> str:
+    """`base`, or `base_1`, `base_2`, ... : the first not in `taken`, which then records it."""
+    name, k = base, 1
+    while name in taken:
+        name = f"{base}_{k}"
+        k += 1
+    taken.add(name)
+    return name

@@ -1,0 +1,88 @@
+"""Structural checks of the IR: both ends of every edge agree, nodes are in topological order."""
+
+from __future__ import annotations
+
+from .core import Graph, Node
+
+
+class IRInvariantError(Exception):
+    """`lint` found the IR broken; the message names who broke it and the first problems."""
+
+
+def lint(graph: Graph) -> list[str]:
+    """Structural problems in a graph and its nested graphs; [] when sound.
+
+    Checked: every input slot is listed in its value's uses and every use points back at a live
+    input slot; every output knows its producer and slot; graph outputs and their
+    `graph_output_uses` agree; a node reads only values produced before it in its own graph or
+    defined in an enclosing one; node and value registrations point at the right graph; type
+    groups name existing slots.
+    """
+    problems: list[str] = []
+    live: set[int] = set()
+    graphs = list(graph.walk_graphs())
+    for g in graphs:
+        live.update(id(node) for node in g.nodes)
+    visible: dict[int, set[int]] = {}
+    for g in graphs:
+        outer = visible.get(id(g.parent), set()) if g.parent is not None else set()
+        defined = set(outer) | {id(v) for v in g.inputs} | {id(v) for v in g.initializers.values()}
+        for node in g.nodes:
+            _lint_node(node, g, defined, live, problems)
+            for value in node.outputs:
+                if value is not None:
+                    defined.add(id(value))
+        visible[id(g)] = defined
+        for index, value in enumerate(g.outputs):
+            if (g, index) not in value.graph_output_uses:
+                problems.append(f"graph {g.name}: output {index} ({value.name}) missing from its "
+                                f"graph_output_uses")
+        for value in g.values.values():
+            for sub, index in value.graph_output_uses:
+                if index >= len(sub.outputs) or sub.outputs[index] is not value:
+                    problems.append(f"{value.name}: lists output {index} of graph {sub.name}, "
+                                    f"which is another value")
+        for name, value in g.initializers.items():
+            if value.name != name or g.values.get(name) is not value:
+                problems.append(f"graph {g.name}: initializer {name!r} not registered as a value")
+    return problems
+
+
+def _lint_node(node: Node, graph: Graph, defined: set[int], live: set[int],
+               problems: list[str]) -> None:
+    if node.graph is not graph:
+        problems.append(f"{node.name}: sits in graph {graph.name} but points at another graph")
+    for slot, value in enumerate(node.inputs):
+        if value is None:
+            continue
+        if (node, slot) not in value.uses:
+            problems.append(f"{node.name}: input {slot} missing from uses of {value.name}")
+        if value.producer is not None and id(value) not in defined and not value.loop_back:
+            problems.append(f"{node.name}: input {value.name} used before it is produced")
+    for slot, value in enumerate(node.outputs):
+        if value is None:
+            continue
+        if value.producer is not node or value.producer_slot != slot:
+            problems.append(f"{node.name}: output {slot} ({value.name}) names another producer")
+        if value.graph.values.get(value.name) is not value:
+            problems.append(f"{node.name}: output {value.name} not registered in its graph")
+        for consumer, use_slot in value.uses:
+            if id(consumer) not in live:
+                problems.append(f"{value.name}: used by {consumer.name}, which is not in the "
+                                f"graph")
+            elif use_slot >= len(consumer.inputs) or consumer.inputs[use_slot] is not value:
+                problems.append(f"{value.name}: uses list {consumer.name} input {use_slot}, "
+                                f"which reads something else")
+    for group in node.type_groups:
+        if any(s >= len(node.inputs) for s in group.input_slots) or \
+                any(s >= len(node.outputs) for s in group.output_slots):
+            problems.append(f"{node.name}: type group {group.name} names a slot it does not have")
+
+
+def assert_sound(graph: Graph, after: str) -> None:
+    """Raise IRInvariantError naming `after` (a pass or loader) when `lint` finds problems."""
+    problems = lint(graph)
+    if problems:
+        shown = "; ".join(problems[:3])
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise IRInvariantError(f"IR broken after {after}: {shown}{more}")

@@ -1,0 +1,195 @@
+"""The conversion options: one `Options` object from the CLI or the Python API down to the passes.
+
+Each field declares its command-line flag beside its default (`cli_flags` adds them to a parser,
+`from_cli` reads them back), so adding an option means adding a field here and using it where it
+matters; the API takes every field as a keyword argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .errors import AmpError
+from .op_lists import TARGETS, Overrides
+
+T = TypeVar("T")
+
+
+def _flag(default: Any, flag: str, help: str, *, metavar: str | None = None,
+          kind: str = "value", type: Any = str, negation: str | None = None) -> Any:
+    """A dataclass field with its command-line flag. kind: value (one value), list (repeatable),
+    comma (one comma-separated value), switch (on with `flag`, off with `negation`)."""
+    cli = {"flag": flag, "help": help, "metavar": metavar, "kind": kind, "type": type,
+           "negation": negation}
+    if isinstance(default, list):
+        return field(default_factory=list, metadata={"cli": cli})
+    return field(default=default, metadata={"cli": cli})
+
+
+@dataclass
+class Options:
+    """What a conversion does, for every format (fields a format does not use are refused by
+    that format when set)."""
+
+    target: str = _flag("fp16", "--target", "fp16 (default) or bf16")
+    backend: str | None = _flag(
+        None, "--backend", "whose kernels the op lists assume: ONNX ort-cuda (default) or "
+        "ort-cpu; TensorFlow tf-gpu (default for fp16) or tf-cpu (default for bf16)")
+    #: TensorFlow GraphDefs: the fetch tensors ("y" or "y:1"); ONNX models name their outputs.
+    outputs: list[str] | None = _flag(
+        None, "--outputs", "TensorFlow GraphDefs: the fetch nodes or tensors (y or y:1), "
+        "comma-separated; they keep their dtype (default: nodes nothing reads)",
+        metavar="A,B", kind="comma")
+    allow: list[str] = _flag([], "--allow", "move OP to the allow class (repeatable)",
+                             metavar="OP", kind="list")
+    infer: list[str] = _flag([], "--infer", "move OP to the infer class (repeatable)",
+                             metavar="OP", kind="list")
+    deny: list[str] = _flag([], "--deny", "move OP to the deny class (repeatable)",
+                            metavar="OP", kind="list")
+    clear: list[str] = _flag([], "--clear", "move OP to the clear class (repeatable)",
+                             metavar="OP", kind="list")
+    keep_nodes: list[str] = _flag([], "--keep-node", "pin matching nodes to fp32 (repeatable)",
+                                  metavar="NAME_OR_REGEX", kind="list")
+    config: str | os.PathLike | None = _flag(None, "--config",
+                                             "op-list overrides from a TOML file", metavar="TOML")
+    keep_io_types: bool = _flag(True, "--keep-io-types",
+                                "keep graph inputs/outputs fp32 (default); --no-keep-io-types "
+                                "lets them take the low-precision dtype", kind="switch",
+                                negation="--no-keep-io-types")
+    clamp: bool = _flag(False, "--clamp", "saturate constants beyond the target's range instead "
+                                          "of keeping them fp32", kind="switch")
+    #: Python API only: run the format's validity check (onnx.checker, TF import) on the result.
+    check: bool = True
+    _overrides: Overrides = field(init=False, repr=False, compare=False)
+    _patterns: list[re.Pattern[str]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise AmpError(f"unknown target {self.target!r} (expected fp16 or bf16)")
+        for name in ("allow", "infer", "deny", "clear", "keep_nodes"):
+            setattr(self, name, _names(getattr(self, name)))
+        if self.outputs is not None:
+            self.outputs = _names(self.outputs) or None
+        self._overrides = self._build_overrides()
+        self._patterns = self._overrides.keep_node_patterns()
+
+    def _build_overrides(self) -> Overrides:
+        """Op-class moves and pinned nodes: the config file first, explicit options win. Naming
+        one op in two classes is an error."""
+        overrides = (Overrides.from_config(os.fspath(self.config)) if self.config is not None
+                     else Overrides())
+        explicit: dict[str, str] = {}
+        for op_class in ("allow", "infer", "deny", "clear"):
+            for op in getattr(self, op_class):
+                if explicit.get(op, op_class) != op_class:
+                    raise AmpError(f"--{explicit[op]} and --{op_class} both name {op!r}")
+                explicit[op] = op_class
+                overrides.move(op, op_class, f"--{op_class}")
+        overrides.keep_nodes.extend(self.keep_nodes)
+        return overrides
+
+    @property
+    def overrides(self) -> Overrides:
+        """The op-class moves and pinned nodes of the options and the config file."""
+        return self._overrides
+
+    @property
+    def keep_node_patterns(self) -> list[re.Pattern[str]]:
+        """--keep-node entries (and the config's keep_nodes) as regexes, matched whole."""
+        return self._patterns
+
+    def with_backend(self, default: str) -> Options:
+        """These options with `default` as the backend when none was chosen."""
+        return self if self.backend else dataclasses.replace(self, backend=default)
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The options as the Python API's keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+
+@dataclass
+class TrainingOptions:
+    """The training rewrite's options (TensorFlow training graphs): what to rewrite and the
+    dynamic loss scaler's rule. None means the default (see `LossScaleConfig`)."""
+
+    loss: str | None = _flag(None, "--loss", "the loss (default: the tensor the gradients are "
+                                             "taken of)", metavar="NAME")
+    train_op: str | None = _flag(None, "--train-op", "the train op (default: the 'train_op' "
+                                                     "collection's entry)", metavar="NAME")
+    loss_scale: str | float | None = _flag(
+        None, "--loss-scale", "dynamic (default for fp16), none (default for bf16) or a fixed "
+        "scale", metavar="dynamic|none|VALUE")
+    initial_scale: float | None = _flag(None, "--initial-scale", "default 32768", type=float)
+    growth_interval: int | None = _flag(None, "--growth-interval", "default 2000", type=int)
+    growth_factor: float | None = _flag(None, "--growth-factor", "default 2", type=float)
+    backoff_factor: float | None = _flag(None, "--backoff-factor", "default 0.5", type=float)
+    min_scale: float | None = _flag(None, "--min-scale", "default 1", type=float)
+    hysteresis: int | None = _flag(None, "--hysteresis", "default 1: back off at the first bad "
+                                                         "step", type=int)
+
+    def given_flags(self) -> list[str]:
+        """The flags of the options that were set."""
+        return [f.metadata["cli"]["flag"] for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None]
+
+
+def _names(values: Iterable[str] | str | None) -> list[str]:
+    """A single string is one name; None is none."""
+    if values is None:
+        return []
+    return [values] if isinstance(values, str) else list(values)
+
+
+def split_kwargs(cls: type[T], kwargs: dict[str, Any]) -> tuple[T, dict[str, Any]]:
+    """An instance of `cls` from the keyword arguments that are its fields, and the rest."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    mine = {k: v for k, v in kwargs.items() if k in names}
+    rest = {k: v for k, v in kwargs.items() if k not in names}
+    return cls(**mine), rest
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+def cli_flags(parser: argparse.ArgumentParser | Any, cls: type) -> None:
+    """Add a flag for every field of `cls` that declares one."""
+    for f in dataclasses.fields(cls):
+        cli = f.metadata.get("cli")
+        if cli is None:
+            continue
+        if cli["kind"] == "switch":
+            parser.add_argument(cli["flag"], dest=f.name, action="store_true", default=None,
+                                help=cli["help"])
+            if cli["negation"]:
+                parser.add_argument(cli["negation"], dest=f.name, action="store_false",
+                                    help=argparse.SUPPRESS)
+        elif cli["kind"] == "list":
+            parser.add_argument(cli["flag"], dest=f.name, action="append", default=None,
+                                metavar=cli["metavar"], help=cli["help"])
+        else:
+            parser.add_argument(cli["flag"], dest=f.name, default=None, type=cli["type"],
+                                metavar=cli["metavar"], help=cli["help"])
+
+
+def cli_given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of `cls` whose flags were given, as keyword arguments."""
+    given = {}
+    for f in dataclasses.fields(cls):
+        cli = f.metadata.get("cli")
+        value = getattr(args, f.name, None)
+        if cli is None or value is None:
+            continue
+        if cli["kind"] == "comma":
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        given[f.name] = value
+    return given
+
+
+def from_cli(args: argparse.Namespace, cls: type[T]) -> T:
+    """An instance of `cls` from parsed flags; flags not given keep the field defaults."""
+    return cls(**cli_given(args, cls))

@@ -1,0 +1,67 @@
+"""Force fp32 on groups whose constant inputs the target dtype would not represent."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ...ir import FLOAT32, LazyTensor, TypeGroup, Value
+from ...ir.dtypes import FINITE_MAX
+from ..base import ConstantRecord, PassContext, register_pass
+
+
+def _constant_inputs(ctx: PassContext) -> Iterator[tuple[TypeGroup, int, Value | LazyTensor]]:
+    """(group, slot, source) for every paintable group slot fed by a float32 constant, and for
+    the fill value of constant-filling ops (slot -1)."""
+    fill_attrs = ctx.rules.constant_fill_attrs
+    for node in ctx.model.graph.walk_nodes():
+        ctx.focus = node
+        for group in node.type_groups:
+            if not group.paintable:
+                continue
+            for slot in group.input_slots:
+                value = node.inputs[slot]
+                if value is not None and value.const is not None and value.dtype == FLOAT32:
+                    yield group, slot, value
+            attr = fill_attrs.get(node.op_type)
+            if attr is not None and attr in node.attrs:
+                yield group, -1, node.attrs[attr]
+
+
+@register_pass("guard_constant_ranges")
+def guard_constant_ranges(ctx: PassContext) -> tuple[int, list[str]]:
+    """Keep fp32 the ops whose constant inputs would overflow or vanish in the target dtype.
+
+    A constant beyond the finite range (an attention mask filled with -3.4e38) keeps its exact
+    value unless `--clamp`: the op consuming it runs in fp32, and as a deny seed that decision
+    spreads to the infer/clear ops downstream of it (the mask Add and the Softmax). A constant
+    whose non-zero values would all flush to zero, or any divisor (the format's divisor slots)
+    that would partly flush (x / 0), is kept in fp32 the same way, clamp or not.
+    """
+    target = ctx.target_dtype
+    forced = 0
+    for group, slot, source in _constant_inputs(ctx):
+        if group.forced_deny:
+            continue
+        tensor = source.const if isinstance(source, Value) else source
+        assert tensor is not None
+        result = ctx.range_check(tensor, target)
+        name = source.name if isinstance(source, Value) else f"{group.node.name}.value"
+        divisor = (group.node.op_type, slot) in ctx.rules.divisor_slots
+        if result.overflowed and not ctx.options.clamp:
+            why = (f"constant {name!r} has {result.overflowed} value(s) beyond "
+                   f"{ctx.options.target}'s finite range ({FINITE_MAX[target]:g}); kept exact in "
+                   f"fp32 (use --clamp to saturate instead)")
+        elif result.vanishes or (divisor and result.flushed_to_zero):
+            why = (f"constant {name!r}: {result.flushed_to_zero} of its {result.nonzero} non-zero "
+                   f"value(s) would flush to zero in {ctx.options.target}"
+                   f"{' (a divisor)' if divisor else ''}; kept exact in fp32")
+        else:
+            continue
+        if not any(r.name == name for r in ctx.constants):
+            ctx.constants.append(ConstantRecord(
+                name, "kept_fp32", tensor.size, overflowed=result.overflowed,
+                flushed_to_zero=result.flushed_to_zero,
+                detail=f"feeds {group.node.name} ({group.node.op_type}), which stays fp32"))
+        group.forced_deny = why
+        forced += 1
+    return forced, []

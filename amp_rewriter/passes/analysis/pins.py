@@ -1,0 +1,35 @@
+"""Pins: nodes kept fp32 whatever the op lists say, by the user or by a front end's plan."""
+
+from __future__ import annotations
+
+from ...ir import decisions
+from ..base import PassContext, register_pass
+
+
+@register_pass("pin_nodes")
+def pin_nodes(ctx: PassContext) -> tuple[int, list[str]]:
+    """Pin nodes whose name matches a --keep-node pattern (or keep_nodes in a config) to fp32."""
+    patterns = ctx.options.keep_node_patterns
+    if not patterns:
+        return 0, []
+    pinned = 0
+    for node in ctx.model.graph.walk_nodes():
+        for pattern in patterns:
+            if pattern.fullmatch(node.name):
+                node.pin_reason = f"pinned to fp32 by --keep-node {pattern.pattern!r}"
+                node.pin_kind = decisions.USER_OVERRIDE
+                pinned += 1
+                break
+    return pinned, []
+
+
+@register_pass("pin_training_regions")
+def pin_training_regions(ctx: PassContext) -> tuple[int, list[str]]:
+    """Pin what a training plan keeps fp32 (optimizer path, loss, loss-scaling subgraph)."""
+    pinned = 0
+    for node in ctx.model.graph.walk_nodes():
+        reason = ctx.pins.get(node.name)
+        if reason is not None and not node.pin_reason:
+            node.pin_reason, node.pin_kind = reason, decisions.PIN
+            pinned += 1
+    return pinned, []

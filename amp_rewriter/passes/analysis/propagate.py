@@ -1,0 +1,316 @@
+"""Decide the precision of every type group, in the order TensorFlow Grappler's AMP pass uses.
+
+This is an analysis: it writes each group's decision (`TypeGroup.decide`) and never edits the
+graph. It runs as a list of phases over one `Painting` (the set of low-precision groups being
+built, with the reason, kind and path of each decision):
+
+1. seed_allow: groups of allow-list ops.
+2. spread_deny: deny spreads forward from deny ops through infer/clear ops that lie upstream of a
+   deny or infer op (so the taint reaches every op whose result it can affect before an allow op
+   absorbs it).
+3. fill_between_allow: infer/clear groups both downstream and upstream of allow groups go low.
+4. infer_after_allow (bf16 only, as in Grappler): an infer group fed by an allow group and no
+   deny group goes low.
+5. spread_through_clear: allow spreads through clear groups in both directions.
+6. drop_without_kernel: groups the backend cannot run in low precision go back to fp32.
+7. retarget_existing_casts: the model's casts to fp32 whose consumers all run low precision.
+8. follow_producers: inputs that merely inspect a value (Shape, Cast's source) follow their
+   producer.
+9. follow_data_group: constant-only parameter groups (BatchNormalization's scale/mean/var)
+   follow the node's data group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ...ir import ALLOW, BFLOAT16, CLEAR, DENY, FLOAT32, FP32, INFER, TypeGroup, decisions
+from ..base import PassContext, register_pass
+from .group_graph import GroupGraph
+
+
+def op_class(group: TypeGroup) -> str:
+    """The group's class for propagation: deny when a constant forced it, else its node's."""
+    return DENY if group.forced_deny else group.node.op_class
+
+
+def label(group: TypeGroup) -> str:
+    """"name (Op)" of the group's node, for reasons."""
+    node = group.node
+    return f"{node.name} ({node.op_type})"
+
+
+@dataclass
+class Painting:
+    """The analysis state: which groups go low precision, which are deny, and why."""
+
+    graph: GroupGraph
+    ctx: PassContext
+    allow: set[TypeGroup] = field(default_factory=set)
+    deny: set[TypeGroup] = field(default_factory=set)
+    reason: dict[TypeGroup, str] = field(default_factory=dict)
+    kind: dict[TypeGroup, str] = field(default_factory=dict)
+    via: dict[TypeGroup, TypeGroup] = field(default_factory=dict)
+
+    def paint(self, group: TypeGroup, kind: str, reason: str,
+              via: TypeGroup | None = None) -> None:
+        """Put `group` in low precision, recording why."""
+        self.allow.add(group)
+        self.note(group, kind, reason, via)
+
+    def note(self, group: TypeGroup, kind: str, reason: str, via: TypeGroup | None = None) -> None:
+        """Record why `group` is where it is (without moving it)."""
+        self.reason[group] = reason
+        self.kind[group] = kind
+        if via is not None:
+            self.via[group] = via
+
+    def allow_in_order(self) -> list[TypeGroup]:
+        """The low-precision groups in graph order, so results never depend on set order."""
+        return [g for g in self.graph.vertices if g in self.allow]
+
+    def can_join(self, group: TypeGroup, classes: tuple[str, ...]) -> bool:
+        """Whether a group of one of `classes` may still be painted low."""
+        return (group.paintable and group not in self.deny and group not in self.allow
+                and op_class(group) in classes)
+
+    def no_kernel(self, group: TypeGroup) -> str | None:
+        """Why the backend cannot run `group` in the target dtype, or None when it can."""
+        ctx = self.ctx
+        op = group.node.qualified_op
+        if ctx.lists.has_kernel(op, group.name):
+            return None
+        return f"{ctx.lists.backend} has no {ctx.options.target} kernel for {op}"
+
+
+Phase = Callable[[Painting], int]
+
+
+def seed_allow(p: Painting) -> int:
+    """Allow-list ops go low, unless the backend has no kernel for them (then they stay out from
+    the start, so they cannot pull their neighbours into low precision)."""
+    seeded = 0
+    for g in p.graph.vertices:
+        if op_class(g) != ALLOW or not g.paintable:
+            continue
+        missing = p.no_kernel(g)
+        if missing:
+            p.note(g, decisions.BACKEND_KERNEL, missing)
+            continue
+        p.paint(g, g.node.class_kind or decisions.OP_LIST, f"allow list: {g.node.class_reason}")
+        seeded += 1
+    return seeded
+
+
+def spread_deny(p: Painting) -> int:
+    """Deny spreads forward through infer/clear ops that lie upstream of a deny or infer op."""
+    gg = p.graph
+    upstream: set[TypeGroup] = set()
+    stack = [g for g in gg.vertices if op_class(g) in (DENY, INFER)]
+    upstream.update(stack)
+    while stack:
+        g = stack.pop()
+        for pred in gg.pred[g]:
+            if pred not in upstream and op_class(pred) == CLEAR:
+                upstream.add(pred)
+                stack.append(pred)
+    for root in gg.vertices:
+        if op_class(root) != DENY or root in p.deny:
+            continue
+        p.deny.add(root)
+        if root.forced_deny:
+            p.note(root, decisions.CONSTANT_RANGE, root.forced_deny)
+        else:
+            p.note(root, root.node.class_kind or decisions.OP_LIST,
+                   f"deny list: {root.node.class_reason}")
+        stack = [root]
+        while stack:
+            g = stack.pop()
+            for succ in gg.succ[g]:
+                if succ not in p.deny and succ in upstream:
+                    p.deny.add(succ)
+                    p.note(succ, decisions.PROPAGATION,
+                           f"{op_class(succ)} op downstream of deny op {label(root)} through "
+                           f"infer/clear ops: its numeric risk carries here", via=g)
+                    stack.append(succ)
+    for g in p.deny:
+        p.allow.discard(g)
+    return len(p.deny)
+
+
+def fill_between_allow(p: Painting) -> int:
+    """Infer and clear ops that are downstream of one allow op and upstream of another go low."""
+    gg = p.graph
+    downstream: set[TypeGroup] = set()
+    for a in p.allow_in_order():
+        stack = [a]
+        while stack:
+            g = stack.pop()
+            for succ in gg.succ[g]:
+                if succ not in downstream and p.can_join(succ, (CLEAR, INFER)):
+                    downstream.add(succ)
+                    stack.append(succ)
+    painted = 0
+    for a in p.allow_in_order():
+        stack = [a]
+        while stack:
+            g = stack.pop()
+            for pred in gg.pred[g]:
+                if pred in downstream and pred not in p.allow:
+                    p.paint(pred, decisions.PROPAGATION,
+                            f"{op_class(pred)} op between allow ops: downstream of one and "
+                            f"upstream of {label(a)}", via=g)
+                    painted += 1
+                    stack.append(pred)
+    return painted
+
+
+def infer_after_allow(p: Painting) -> int:
+    """bf16 only (Grappler does this for oneDNN bf16): an infer op fed by an allow op and by no
+    deny op goes low."""
+    if p.ctx.target_dtype != BFLOAT16:
+        return 0
+    painted = 0
+    for g in p.graph.vertices:
+        if not p.can_join(g, (INFER,)):
+            continue
+        fed = [pred for pred in p.graph.pred[g] if pred in p.allow]
+        if fed and not any(pred in p.deny for pred in p.graph.pred[g]):
+            p.paint(g, decisions.PROPAGATION,
+                    f"infer op fed by low-precision {label(fed[0])} (bf16 rule)", via=fed[0])
+            painted += 1
+    return painted
+
+
+def spread_through_clear(p: Painting) -> int:
+    """Allow spreads through clear ops, both ways."""
+    painted = 0
+    for a in p.allow_in_order():
+        stack = [a]
+        while stack:
+            g = stack.pop()
+            for n in p.graph.succ[g] + p.graph.pred[g]:
+                if p.can_join(n, (CLEAR,)):
+                    p.paint(n, decisions.PROPAGATION,
+                            f"clear op connected to low-precision {label(a)}", via=g)
+                    painted += 1
+                    stack.append(n)
+    return painted
+
+
+def drop_without_kernel(p: Painting) -> int:
+    """What the backend cannot run in low precision goes back to fp32."""
+    dropped = 0
+    for g in p.allow_in_order():
+        missing = p.no_kernel(g)
+        if missing:
+            p.allow.discard(g)
+            p.note(g, decisions.BACKEND_KERNEL, missing)
+            dropped += 1
+    return dropped
+
+
+def retarget_existing_casts(p: Painting) -> int:
+    """The model's own casts to fp32 whose consumers all run low precision cast to that instead."""
+    retargeted = 0
+    for g in p.graph.vertices:
+        node = g.node
+        if node.op_type != "Cast" or g.output_slots != [0] or node.op_class == DENY:
+            continue
+        value = node.outputs[0]
+        if value is None:
+            continue
+        consumers = [c.input_group[s] for c, s in value.uses]
+        if consumers and not value.graph_output_uses and all(c in p.allow for c in consumers):
+            first = consumers[0]
+            p.paint(g, decisions.EXISTING_CAST,
+                    "existing Cast to float32 retargeted: every consumer runs low precision",
+                    via=first)
+            retargeted += 1
+    return retargeted
+
+
+def follow_producers(p: Painting) -> int:
+    """Inputs that only inspect a value (the format's follow-producer inputs) take the
+    producer's dtype, so no cast is needed."""
+    follow = p.ctx.rules.follow_producer_inputs
+    target = p.ctx.target_dtype
+    painted = 0
+    for g in p.graph.vertices:
+        if g.name not in follow.get(g.node.op_type, ()) or g.output_slots:
+            continue
+        producers = [p.graph.producer_group(v) for v in
+                     (g.node.inputs[s] for s in g.input_slots) if v is not None]
+        if producers and all(q in p.allow for q in producers) and g.allowed \
+                and target in g.allowed:
+            p.paint(g, decisions.TYPE_GROUP, "reads its producer's dtype as is (no numeric effect)",
+                    via=producers[0])
+            painted += 1
+    return painted
+
+
+def follow_data_group(p: Painting) -> int:
+    """Parameter-only groups (BatchNormalization's scale/mean/var, all constants) follow the
+    node's data group, so one kernel type serves the whole node."""
+    painted = 0
+    for g in p.graph.vertices:
+        node = g.node
+        if g in p.allow or g.output_slots or g.inner_defs or not g.paintable or g in p.deny:
+            continue
+        inputs = [node.inputs[s] for s in g.input_slots if node.inputs[s] is not None]
+        data_groups = [d for d in node.type_groups if d.output_slots and d is not g]
+        if inputs and all(v.const is not None for v in inputs if v is not None) and data_groups \
+                and all(d in p.allow for d in data_groups):
+            p.paint(g, decisions.TYPE_GROUP,
+                    f"constant parameters follow the node's {data_groups[0].name} group",
+                    via=data_groups[0])
+            painted += 1
+    return painted
+
+
+#: The phases in Grappler's order; each returns how many groups it moved.
+PHASES: list[Phase] = [seed_allow, spread_deny, fill_between_allow, infer_after_allow,
+                       spread_through_clear, drop_without_kernel, retarget_existing_casts,
+                       follow_producers, follow_data_group]
+
+
+def why_fp32(group: TypeGroup) -> tuple[str, str]:
+    """(kind, reason) for a group no rule moved: its classification's, or its class's default."""
+    if group.reason:
+        return group.kind or group.node.class_kind, group.reason
+    cls = op_class(group)
+    if cls == INFER:
+        return decisions.PROPAGATION, ("infer op not between low-precision ops: nothing would be "
+                                       "gained by a cast")
+    if cls == CLEAR:
+        return decisions.PROPAGATION, "clear op not connected to a low-precision op"
+    if cls == FP32:
+        return group.node.class_kind, group.node.class_reason
+    return group.node.class_kind, f"{cls} op kept fp32"
+
+
+def commit(p: Painting) -> None:
+    """Write every group's decision."""
+    target = p.ctx.target_dtype
+    for g in p.graph.vertices:
+        via = p.via.get(g)
+        if g in p.allow:
+            g.decide(target, p.kind[g], p.reason[g], via)
+        elif g in p.reason:
+            g.decide(FLOAT32, p.kind[g], p.reason[g], via)
+        else:
+            kind, reason = why_fp32(g)
+            g.decide(FLOAT32, kind, reason, via)
+
+
+@register_pass("propagate_precision")
+def propagate_precision(ctx: PassContext) -> tuple[int, list[str]]:
+    """Paint every fp32 type group low precision or fp32, recording why (see PHASES)."""
+    painting = Painting(GroupGraph(ctx.model.graph), ctx)
+    moved = {phase.__name__: phase(painting) for phase in PHASES}
+    commit(painting)
+    notes = [f"low precision groups: {len(painting.allow)} of {len(painting.graph.vertices)}",
+             f"deny groups: {len(painting.deny)}",
+             f"existing casts retargeted: {moved['retarget_existing_casts']}"]
+    return len(painting.allow), notes

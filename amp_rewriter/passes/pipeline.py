@@ -1,0 +1,95 @@
+"""The pipelines (ordered lists of pass names) and the loop that runs them.
+
+Set AMP_REWRITER_LINT=1 to check the IR's invariants (`ir.lint`) after loading and after every
+pass; the test suite always does. A broken invariant, or any unexpected exception inside a pass,
+raises an error that names the pass (and the node it was working on).
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import AmpError
+from ..ir import IRInvariantError, assert_sound
+from . import analysis, rewrite  # noqa: F401  (importing them registers their passes)
+from .base import REGISTRY, Pass, PassContext, PassResult
+
+#: Analysis first (decisions only), then the rewrite.
+PIPELINES: dict[str, list[str]] = {
+    "onnx": [
+        "pin_nodes",
+        "classify_ops",
+        "guard_constant_ranges",
+        "propagate_precision",
+        "insert_casts",
+        "fold_casts",
+        "convert_constants",
+    ],
+    # Grappler's loop rule sits between the decisions and the rewrite. Fetch nodes and ref-variable
+    # reads are pinned by the TF loader.
+    "tf": [
+        "pin_nodes",
+        "classify_ops",
+        "guard_constant_ranges",
+        "propagate_precision",
+        "match_recurrent_edges",
+        "insert_casts",
+        "fold_casts",
+        "convert_constants",
+    ],
+    # The forward and backward passes of a training graph go through the TF pipeline; the
+    # training front end's plan pins everything else (optimizer path, loss, loss-scaling subgraph).
+    "tf-training": [
+        "pin_nodes",
+        "pin_training_regions",
+        "classify_ops",
+        "guard_constant_ranges",
+        "propagate_precision",
+        "match_recurrent_edges",
+        "insert_casts",
+        "fold_casts",
+        "convert_constants",
+    ],
+}
+
+LINT_ENV = "AMP_REWRITER_LINT"
+
+
+class PassError(Exception):
+    """A pass failed unexpectedly (a bug, not bad input): names the pass and the node."""
+
+
+def lint_enabled() -> bool:
+    """Whether AMP_REWRITER_LINT asks for IR checks after every pass."""
+    return os.environ.get(LINT_ENV, "") not in ("", "0")
+
+
+def passes_of(pipeline: str | list[str]) -> list[Pass]:
+    """The Pass objects of a pipeline name or a list of pass names."""
+    names = PIPELINES[pipeline] if isinstance(pipeline, str) else pipeline
+    unknown = [name for name in names if name not in REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown pass(es): {', '.join(unknown)}")
+    return [REGISTRY[name] for name in names]
+
+
+def run_pipeline(ctx: PassContext, pipeline: str | list[str]) -> list[PassResult]:
+    """Run the passes of `pipeline` in order; returns their results."""
+    lint = lint_enabled()
+    if lint:
+        assert_sound(ctx.model.graph, "loading")
+    results = []
+    for step in passes_of(pipeline):
+        ctx.focus = None
+        try:
+            results.append(step(ctx))
+        except (AmpError, PassError, IRInvariantError):
+            raise
+        except Exception as exc:
+            where = f" at node {ctx.focus.name!r} ({ctx.focus.op_type})" if ctx.focus else ""
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise PassError(f"pass {step.name} failed{where}: {type(exc).__name__}: "
+                            f"{detail}") from exc
+        if lint:
+            assert_sound(ctx.model.graph, f"pass {step.name}")
+    return results

@@ -1,0 +1,153 @@
+"""Apply the precision decisions: set dtypes and insert the casts they need.
+
+One cast per (value, dtype), placed right after the value's producer and shared by every consumer
+that needs it. Graph inputs and outputs keep their dtype when `keep_io_types` is on; a graph output
+whose producer now runs low precision gets a cast that takes over the output's name.
+"""
+
+from __future__ import annotations
+
+from ...ir import FLOAT_DTYPES, Graph, Model, Node, Value, short_name
+from ..base import PassContext, register_pass
+
+#: The IR's cast op: every loader reads its format's cast as this, every emitter writes it back.
+CAST = "Cast"
+
+
+class CastBuilder:
+    """Creates cast nodes and remembers where each goes, to splice them in one sweep."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.cache: dict[tuple[int, str], Value] = {}
+        #: id(graph) -> {id(producer node) -> casts right after it}; id(graph) -> casts at start.
+        self.after_node: dict[int, dict[int, list[Node]]] = {}
+        self.at_start: dict[int, list[Node]] = {}
+        self.created = 0
+
+    def cast(self, value: Value, dtype: str) -> Value:
+        """The value converted to `dtype`, creating the cast on first request."""
+        key = (id(value), dtype)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        graph = value.graph
+        cast = Node(self.model.unique_name(f"{value.name}/cast_to_{short_name(dtype)}"), CAST, "",
+                    graph)
+        cast.attrs["to"] = dtype
+        cast.op_class, cast.class_reason = "cast", "inserted at a precision boundary"
+        output = Value(self.model.unique_name(f"{value.name}_{short_name(dtype)}"), graph, dtype,
+                       value.shape)
+        graph.add_value(output)
+        cast.add_input(value)
+        cast.add_output(output)
+        cast.input_group, cast.output_group = [None], [None]
+        if value.producer is not None and value.producer.graph is graph:
+            cast.order = value.producer.order
+            self.after_node.setdefault(id(graph), {}).setdefault(
+                id(value.producer), []).append(cast)
+        else:
+            self.at_start.setdefault(id(graph), []).append(cast)
+        self.cache[key] = output
+        self.created += 1
+        return output
+
+    def splice(self, root: Graph) -> None:
+        """Put the new casts into the node lists, keeping them topologically sorted."""
+        for graph in list(root.walk_graphs()):
+            after = self.after_node.get(id(graph), {})
+            start = self.at_start.get(id(graph), [])
+            if after or start:
+                graph.insert_nodes(after=after, at_start=start)
+
+
+def _required_dtype(value: Value, consumer: Node, slot: int) -> str | None:
+    group = consumer.input_group[slot] if slot < len(consumer.input_group) else None
+    if group is not None and group.precision is not None:
+        return group.precision
+    return value.original_dtype
+
+
+@register_pass("insert_casts")
+def insert_casts(ctx: PassContext) -> tuple[int, list[str]]:
+    """Set every value's dtype from its group's decision and cast where producer and user differ."""
+    model = ctx.model
+    builder = CastBuilder(model)
+    root = model.graph
+
+    # Values defined by painted groups take the group's dtype.
+    for node in root.walk_nodes():
+        for group in node.type_groups:
+            if group.precision is None or group.precision == group.dtype:
+                continue
+            for slot in group.output_slots:
+                output = node.outputs[slot]
+                if output is not None:
+                    output.dtype = group.precision
+            for value in group.inner_defs:
+                value.dtype = group.precision
+
+    if not ctx.options.keep_io_types:
+        _lower_graph_inputs(root)
+
+    for graph in list(root.walk_graphs()):
+        candidates = list(graph.inputs) + list(graph.initializers.values())
+        for node in graph.nodes:
+            candidates.extend(v for v in node.outputs if v is not None)
+        for value in candidates:
+            if value.dtype not in FLOAT_DTYPES:
+                continue
+            ctx.focus = value.producer
+            users = list(value.uses)  # before any cast of ours becomes a user too
+            # Outputs first: their cast takes over the public name, and internal users share it.
+            for sub, index in list(value.graph_output_uses):
+                needed = _graph_output_dtype(sub, index, value, ctx.options.keep_io_types)
+                if needed is not None and needed != value.dtype:
+                    _retarget_graph_output(model, builder, value, sub, index, needed)
+            for consumer, slot in users:
+                needed = _required_dtype(value, consumer, slot)
+                if needed is not None and needed != value.dtype and needed in FLOAT_DTYPES:
+                    consumer.set_input(slot, builder.cast(value, needed))
+
+    builder.splice(root)
+    return builder.created, []
+
+
+def _graph_output_dtype(sub: Graph, index: int, value: Value, keep_io_types: bool) -> str | None:
+    if sub.parent is None:
+        return value.original_dtype if keep_io_types else value.dtype
+    owner = sub.owner
+    for group in owner.type_groups if owner is not None else ():
+        if (sub, index) in group.inner_uses:
+            return group.precision or group.dtype
+    return value.original_dtype
+
+
+def _retarget_graph_output(model: Model, builder: CastBuilder, value: Value, sub: Graph,
+                           index: int, dtype: str) -> None:
+    """Make output `index` of `sub` carry `dtype`: the cast takes over the output's name."""
+    original_name = value.name
+    cast_out = builder.cache.get((id(value), dtype))
+    if cast_out is not None:  # the same value listed as an output twice
+        pass
+    elif value.producer is not None and value.producer.graph is sub and not value.is_graph_input:
+        # The producer's value gets a fresh name; the cast output carries the public name.
+        value.rename(model.unique_name(f"{original_name}_{short_name(value.dtype)}"))
+        cast_out = builder.cast(value, dtype)
+        cast_out.rename(original_name)
+    else:
+        cast_out = builder.cast(value, dtype)
+    sub.set_output(index, cast_out)
+
+
+def _lower_graph_inputs(root: Graph) -> None:
+    """Without keep-io-types, a float input whose every user wants one low dtype takes it."""
+    for value in root.inputs:
+        if (value.dtype not in FLOAT_DTYPES or not value.uses or value.graph_output_uses
+                or value.const is not None):
+            continue
+        wanted = {_required_dtype(value, c, s) for c, s in value.uses}
+        if len(wanted) == 1:
+            (dtype,) = wanted
+            if dtype is not None and dtype != value.dtype:
+                value.dtype = dtype

@@ -1,0 +1,89 @@
+"""Comparing a converted model's outputs with the fp32 model's (format-neutral; numpy only)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import AmpError
+
+
+@dataclass
+class OutputComparison:
+    """Errors of one output of the converted model against the fp32 one."""
+
+    name: str
+    max_abs: float
+    relative: float
+    nonfinite_new: bool
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "max_abs_error": self.max_abs, "relative_error": self.relative,
+                "new_nan_or_inf": self.nonfinite_new}
+
+
+@dataclass
+class Validation:
+    """Every output's comparison against `rtol`, and notes on how the models were run."""
+
+    comparisons: list[OutputComparison]
+    rtol: float
+    notes: list[str] = field(default_factory=list)
+
+    def failed(self, comparison: OutputComparison) -> bool:
+        """Whether one output is off: above `rtol`, or NaN/Inf where fp32 has none."""
+        return comparison.relative > self.rtol or comparison.nonfinite_new
+
+    @property
+    def passed(self) -> bool:
+        return not any(self.failed(c) for c in self.comparisons)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rtol": self.rtol, "passed": self.passed,
+                "outputs": [c.to_dict() for c in self.comparisons]}
+
+
+def compare_outputs(name: str, ref: Any, new: Any) -> OutputComparison:
+    """Max-abs and relative (max-abs / max|ref|) error of one output; exact match for non-floats."""
+    ref = _as_float(ref)
+    new = _as_float(new)
+    if not np.issubdtype(ref.dtype, np.floating):
+        mismatch = float(np.count_nonzero(ref != new))
+        return OutputComparison(name, mismatch, mismatch / max(ref.size, 1), False)
+    ref64, new64 = ref.astype(np.float64), new.astype(np.float64)
+    finite = np.isfinite(ref64)
+    nonfinite_new = bool(np.any(finite & ~np.isfinite(new64)))
+    diff = np.abs(ref64[finite] - new64[finite]) if finite.any() else np.zeros(1)
+    max_abs = float(diff.max()) if diff.size else 0.0
+    scale = float(np.abs(ref64[finite]).max()) if finite.any() else 0.0
+    relative = max_abs / scale if scale > 0 else max_abs
+    if nonfinite_new:
+        relative = float("inf")
+    return OutputComparison(name, max_abs, relative, nonfinite_new)
+
+
+def _as_float(array: Any) -> np.ndarray:
+    """An array with bf16 (which numpy cannot compute in) widened to fp32."""
+    array = np.asarray(array)
+    if array.dtype.name == "bfloat16":
+        return array.astype(np.float32)
+    return array
+
+
+def default_rtol(target: str) -> float:
+    """Tolerance on the relative error: fp16 keeps ~3 decimal digits, bf16 ~2."""
+    return 2e-2 if target == "fp16" else 1e-1
+
+
+def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Inputs from an .npz file, keyed by input name."""
+    try:
+        with np.load(path) as data:
+            return {k: data[k] for k in data.files}
+    except FileNotFoundError:
+        raise AmpError(f"{path}: inputs file not found") from None
+    except Exception as exc:  # numpy raises several types for a bad file
+        raise AmpError(f"{path}: not an .npz file of inputs ({type(exc).__name__})") from None

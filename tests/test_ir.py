@@ -1,0 +1,144 @@
+"""The IR guards its invariants: mutators keep both ends of every edge in step, `lint` finds
+what a hand edit breaks, and a pipeline names the pass (and node) that broke something."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from amp_rewriter.formats.onnx.load import load_onnx
+from amp_rewriter.formats.onnx.rules import ONNX_RULES
+from amp_rewriter.ir import Graph, IRError, IRInvariantError, Model, Node, Value, lint
+from amp_rewriter.op_lists import OpLists
+from amp_rewriter.options import Options
+from amp_rewriter.passes import REGISTRY, PassContext, PassError, run_pipeline
+from amp_rewriter.passes.base import register_pass
+from models import BUILDERS
+
+
+def chain_graph() -> tuple[Graph, list[Node], Value]:
+    """x -> a -> b -> c (one output each), c's output a graph output."""
+    graph = Graph("g")
+    x = graph.add_value(Value("x", graph, "float32"))
+    graph.add_input(x)
+    nodes, value = [], x
+    for name in "abc":
+        node = Node(name, "Relu", graph=graph)
+        node.add_input(value)
+        value = graph.add_value(Value(f"{name}_out", graph, "float32"))
+        node.add_output(value)
+        graph.append_node(node)
+        nodes.append(node)
+    graph.add_output(value)
+    return graph, nodes, x
+
+
+def test_mutators_keep_both_ends_in_step():
+    graph, (a, b, c), x = chain_graph()
+    assert lint(graph) == []
+    b.set_input(0, x)  # b now reads x instead of a's output
+    assert (b, 0) in x.uses and not a.outputs[0].uses
+    assert lint(graph) == []
+    a.outputs[0].uses.append((c, 0))  # a hand edit the IR does not know about
+    assert any("uses list" in p for p in lint(graph))
+
+
+def test_replace_all_uses_and_remove_only_unused_nodes():
+    graph, (a, b, c), x = chain_graph()
+    with pytest.raises(IRError):
+        graph.remove_nodes([a])  # b still reads it
+    a.outputs[0].replace_all_uses_with(x)
+    assert graph.remove_nodes([a]) == 1
+    assert [n.name for n in graph.nodes] == ["b", "c"] and x.uses == [(b, 0)]
+    assert "a_out" not in graph.values and lint(graph) == []
+
+
+def test_insert_before_and_after_keep_order():
+    graph, (a, b, c), x = chain_graph()
+    early = Node("early", "Relu", graph=graph)
+    early.add_input(x)
+    early.add_output(graph.add_value(Value("early_out", graph, "float32")))
+    graph.insert_before(a, [early])
+    late = Node("late", "Relu", graph=graph)
+    late.add_input(c.outputs[0])
+    late.add_output(graph.add_value(Value("late_out", graph, "float32")))
+    graph.insert_after(c, [late])
+    assert [n.name for n in graph.nodes] == ["early", "a", "b", "c", "late"]
+    assert lint(graph) == []
+    graph.insert_after(early, [graph.nodes.pop()])  # late before c: read before it is made
+    assert any("used before it is produced" in p for p in lint(graph))
+
+
+def test_graph_outputs_move_with_set_output():
+    graph, (a, b, c), x = chain_graph()
+    graph.set_output(0, b.outputs[0])
+    assert graph.outputs == [b.outputs[0]] and not c.outputs[0].graph_output_uses
+    assert lint(graph) == []
+
+
+def _context(model_name: str = "transformer_block") -> PassContext:
+    options = Options()
+    ir_model: Model = load_onnx(BUILDERS[model_name]())
+    lists = OpLists.load("onnx", "fp16", "ort-cuda", options.overrides)
+    return PassContext(ir_model, lists, options, ONNX_RULES)
+
+
+@pytest.fixture
+def scratch_pass():
+    """Register throw-away passes; removed from the registry afterwards."""
+    added: list[str] = []
+
+    def register(name, run):
+        register_pass(name)(run)
+        added.append(name)
+    yield register
+    for name in added:
+        REGISTRY.pop(name, None)
+
+
+def test_a_pass_that_breaks_an_invariant_is_named(scratch_pass, monkeypatch):
+    monkeypatch.setenv("AMP_REWRITER_LINT", "1")
+
+    def break_uses(ctx):
+        """Drop a use by hand."""
+        node = next(n for n in ctx.model.graph.nodes if n.inputs)
+        node.inputs[0].uses.clear()
+        return 1, []
+    scratch_pass("test_break_uses", break_uses)
+    with pytest.raises(IRInvariantError, match="after pass test_break_uses"):
+        run_pipeline(_context(), ["classify_ops", "test_break_uses"])
+
+
+def test_a_pass_that_fails_says_which_pass_and_node(scratch_pass):
+    def fail(ctx):
+        """Fail on the third node."""
+        for index, node in enumerate(ctx.model.graph.walk_nodes()):
+            ctx.focus = node
+            if index == 2:
+                raise KeyError("boom")
+        return 0, []
+    scratch_pass("test_fail", fail)
+    ctx = _context()
+    third = list(ctx.model.graph.walk_nodes())[2]
+    with pytest.raises(PassError, match=rf"pass test_fail failed at node '{third.name}'.*KeyError"):
+        run_pipeline(ctx, ["test_fail"])
+
+
+@pytest.mark.parametrize("model_name", list(BUILDERS))
+def test_every_pipeline_pass_leaves_the_ir_sound(model_name, monkeypatch):
+    monkeypatch.setenv("AMP_REWRITER_LINT", "1")
+    results = run_pipeline(_context(model_name), "onnx")
+    assert [r.name for r in results] == ["pin_nodes", "classify_ops", "guard_constant_ranges",
+                                         "propagate_precision", "insert_casts", "fold_casts",
+                                         "convert_constants"]
+
+
+def test_passes_are_registered_with_a_summary():
+    for name, step in REGISTRY.items():
+        assert step.name == name and step.summary, name
+
+
+def test_check_range_counts_overflow_and_flush():
+    from amp_rewriter.ir import check_range
+    result = check_range(np.array([1e5, 1e-9, 1.0, 0.0], np.float32), "float16")
+    assert (result.overflowed, result.flushed_to_zero, result.nonzero) == (1, 1, 3)
