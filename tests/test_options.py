@@ -1,0 +1,113 @@
+"""One Options object: every field is a CLI flag of convert and explain, a keyword argument of
+the Python API, and reaches the passes; unknown or conflicting options fail with one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import amp_rewriter
+from amp_rewriter import AmpError, Options, TrainingOptions
+from amp_rewriter.cli import build_parser, main
+from amp_rewriter.options import cli_given, from_cli
+from models import BUILDERS
+
+FLAGGED = [f for f in dataclasses.fields(Options) if "cli" in f.metadata]
+
+
+def help_text(command: str) -> str:
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    return sub.format_help()
+
+
+@pytest.mark.parametrize("command", ["convert", "explain"])
+def test_every_option_field_is_a_flag(command):
+    text = help_text(command)
+    for f in FLAGGED:
+        assert f.metadata["cli"]["flag"] in text, f.name
+
+
+def test_training_fields_are_flags_of_convert():
+    text = help_text("convert")
+    for f in dataclasses.fields(TrainingOptions):
+        assert f.metadata["cli"]["flag"] in text, f.name
+
+
+def test_flags_come_back_as_the_same_options():
+    args = build_parser().parse_args([
+        "convert", "in.onnx", "out.onnx", "--target", "bf16", "--backend", "ort-cpu",
+        "--allow", "Tanh", "--deny", "Exp", "--deny", "Pow", "--keep-node", "mm.*",
+        "--no-keep-io-types", "--clamp", "--outputs", "a, b:1"])
+    options = from_cli(args, Options)
+    assert options == Options(target="bf16", backend="ort-cpu", allow=["Tanh"],
+                              deny=["Exp", "Pow"], keep_nodes=["mm.*"], keep_io_types=False,
+                              clamp=True, outputs=["a", "b:1"])
+    nothing = build_parser().parse_args(["convert", "in.onnx", "out.onnx"])
+    assert cli_given(nothing, Options) == {} and from_cli(nothing, Options) == Options()
+
+
+def test_every_field_is_a_keyword_of_the_api(tmp_path):
+    model = BUILDERS["transformer_block"]()
+    defaults = {f.name: getattr(Options(), f.name) for f in dataclasses.fields(Options) if f.init}
+    defaults["outputs"] = None
+    converted, report = amp_rewriter.convert(model, **defaults)
+    plain, _ = amp_rewriter.convert(model)
+    assert converted.SerializeToString() == plain.SerializeToString()
+    with pytest.raises(TypeError):
+        amp_rewriter.convert(model, no_such_option=True)
+
+
+def test_options_reach_the_passes(tmp_path):
+    model = BUILDERS["transformer_block"]()
+    _, report = amp_rewriter.convert(model, keep_nodes=[".*"])
+    assert all(e["precision"] in ("fp32", "n/a") for e in report.nodes)
+    assert {e["kind"] for e in report.nodes if e["class"] == "fp32"} == {"user_override"}
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(target="fp8"), "unknown target"),
+    (dict(allow=["Exp"], deny=["Exp"]), "both name 'Exp'"),
+    (dict(keep_nodes=["("]), "not a valid regex"),
+    (dict(config="/no/such/config.toml"), "config file not found"),
+])
+def test_bad_options_fail_with_one_clear_line(options, message):
+    with pytest.raises(AmpError, match=message):
+        Options(**options)
+
+
+def test_a_config_file_joins_the_flags(tmp_path):
+    config = tmp_path / "lists.toml"
+    config.write_text('deny = ["Tanh"]\nkeep_nodes = ["attn/.*"]\n')
+    options = Options(config=config, allow=["Exp"])
+    assert options.overrides.moves == {"Tanh": "deny", "Exp": "allow"}
+    assert [p.pattern for p in options.keep_node_patterns] == ["attn/.*"]
+
+
+def test_training_flags_without_training_are_refused(tmp_path, capsys):
+    model = tmp_path / "m.onnx"
+    model.write_bytes(BUILDERS["cnn"]().SerializeToString())
+    assert main(["convert", str(model), str(tmp_path / "o.onnx"), "--growth-interval", "5"]) == 2
+    assert "--growth-interval only apply with --training" in capsys.readouterr().err
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_report_kinds_for_every_decision(tmp_path, capsys):
+    model = tmp_path / "m.onnx"
+    model.write_bytes(BUILDERS["transformer_block"]().SerializeToString())
+    report_path = tmp_path / "r.json"
+    assert main(["convert", str(model), str(tmp_path / "o.onnx"), "--report", str(report_path),
+                 "--quiet"]) == 0
+    report = json.loads(report_path.read_text())
+    kinds = {e["kind"] for e in report["nodes"]}
+    assert kinds <= {"op_list", "propagation", "constant_range", "backend_kernel",
+                     "user_override", "pin", "type_group", "schema", "existing_cast", ""}
+    assert "propagation" in kinds and "op_list" in kinds
+    for entry in report["nodes"]:
+        for group in entry.get("groups", []):
+            assert group["kind"], (entry["name"], group)
+    decided = next(e for e in report["nodes"] if e.get("groups"))
+    assert main(["explain", str(report_path), decided["name"]]) == 0
+    assert f"decided by: {decided['kind']}" in capsys.readouterr().out
