@@ -14,6 +14,18 @@ from ..ir import IRInvariantError, assert_sound
 from . import analysis, rewrite  # noqa: F401  (importing them registers their passes)
 from .base import REGISTRY, Pass, PassContext, PassResult
 
+#: TensorFlow graphs: the decisions, Grappler's loop rule between them and the rewrite, the
+#: rewrite. Fetch nodes and ref-variable reads are pinned by the TF loader.
+_TF_PASSES = [
+    "classify_ops",
+    "guard_constant_ranges",
+    "propagate_precision",
+    "match_recurrent_edges",
+    "insert_casts",
+    "fold_casts",
+    "convert_constants",
+]
+
 #: Analysis first (decisions only), then the rewrite.
 PIPELINES: dict[str, list[str]] = {
     "onnx": [
@@ -25,31 +37,10 @@ PIPELINES: dict[str, list[str]] = {
         "fold_casts",
         "convert_constants",
     ],
-    # Grappler's loop rule sits between the decisions and the rewrite. Fetch nodes and ref-variable
-    # reads are pinned by the TF loader.
-    "tf": [
-        "pin_nodes",
-        "classify_ops",
-        "guard_constant_ranges",
-        "propagate_precision",
-        "match_recurrent_edges",
-        "insert_casts",
-        "fold_casts",
-        "convert_constants",
-    ],
-    # The forward and backward passes of a training graph go through the TF pipeline; the
-    # training front end's plan pins everything else (optimizer path, loss, loss-scaling subgraph).
-    "tf-training": [
-        "pin_nodes",
-        "pin_training_regions",
-        "classify_ops",
-        "guard_constant_ranges",
-        "propagate_precision",
-        "match_recurrent_edges",
-        "insert_casts",
-        "fold_casts",
-        "convert_constants",
-    ],
+    "tf": ["pin_nodes", *_TF_PASSES],
+    # The forward and backward passes of a training graph go through the TF passes; the training
+    # front end's plan pins everything else (optimizer path, loss, loss-scaling subgraph).
+    "tf-training": ["pin_nodes", "pin_training_regions", *_TF_PASSES],
 }
 
 LINT_ENV = "AMP_REWRITER_LINT"

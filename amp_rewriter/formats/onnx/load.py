@@ -9,7 +9,7 @@ decide, so no correctness depends on them.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -178,20 +178,28 @@ def parse_model_bytes(data: bytes, label: str) -> onnx.ModelProto:
     return model
 
 
-def all_tensors(graph: onnx.GraphProto):
-    """Every TensorProto in a graph and its subgraphs (initializers and attribute tensors)."""
+def walk_graph_protos(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """A graph and every subgraph in its nodes' attributes (If/Loop/Scan bodies), at any depth."""
     stack = [graph]
     while stack:
         g = stack.pop()
+        yield g
+        for node in g.node:
+            for attr in node.attribute:
+                if attr.HasField("g"):
+                    stack.append(attr.g)
+                stack.extend(attr.graphs)
+
+
+def all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every TensorProto in a graph and its subgraphs (initializers and attribute tensors)."""
+    for g in walk_graph_protos(graph):
         yield from g.initializer
         for node in g.node:
             for attr in node.attribute:
                 if attr.HasField("t"):
                     yield attr.t
                 yield from attr.tensors
-                if attr.HasField("g"):
-                    stack.append(attr.g)
-                stack.extend(attr.graphs)
 
 
 class OnnxLoader:
@@ -214,19 +222,12 @@ class OnnxLoader:
     # -- dtype hints from value_info and shape inference ------------------------------------
     def _collect_hints(self) -> None:
         """Dtypes the model itself declares (value_info, inputs, outputs), as fallbacks."""
-        stack = [self.model.graph]
-        while stack:
-            g = stack.pop()
+        for g in walk_graph_protos(self.model.graph):
             for infos in (g.value_info, g.input, g.output):
                 for info in infos:
                     elem_type = info.type.tensor_type.elem_type
                     if elem_type and info.name not in self.hints:
                         self.hints[info.name] = (dtype_name(elem_type), None)
-            for node in g.node:
-                for attr in node.attribute:
-                    if attr.HasField("g"):
-                        stack.append(attr.g)
-                    stack.extend(attr.graphs)
 
     def _add_inferred_hints(self) -> None:
         """Dtypes from onnx shape inference, for values our own schema rules left open."""
@@ -234,18 +235,11 @@ class OnnxLoader:
             inferred = onnx.shape_inference.infer_shapes(self.model, strict_mode=False)
         except Exception:  # inference is only a hint source; our own dtype rules come first
             return
-        stack = [inferred.graph]
-        while stack:
-            g = stack.pop()
+        for g in walk_graph_protos(inferred.graph):
             for info in g.value_info:
                 tt = info.type.tensor_type
                 if info.type.HasField("tensor_type") and tt.elem_type:
                     self.hints.setdefault(info.name, (dtype_name(tt.elem_type), None))
-            for node in g.node:
-                for attr in node.attribute:
-                    if attr.HasField("g"):
-                        stack.append(attr.g)
-                    stack.extend(attr.graphs)
 
     # -- graphs ---------------------------------------------------------------------------
     def load(self) -> Model:

@@ -7,6 +7,7 @@ import onnx
 
 from ...errors import AmpError
 from ...validation import OutputComparison, compare_outputs
+from .load import load_onnx, walk_graph_protos
 
 _NUMPY_OF_ELEM = {
     onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
@@ -121,8 +122,6 @@ def emulate_bfloat16(model: onnx.ModelProto) -> onnx.ModelProto:
     copy computes each op in fp32 and rounds its bf16 outputs (Cast to bf16 and back), which is
     what a bf16 kernel with fp32 accumulation does; validation runs it in place of the bf16 model.
     """
-    from .load import load_onnx
-
     emulated = onnx.ModelProto()
     emulated.CopyFrom(model)
     ir_model = load_onnx(emulated)
@@ -160,19 +159,13 @@ def emulate_bfloat16(model: onnx.ModelProto) -> onnx.ModelProto:
 def has_bfloat16(model: onnx.ModelProto) -> bool:
     """Whether any graph of the model (bodies included) has a bf16 initializer, cast or IO."""
     bf16 = onnx.TensorProto.BFLOAT16
-    stack = [model.graph]
-    while stack:
-        graph = stack.pop()
+    for graph in walk_graph_protos(model.graph):
         if any(t.data_type == bf16 for t in graph.initializer):
             return True
         if any(i.type.tensor_type.elem_type == bf16
                for i in list(graph.input) + list(graph.output)):
             return True
-        for node in graph.node:
-            for attr in node.attribute:
-                if node.op_type == "Cast" and attr.name == "to" and attr.i == bf16:
-                    return True
-                if attr.HasField("g"):
-                    stack.append(attr.g)
-                stack.extend(attr.graphs)
+        if any(node.op_type == "Cast" and attr.name == "to" and attr.i == bf16
+               for node in graph.node for attr in node.attribute):
+            return True
     return False
