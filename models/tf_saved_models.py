@@ -84,7 +84,9 @@ def _variables_in_name_order() -> Iterator[None]:
 
     def sorted_variables(fns):
         trainable, non_trainable = original(fns)
-        key = lambda v: (getattr(v, "path", None) or v.name)
+        def key(variable):
+            return getattr(variable, "path", None) or variable.name
+
         return sorted(trainable, key=key), sorted(non_trainable, key=key)
 
     archive._list_variables_used_by_fns = sorted_variables

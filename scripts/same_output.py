@@ -220,8 +220,12 @@ def build_tf(out: Path, tmp: Path) -> None:
         for variant, options in TF_TARGETS:
             record(out, "tf_graphdef", graph_def, options, outputs=outputs,
                    name=f"{name}/{variant}")
-    gd = lambda name: graphs[name][0]
-    outs = lambda name: graphs[name][1]
+    def gd(name):
+        return graphs[name][0]
+
+    def outs(name):
+        return graphs[name][1]
+
     bf16 = {"target": "bf16", "backend": "tf-cpu"}
     fp16 = {"target": "fp16", "backend": "tf-gpu"}
     extra: list[tuple[str, str, dict[str, Any], Any, dict[str, str] | None]] = [
@@ -447,6 +451,30 @@ def build_corpus(cache: Path, parts: list[str], rebuild: bool) -> dict[str, floa
     return timings
 
 
+def record_tests(cases_dir: Path, rebuild: bool) -> None:
+    """Run this checkout's test suite with AMP_REWRITER_RECORD_CASES set, so every conversion the
+    tests make in-process becomes a case under cases_dir/tests (tests/record_cases.py)."""
+    target = cases_dir / "tests"
+    if (target / BUILT_MARK).is_file() and not rebuild:
+        return
+    print("recording the test suite's conversions (runs the whole suite) ...", flush=True)
+    started = time.perf_counter()
+    shutil.rmtree(target, ignore_errors=True)
+    env = {**_child_env(REPO_ROOT), cases_lib.RECORD_ENV: str(target)}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "tests"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            check=False)
+    if result.returncode != 0:
+        tail = "\n    ".join((result.stdout + result.stderr).splitlines()[-15:])
+        raise RuntimeError(f"the test suite failed while recording (exit {result.returncode}):"
+                           f"\n    {tail}")
+    count = len(cases_lib.find_cases(target))
+    mark = {"part": "tests", "cases": count, "seconds": round(time.perf_counter() - started, 1),
+            "format": cases_lib.FORMAT}
+    (target / BUILT_MARK).write_text(json.dumps(mark, indent=1) + "\n")
+    print(f"  tests: {count} cases in {mark['seconds']:.1f} s", flush=True)
+
+
 # ================================================================================================
 # Code versions
 # ================================================================================================
@@ -549,7 +577,7 @@ def replay(sides: list[tuple[str, Path]], cases_dir: Path, workdir: Path, only: 
                                  f"/{total}"
                                  for label, run in active.items())
             print(f"  replaying: {progress}", flush=True)
-    for label, run in runs.items():
+    for run in runs.values():
         run["header"], run["footer"], run["records"] = None, None, {}
         if run["results"].is_file():
             for line in run["results"].read_text().splitlines():
@@ -684,6 +712,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-build", action="store_true",
                         help="replay only what is in the cache (e.g. recorded cases)")
     parser.add_argument("--build-only", action="store_true", help="build the corpus and stop")
+    parser.add_argument("--record-tests", action="store_true",
+                        help="also run this checkout's test suite once, recording every "
+                             "conversion it makes in-process as the corpus part 'tests' (about "
+                             "5 minutes; kept in the cache like the other parts)")
     parser.add_argument("--determinism", action="store_true",
                         help="replay the --after version twice (two processes) and compare")
     parser.add_argument("--jobs", type=int, choices=(1, 2), default=2,
@@ -714,6 +746,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{', '.join(CORPUS_PARTS)}, or a folder below {cases_dir})")
     try:
         build_times = {} if args.no_build else build_corpus(cache, build_parts, args.rebuild)
+        if args.record_tests:
+            record_tests(cases_dir, args.rebuild)
     except RuntimeError as exc:
         print(f"same_output: {exc}", file=sys.stderr)
         return 2

@@ -21,6 +21,13 @@ if str(REPO_ROOT) not in sys.path:
 # loading and after every pass (an error names the pass that broke them).
 os.environ["AMP_REWRITER_LINT"] = "1"
 
+# AMP_REWRITER_RECORD_CASES=DIR: every in-process conversion is kept as a case for
+# scripts/same_output.py (installed before test modules import the entry points).
+if os.environ.get("AMP_REWRITER_RECORD_CASES"):
+    from record_cases import install as _install_recorder
+
+    _install_recorder()
+
 #: Generous per-call limit: a hung CLI should fail one test, not stall the suite.
 CLI_TIMEOUT_S = 120
 
