@@ -1,15 +1,16 @@
 """amp-rewriter: automatic mixed precision for ONNX and TensorFlow graphs.
 
-`convert` / `convert_file` take either format; `amp_rewriter.tf` holds the TensorFlow-only entry
+`convert` / `convert_file` take either format (`convert_auto` and `diagnose` measure on
+calibration data); `amp_rewriter.tf` holds the TensorFlow-only entry
 points (training graphs, SavedModels). Importing this package imports neither onnx nor
 tensorflow: each format's library is imported when that format is used.
 """
 
-from .api import convert, convert_file
+from .api import convert, convert_auto, convert_file, diagnose
 from .errors import AmpError, CheckFailed
-from .options import Options, TrainingOptions
+from .options import AutoOptions, Options, TrainingOptions
 from .report import Report
 
-__all__ = ["convert", "convert_file", "AmpError", "CheckFailed", "Options", "TrainingOptions",
-           "Report"]
+__all__ = ["convert", "convert_auto", "convert_file", "diagnose", "AmpError", "CheckFailed",
+           "Options", "TrainingOptions", "AutoOptions", "Report"]
 __version__ = "0.1.0"

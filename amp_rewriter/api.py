@@ -11,11 +11,12 @@ imported: converting ONNX never imports TensorFlow and the other way round.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from . import formats
-from .options import Options
+from .options import AutoOptions, Options, split_kwargs
 from .report import Report
 
 
@@ -71,3 +72,46 @@ def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
         return convert_model_file(input_path, output_path, Options(**options))
     report = formats.get("tf").convert_file(input_path, output_path, Options(**options))
     return None, report
+
+
+def convert_auto(input_path: str | os.PathLike, output_path: str | os.PathLike,
+                 inputs: Sequence[str | os.PathLike] | None = None, *, max_error: float,
+                 metric: str = "max-rel", **options: Any) -> Report:
+    """`convert --auto`: convert as much as possible while `metric <= max_error` holds on the
+    calibration data, and write the result atomically.
+
+    `inputs` are .npz files, folders of them or Polygraphy JSON input files (None: seeded random
+    batches, with a warning in `report.warnings`). `metric` is "max-rel", "cosine" or
+    "module:function" (see `amp_rewriter.accuracy.metrics`). Other keyword arguments are the
+    fields of `AutoOptions` (data_max, flush_max, local_max, max_reduction, max_trials,
+    random_batches) and of `Options`. `report.auto` describes the search; every node it pinned
+    has kind "measurement" and the measurement as its reason.
+    """
+    from .accuracy import run_auto
+
+    auto, rest = split_kwargs(AutoOptions, {**options, "max_error": max_error, "metric": metric})
+    conversion = Options(**rest)
+    input_path = Path(input_path)
+    runner = formats.for_path(input_path).accuracy_runner(input_path, conversion)
+    report, _ = run_auto(runner, Path(output_path),
+                         [str(p) for p in inputs] if inputs else None, auto, conversion.target)
+    return report
+
+
+def diagnose(model_path: str | os.PathLike, inputs: Sequence[str | os.PathLike] | None = None,
+             **options: Any) -> dict[str, Any]:
+    """`amp-rewriter diagnose` as a dict (the JSON report): per node its fp32 range, overflow and
+    flush fractions in the target, the converted model's error there and the error it adds on
+    its own, sorted by contribution; `first_nonfinite` names the first node with NaN/Inf.
+    Keyword arguments: fields of `Options` and the data-range fields of `AutoOptions`."""
+    from .accuracy import run_diagnose
+
+    auto, rest = split_kwargs(AutoOptions, options)
+    conversion = Options(**rest)
+    model_path = Path(model_path)
+    runner = formats.for_path(model_path).accuracy_runner(model_path, conversion)
+    backend = getattr(runner, "options", conversion).backend or ""
+    report, warnings = run_diagnose(runner, [str(p) for p in inputs] if inputs else None, auto,
+                                    conversion.target, backend)
+    report["warnings"] = warnings
+    return report

@@ -18,7 +18,7 @@ from typing import NoReturn
 from . import formats
 from .errors import AmpError, CheckFailed
 from .fileio import write_atomically
-from .options import Options, TrainingOptions, cli_flags, cli_given, from_cli
+from .options import AutoOptions, Options, TrainingOptions, cli_flags, cli_given, from_cli
 from .report import Report
 from .validation import default_rtol
 
@@ -47,8 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--validate", action="store_true",
                          help="run both models on the CPU (onnxruntime or TensorFlow) and "
                               "compare outputs")
-    convert.add_argument("--inputs", metavar="NPZ",
-                         help="inputs for --validate (.npz keyed by input / placeholder name)")
+    convert.add_argument("--inputs", metavar="FILE|DIR", nargs="+",
+                         help="--validate: one .npz keyed by input / placeholder name; --auto: "
+                              "calibration batches: .npz files, folders of them, Polygraphy "
+                              "JSON input files")
     convert.add_argument("--rtol", type=float, default=None,
                          help="largest relative error --validate accepts (fp16 2e-2, bf16 1e-1)")
     convert.add_argument("--quiet", action="store_true", help="print only errors")
@@ -58,6 +60,27 @@ def build_parser() -> argparse.ArgumentParser:
                           help="rewrite a TF1 training graph: fp32 master weights and optimizer, "
                                "loss scaling for fp16")
     cli_flags(training, TrainingOptions)
+    auto = convert.add_argument_group(
+        "accuracy-driven conversion (--auto): convert as much as possible while the metric "
+        "holds on calibration data")
+    auto.add_argument("--auto", action="store_true",
+                      help="measure on calibration data (--inputs) and keep fp32 the smallest "
+                           "set of nodes it finds under which --metric <= --max-error")
+    cli_flags(auto, AutoOptions)
+
+    diagnose = commands.add_parser(
+        "diagnose", help="which node overflows, flushes or adds the error, on calibration data")
+    diagnose.add_argument("model", help="the fp32 model: .onnx or a TensorFlow GraphDef")
+    cli_flags(diagnose, Options)
+    diagnose.add_argument("--inputs", metavar="FILE|DIR", nargs="+",
+                          help="calibration batches: .npz files, folders of them, Polygraphy "
+                               "JSON input files (default: seeded random batches)")
+    diagnose.add_argument("--json", metavar="OUT", help="write the full report as JSON")
+    diagnose.add_argument("--top", type=int, default=25, metavar="N",
+                          help="nodes shown in the text report (default 25)")
+    rules = diagnose.add_argument_group("data-range rules (as --auto applies them)")
+    for flag in ("--data-max", "--flush-max", "--max-reduction", "--random-batches"):
+        _add_auto_flag(rules, flag)
 
     check = commands.add_parser("check", help="check a converted model (for CI)")
     check.add_argument("model", help="the mixed-precision model: .onnx, or a TensorFlow graph "
@@ -76,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_auto_flag(parser: argparse._ArgumentGroup, flag: str) -> None:
+    """One of AutoOptions' flags on another command."""
+    for f in dataclasses.fields(AutoOptions):
+        cli = f.metadata.get("cli")
+        if cli and cli["flag"] == flag:
+            parser.add_argument(flag, dest=f.name, default=None, type=cli["type"],
+                                metavar=cli["metavar"], help=cli["help"])
+
+
 def _refuse_report_over_model(args: argparse.Namespace) -> None:
     if args.report and Path(args.report).resolve() in (Path(args.input).resolve(),
                                                          Path(args.output).resolve()):
@@ -83,8 +115,17 @@ def _refuse_report_over_model(args: argparse.Namespace) -> None:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
+    auto_given = cli_given(args, AutoOptions)
+    if args.auto:
+        return _run_auto(args, AutoOptions(**auto_given))
+    if auto_given:
+        flags = [f.metadata["cli"]["flag"] for f in dataclasses.fields(AutoOptions)
+                 if f.name in auto_given]
+        raise AmpError(f"{', '.join(flags)} only apply with --auto")
     if args.inputs and not args.validate:
-        raise AmpError("--inputs only makes sense with --validate")
+        raise AmpError("--inputs only makes sense with --validate or --auto")
+    if args.inputs and len(args.inputs) > 1:
+        raise AmpError("--validate takes one --inputs .npz file")
     if args.rtol is not None and not args.validate:
         raise AmpError("--rtol only makes sense with --validate")
     if args.rtol is not None and not args.rtol >= 0:  # also refuses nan
@@ -123,12 +164,89 @@ def _run_convert(args: argparse.Namespace) -> int:
     return status
 
 
+def _check_output_path(input_path: Path, output_path: Path) -> None:
+    """Refuse, before any work, an output that would overwrite the input or cannot be written."""
+    if output_path.resolve() == input_path.resolve() or (
+            output_path.exists() and input_path.exists()
+            and os.path.samefile(input_path, output_path)):
+        raise AmpError("the output path is the input: refusing to overwrite the input")
+    if not output_path.resolve().parent.is_dir():
+        raise AmpError(f"{output_path}: output folder does not exist")
+    if output_path.is_dir() and not formats.is_saved_model_dir(input_path):
+        raise AmpError(f"{output_path}: is a directory, expected an output file name")
+
+
+def _run_auto(args: argparse.Namespace, auto: AutoOptions) -> int:
+    """convert --auto: search on calibration data, write the result, say what it pinned."""
+    from .accuracy import run_auto
+    from .accuracy.measure import format_number
+
+    for flag, given in (("--validate", args.validate), ("--training", args.training),
+                        ("--rtol", args.rtol is not None)):
+        if given:
+            raise AmpError(f"{flag} does not combine with --auto (--auto verifies the result on "
+                           f"its calibration data)")
+    if cli_given(args, TrainingOptions):
+        raise AmpError("training options do not combine with --auto")
+    fmt = formats.for_path(args.input)
+    options = from_cli(args, Options)
+    input_path, output_path = Path(args.input), Path(args.output)
+    _check_output_path(input_path, output_path)
+    _refuse_report_over_model(args)
+    runner = fmt.accuracy_runner(input_path, options)
+    progress = None if args.quiet else (lambda line: print(line, flush=True))
+    report, result = run_auto(runner, output_path, args.inputs, auto, options.target, progress)
+    for warning in report.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
+    if args.report:
+        write_atomically(args.report, report.to_json().encode())
+    if not args.quiet:
+        summary = report.auto or {}
+        runs = (f"{summary.get('reference_runs', 1)} reference run, "
+                f"{summary.get('verification_runs', 0)} verification run(s)")
+        if result.same_as_plain:
+            print(f"auto: no node needs fp32 beyond the op lists: the same model as plain "
+                  f"convert ({runs})")
+        else:
+            print(f"auto: {len(result.pins)} node(s) kept fp32 by measurement ({runs}):")
+            for entry in result.contributions:
+                print(f"  {entry['node']} ({entry['op']}): {entry['reason']}")
+        print(f"auto: {result.metric.name} {format_number(result.final_value)} <= "
+              f"{result.metric.max_error:g}" if result.metric.passes(result.final_value)
+              else f"auto: {result.metric.name} {format_number(result.final_value)}")
+        print(_summary_line(report, args.output))
+    return 0
+
+
+def _run_diagnose(args: argparse.Namespace) -> int:
+    from .accuracy import run_diagnose
+    from .accuracy.diagnose import diagnose_text, to_json
+
+    fmt = formats.for_path(args.model)
+    options = from_cli(args, Options)
+    auto = AutoOptions(**cli_given(args, AutoOptions))
+    if args.top < 1:
+        raise AmpError(f"--top must be >= 1, got {args.top}")
+    if args.json and Path(args.json).resolve() == Path(args.model).resolve():
+        raise AmpError("--json must not be the model path")
+    runner = fmt.accuracy_runner(Path(args.model), options)
+    resolved = runner.options if hasattr(runner, "options") else options
+    report, warnings = run_diagnose(runner, args.inputs, auto, options.target,
+                                    resolved.backend or "")
+    for warning in warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
+    if args.json:
+        write_atomically(args.json, to_json(report).encode())
+    print(diagnose_text(report, args.top))
+    return 0
+
+
 def _validate(args: argparse.Namespace, fmt: formats.base.Format, report: Report,
               options: Options) -> int:
     """Run fp32 and converted models on the same inputs; 1 when an output is off."""
     rtol = default_rtol(options.target) if args.rtol is None else args.rtol
-    validation = fmt.validate(Path(args.input), Path(args.output), report, options, args.inputs,
-                              rtol)
+    validation = fmt.validate(Path(args.input), Path(args.output), report, options,
+                              args.inputs[0] if args.inputs else None, rtol)
     report.validation = validation.to_dict()
     if not args.quiet:
         for note in validation.notes:
@@ -202,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     try:
         args = build_parser().parse_args(argv)
-        runner = {"convert": _run_convert, "check": _run_check, "explain": _run_explain}
+        runner = {"convert": _run_convert, "check": _run_check, "explain": _run_explain,
+                  "diagnose": _run_diagnose}
         return runner[args.command](args)
     except AmpError as exc:
         print(f"{PROG}: error: {exc}" if exc.exit_code == 2 else f"{PROG}: {exc}",

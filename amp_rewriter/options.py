@@ -139,6 +139,57 @@ class TrainingOptions:
                 if getattr(self, f.name) is not None]
 
 
+@dataclass
+class AutoOptions:
+    """`convert --auto` and `diagnose`: the accuracy target and the thresholds of the data-range
+    rules. None means the default (see each flag's help)."""
+
+    max_error: float | None = _flag(
+        None, "--max-error", "--auto: the largest metric value accepted (required with --auto)",
+        metavar="R", type=float)
+    metric: str = _flag("max-rel", "--metric", "--auto: max-rel (default: max|out-ref| / "
+                        "max|ref| over outputs), cosine (1 - cosine similarity), or "
+                        "module:function / file.py:function taking (reference_outputs, outputs) "
+                        "and returning a number, lower is better",
+                        metavar="max-rel|cosine|MODULE:FUNCTION")
+    data_max: float | None = _flag(
+        None, "--data-max", "a low-precision node whose fp32 inputs or outputs exceed this "
+        "magnitude on the calibration data stays fp32 (default: the target's largest finite "
+        "value, 65504 for fp16)", metavar="X", type=float)
+    flush_max: float = _flag(0.5, "--flush-max", "a node whose output loses more than this "
+                             "fraction of its non-zero values to zero in the target stays fp32 "
+                             "(default 0.5; any flush in a divisor counts)", metavar="F",
+                             type=float)
+    local_max: float | None = _flag(
+        None, "--local-max", "local error that counts as large: pinning such a node pins the "
+        "producers whose rounding causes it (default: 32 units of the target's rounding, 1.6e-2 "
+        "for fp16)", metavar="E", type=float)
+    max_reduction: int | None = _flag(
+        None, "--max-reduction", "a low-precision reduction (Reduce*, MatMul) over more elements "
+        "than this stays fp32 (default: off)", metavar="N", type=int)
+    max_trials: int = _flag(20, "--max-trials", "--auto: most verification runs of the search "
+                            "(default 20; all-fp32 is verified beyond it if needed)",
+                            metavar="N", type=int)
+    random_batches: int = _flag(4, "--random-batches", "seeded random batches used when no "
+                                "--inputs are given (default 4)", metavar="N", type=int)
+
+    def __post_init__(self) -> None:
+        if self.max_error is not None and not self.max_error >= 0:
+            raise AmpError(f"--max-error must be a number >= 0, got {self.max_error}")
+        for name, flag in (("data_max", "--data-max"), ("local_max", "--local-max")):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise AmpError(f"{flag} must be a number > 0, got {value}")
+        if not 0 <= self.flush_max <= 1:
+            raise AmpError(f"--flush-max must be between 0 and 1, got {self.flush_max}")
+        if self.max_reduction is not None and self.max_reduction < 1:
+            raise AmpError(f"--max-reduction must be >= 1, got {self.max_reduction}")
+        if self.max_trials < 1:
+            raise AmpError(f"--max-trials must be >= 1, got {self.max_trials}")
+        if self.random_batches < 1:
+            raise AmpError(f"--random-batches must be >= 1, got {self.random_batches}")
+
+
 def _names(values: Iterable[str] | str | None) -> list[str]:
     """A single string is one name; None is none."""
     if values is None:

@@ -63,10 +63,12 @@ class Report:
     training: dict[str, Any] | None = None
     #: Things the user likely did not mean (an override naming no op), shown by the CLI.
     warnings: list[str] = field(default_factory=list)
+    #: `convert --auto`'s search: calibration, runs, pinned nodes and what each contributed.
+    auto: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        for key in ("validation", "training"):
+        for key in ("validation", "training", "auto"):
             if data[key] is None:
                 del data[key]
         return data
@@ -111,7 +113,8 @@ def load_report(path: str | Path) -> Report:
         data = json.loads(Path(path).read_text())
         return Report(data["target"], data["backend"], data["summary"], data["nodes"],
                       data.get("constants", []), data.get("passes", []), data.get("validation"),
-                      training=data.get("training"))
+                      training=data.get("training"), warnings=data.get("warnings", []),
+                      auto=data.get("auto"))
     except FileNotFoundError:
         raise AmpError(f"{path}: no such report") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:

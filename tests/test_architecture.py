@@ -37,7 +37,7 @@ def imports_a_format_library(path: Path) -> list[str]:
                   if any(n == lib or n.startswith(lib + ".") for lib in FORMAT_LIBRARIES))
 
 
-@pytest.mark.parametrize("path", [p for d in ("ir", "passes", "op_lists")
+@pytest.mark.parametrize("path", [p for d in ("ir", "passes", "op_lists", "accuracy")
                                   for p in modules_under(PACKAGE / d)] + [
     PACKAGE / name for name in ("__init__.py", "api.py", "cli.py", "options.py", "report.py",
                                 "validation.py", "errors.py", "fileio.py")] + [

@@ -9,11 +9,16 @@ import gc
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ..errors import AmpError
 from ..options import Options, TrainingOptions
 from ..passes.base import FormatRules
 from ..report import CheckResult, Report
 from ..validation import Validation
+
+if TYPE_CHECKING:
+    from ..accuracy.runner import ModelRunner
 
 
 class Format(ABC):
@@ -50,6 +55,10 @@ class Format(ABC):
     def discard_output(self, output_path: Path) -> None:
         """Remove an output a failed run must not leave behind."""
         output_path.unlink(missing_ok=True)
+
+    def accuracy_runner(self, path: Path, options: Options) -> ModelRunner:
+        """The model at `path` as `convert --auto` and `diagnose` run it."""
+        raise AmpError(f"--auto and diagnose do not support {self.name} models yet")
 
 
 @contextlib.contextmanager

@@ -2,8 +2,8 @@
 registered by name (`REGISTRY`); pipelines are lists of those names (`PIPELINES`). Nothing here
 imports onnx or tensorflow: a format's op names reach the passes through `FormatRules`."""
 
-from .base import REGISTRY, ConstantRecord, FormatRules, Pass, PassContext, PassResult
+from .base import REGISTRY, ConstantRecord, FormatRules, Pass, PassContext, PassResult, Pin
 from .pipeline import PIPELINES, PassError, run_pipeline
 
 __all__ = ["REGISTRY", "ConstantRecord", "FormatRules", "Pass", "PassContext", "PassResult",
-           "PIPELINES", "PassError", "run_pipeline"]
+           "Pin", "PIPELINES", "PassError", "run_pipeline"]

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..ir import LazyTensor, Model, Node, RangeCheck, check_range
+from ..ir import LazyTensor, Model, Node, RangeCheck, check_range, decisions
 from ..ir.dtypes import TARGET_DTYPES
 from ..op_lists import OpLists
 
@@ -37,6 +37,16 @@ class FormatRules:
     recurrent_edges: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Pin:
+    """Why a front end keeps a node fp32: the reason users read, and the kind of rule behind it
+    (`decisions.PIN` for a plan such as the training rewrite's, `decisions.MEASUREMENT` for what
+    `convert --auto` measured on calibration data)."""
+
+    reason: str
+    kind: str = decisions.PIN
+
+
 @dataclass
 class ConstantRecord:
     """One constant the conversion looked at, for the report."""
@@ -57,8 +67,9 @@ class PassContext:
     lists: OpLists
     options: Options
     rules: FormatRules
-    #: Node name -> why a front end keeps it fp32 (the training rewrite's optimizer path, ...).
-    pins: dict[str, str] = field(default_factory=dict)
+    #: Node name -> why a front end keeps it fp32 (the training rewrite's optimizer path,
+    #: `convert --auto`'s measurements, ...).
+    pins: dict[str, Pin] = field(default_factory=dict)
     constants: list[ConstantRecord] = field(default_factory=list)
     #: (id of a LazyTensor, dtype) -> its range check, shared by the passes that need it.
     range_checks: dict[tuple[int, str], RangeCheck] = field(default_factory=dict)

@@ -17,6 +17,7 @@ from .base import REGISTRY, Pass, PassContext, PassResult
 #: TensorFlow graphs: the decisions, Grappler's loop rule between them and the rewrite, the
 #: rewrite. Fetch nodes and ref-variable reads are pinned by the TF loader.
 _TF_PASSES = [
+    "pin_front_end",
     "classify_ops",
     "guard_constant_ranges",
     "propagate_precision",
@@ -30,6 +31,7 @@ _TF_PASSES = [
 PIPELINES: dict[str, list[str]] = {
     "onnx": [
         "pin_nodes",
+        "pin_front_end",
         "classify_ops",
         "guard_constant_ranges",
         "propagate_precision",
@@ -39,8 +41,8 @@ PIPELINES: dict[str, list[str]] = {
     ],
     "tf": ["pin_nodes", *_TF_PASSES],
     # The forward and backward passes of a training graph go through the TF passes; the training
-    # front end's plan pins everything else (optimizer path, loss, loss-scaling subgraph).
-    "tf-training": ["pin_nodes", "pin_training_regions", *_TF_PASSES],
+    # front end's plan (pin_front_end) pins everything else (optimizer path, loss, loss scaling).
+    "tf-training": ["pin_nodes", *_TF_PASSES],
 }
 
 LINT_ENV = "AMP_REWRITER_LINT"

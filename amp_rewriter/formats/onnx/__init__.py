@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from ...accuracy.runner import ModelRunner
 from ...errors import AmpError
 from ...options import Options, TrainingOptions
 from ...report import CheckResult, Report
@@ -63,6 +64,11 @@ class OnnxFormat(Format):
 
     def discard_output(self, output_path: Path) -> None:
         discard_output(output_path)
+
+    def accuracy_runner(self, path: Path, options: Options) -> ModelRunner:
+        from .accuracy import OnnxRunner
+
+        return OnnxRunner(path, options)
 
 
 FORMAT = OnnxFormat()

@@ -10,9 +10,10 @@ from typing import Any
 import onnx
 
 from ...errors import AmpError
+from ...ir import Model, Value
 from ...op_lists import OpLists
 from ...options import Options
-from ...passes import PassContext, run_pipeline
+from ...passes import PassContext, Pin, run_pipeline
 from ...report import Report, build_report
 from ..base import cyclic_gc_paused
 from .emit import emit_onnx, has_external_data, save_onnx
@@ -46,8 +47,20 @@ def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "f
 
 
 def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: Options,
-                  base_dir: str | os.PathLike | None = None) -> tuple[onnx.ModelProto, Report]:
-    """`convert` with the options as one object."""
+                  base_dir: str | os.PathLike | None = None,
+                  pins: dict[str, Pin] | None = None) -> tuple[onnx.ModelProto, Report]:
+    """`convert` with the options as one object; `pins` maps node names to why a front end
+    keeps them fp32 (`convert --auto`'s measurements)."""
+    converted, report, _ = convert_model_ir(model_or_path, options, base_dir, pins)
+    return converted, report
+
+
+def convert_model_ir(model_or_path: onnx.ModelProto | str | os.PathLike, options: Options,
+                     base_dir: str | os.PathLike | None = None,
+                     pins: dict[str, Pin] | None = None
+                     ) -> tuple[onnx.ModelProto, Report, ConvertedIR]:
+    """`convert_model`, also returning the IR the passes left (for the accuracy tools, which map
+    the converted model's tensors back onto the original's)."""
     if options.outputs:
         raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its outputs")
     options = options.with_backend(DEFAULT_BACKEND)
@@ -59,7 +72,10 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
         ir_model = load_onnx(model, base)
         original_nodes = [(node, graph.name) for graph in ir_model.graph.walk_graphs()
                           for node in graph.nodes]
-        ctx = PassContext(ir_model, lists, options, ONNX_RULES)
+        # Holding the values keeps their ids from being reused by values the passes create.
+        original_names = {id(value): (value, name) for graph in ir_model.graph.walk_graphs()
+                          for name, value in graph.values.items()}
+        ctx = PassContext(ir_model, lists, options, ONNX_RULES, pins=dict(pins or {}))
         results = run_pipeline(ctx, "onnx")
         converted = emit_onnx(ir_model)
         report = build_report(ctx, original_nodes, results)
@@ -71,7 +87,21 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
         except AmpError:
             _blame_invalid_input(model_or_path)
             raise
-    return converted, report
+    return converted, report, ConvertedIR(ir_model, original_names)
+
+
+class ConvertedIR:
+    """The IR after the passes, and each value's name before them (a graph output's producer
+    may have handed its name to the cast that now produces the output)."""
+
+    def __init__(self, model: Model, original_names: dict[int, tuple[Value, str]]):
+        self.model = model
+        self._original = original_names
+
+    def original_name(self, value: Value) -> str | None:
+        """The name `value` had in the input model (None for a value a pass created)."""
+        entry = self._original.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
 
 
 def _load(model_or_path: onnx.ModelProto | str | os.PathLike
@@ -132,9 +162,9 @@ def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
     return convert_model_file(Path(input_path), Path(output_path), Options(**options))
 
 
-def convert_model_file(input_path: Path, output_path: Path, options: Options
-                       ) -> tuple[onnx.ModelProto, Report]:
-    """`convert_file` with the options as one object."""
+def convert_model_file(input_path: Path, output_path: Path, options: Options,
+                       pins: dict[str, Pin] | None = None) -> tuple[onnx.ModelProto, Report]:
+    """`convert_file` with the options as one object (and a front end's `pins`)."""
     if output_path.exists() and input_path.exists() and os.path.samefile(input_path, output_path):
         raise AmpError("the output path is the input file: refusing to overwrite the input")
     if output_path.resolve() == input_path.resolve():
@@ -145,7 +175,8 @@ def convert_model_file(input_path: Path, output_path: Path, options: Options
         raise AmpError(f"{output_path}: output folder does not exist")
     source = read_model_file(input_path)
     external = has_external_data(source)
-    model, report = convert_model(source, options, base_dir=input_path.resolve().parent)
+    model, report = convert_model(source, options, base_dir=input_path.resolve().parent,
+                                  pins=pins)
     del source  # convert worked on its own copy
     external = external or model.ByteSize() > PROTOBUF_LIMIT
     save_onnx(model, output_path, source_dir=input_path.resolve().parent, external=external)

@@ -29,7 +29,7 @@ from ...errors import AmpError
 from ...ir import ALLOW, Model
 from ...op_lists import OpLists
 from ...options import Options
-from ...passes import PassContext, run_pipeline
+from ...passes import PassContext, Pin, run_pipeline
 from ...report import Report, build_report
 from ..base import cyclic_gc_paused
 from .emit import emit_function, emit_graphdef
@@ -51,7 +51,7 @@ _CHECKPOINT_OPS = frozenset({"SaveV2", "RestoreV2", "MergeV2Checkpoints", "Save"
 
 
 def _run(ir_model: Model, lists: OpLists, options: Options, graph_name: str,
-         pipeline: str = "tf", pins: dict[str, str] | None = None) -> Report:
+         pipeline: str = "tf", pins: dict[str, Pin] | None = None) -> Report:
     original = [(node, graph_name) for node in ir_model.graph.nodes]
     ctx = PassContext(ir_model, lists, options, TF_RULES, pins=dict(pins or {}))
     results = run_pipeline(ctx, pipeline)
@@ -97,10 +97,11 @@ def convert_graphdef(graph_def: graph_pb2.GraphDef, outputs: Iterable[str] | Non
 
 
 def convert_graph_def(graph_def: graph_pb2.GraphDef, options: Options,
-                      pipeline: str = "tf", pins: dict[str, str] | None = None
+                      pipeline: str = "tf", pins: dict[str, Pin] | None = None
                       ) -> tuple[graph_pb2.GraphDef, Report]:
-    """`convert_graphdef` with the options as one object; `pins` maps node names to the reason
-    a front end keeps them fp32 (the training rewrite's plan, with its own `pipeline`)."""
+    """`convert_graphdef` with the options as one object; `pins` maps node names to why a front
+    end keeps them fp32 (the training rewrite's plan, with its own `pipeline`; `--auto`'s
+    measurements)."""
     options, lists = _resolved(options)
     copy = graph_pb2.GraphDef()
     copy.CopyFrom(graph_def)

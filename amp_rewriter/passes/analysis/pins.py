@@ -23,13 +23,16 @@ def pin_nodes(ctx: PassContext) -> tuple[int, list[str]]:
     return pinned, []
 
 
-@register_pass("pin_training_regions")
-def pin_training_regions(ctx: PassContext) -> tuple[int, list[str]]:
-    """Pin what a training plan keeps fp32 (optimizer path, loss, loss-scaling subgraph)."""
+@register_pass("pin_front_end")
+def pin_front_end(ctx: PassContext) -> tuple[int, list[str]]:
+    """Pin what a front end keeps fp32, with its reason and kind: a training plan's regions
+    (optimizer path, loss, loss-scaling subgraph), `convert --auto`'s measured hazards."""
+    if not ctx.pins:
+        return 0, []
     pinned = 0
     for node in ctx.model.graph.walk_nodes():
-        reason = ctx.pins.get(node.name)
-        if reason is not None and not node.pin_reason:
-            node.pin_reason, node.pin_kind = reason, decisions.PIN
+        pin = ctx.pins.get(node.name)
+        if pin is not None and not node.pin_reason:  # the user's --keep-node comes first
+            node.pin_reason, node.pin_kind = pin.reason, pin.kind
             pinned += 1
     return pinned, []

@@ -34,6 +34,7 @@ from tensorflow.core.protobuf import meta_graph_pb2
 
 from ....errors import AmpError
 from ....options import Options, TrainingOptions, split_kwargs
+from ....passes import Pin
 from ....report import Report
 from .. import convert as tf_convert
 from .. import files
@@ -178,7 +179,9 @@ def rewrite_training_meta_graph(source: Any, options: Options, training: Trainin
     fetches = list(dict.fromkeys(fetches))
     converted, report = tf_convert.convert_graph_def(
         exported.graph_def, dataclasses.replace(options, outputs=fetches),
-        pipeline="tf-training", pins=_pins(plan, original, exported.graph_def))
+        pipeline="tf-training",
+        pins={name: Pin(reason) for name, reason in _pins(plan, original,
+                                                          exported.graph_def).items()})
     if report.summary["low_precision_nodes"] == 0:
         raise AmpError(f"nothing in the forward or backward pass can run in {options.target}: "
                        f"the graph has no float32 compute ops (MatMul, Conv2D, ...) to convert")

@@ -1,0 +1,160 @@
+"""One streaming pass over the calibration batches: the fp32 reference's range of every float
+tensor, each low-precision node's local error (and how much of it its inputs' rounding
+explains), optionally the converted model's error at every tensor; plus the reference outputs
+the verification runs compare against. Each batch's activations are dropped before the next."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .calibration import CalibrationSet
+from .runner import Conversion, ModelRunner, NodeInfo, ProbeBatch
+from .stats import ErrorStats, RangeStats
+
+
+def worst_relative(stats: list[ErrorStats]) -> float:
+    """The largest relative error over a node's outputs (0 when it has none)."""
+    return max((s.relative for s in stats), default=0.0)
+
+
+@dataclass
+class NodeMeasurement:
+    """What the calibration batches showed about one node."""
+
+    info: NodeInfo
+    #: Per float output: low precision from fp32 inputs; the converted model's value there
+    #: (diagnose only). Per low-precision input, per float output: fp32 from that input rounded.
+    local: list[ErrorStats] = field(default_factory=list)
+    rounded: dict[str, list[ErrorStats]] = field(default_factory=dict)
+    converted: list[ErrorStats] = field(default_factory=list)
+
+    @property
+    def local_error(self) -> float:
+        """The relative error the node adds on its own (0 for fp32 and unmeasured nodes)."""
+        return worst_relative(self.local)
+
+    @property
+    def input_rounding_error(self) -> float:
+        """The relative error of the node in fp32 fed one of its low-precision inputs rounded
+        (the worst input)."""
+        return max((worst_relative(s) for s in self.rounded.values()), default=0.0)
+
+    def rounding_error_of(self, input_name: str) -> float:
+        """The node's relative error in fp32 with only `input_name` rounded."""
+        return worst_relative(self.rounded.get(input_name, []))
+
+    @property
+    def converted_error(self) -> float:
+        return worst_relative(self.converted)
+
+    @property
+    def breaks_locally(self) -> bool:
+        """NaN/Inf on its own, from finite fp32 inputs."""
+        return any(s.broken for s in self.local)
+
+    @property
+    def batches_breaking(self) -> int:
+        return max((s.batches_nonfinite for s in self.local), default=0)
+
+
+@dataclass
+class Measurement:
+    """The result of one pass over the calibration data."""
+
+    target: str
+    batches: int
+    calibration: str
+    random_inputs: bool
+    execution: str
+    tensors: dict[str, RangeStats]
+    nodes: dict[str, NodeMeasurement]
+    #: Per batch, the fp32 model's outputs (small: outputs only), for verification runs.
+    reference_outputs: list[dict[str, np.ndarray]]
+    notes: list[str]
+    seconds: float
+    #: The first node (in execution order) whose converted output has NaN/Inf where fp32 has
+    #: none (diagnose only), and the first whose local output does.
+    first_nonfinite: str | None = None
+    first_local_nonfinite: str | None = None
+    #: The converted model's relative error at each model output (diagnose only).
+    output_errors: dict[str, float] = field(default_factory=dict)
+
+    def ranges_of(self, names: list[str]) -> list[RangeStats]:
+        return [self.tensors[n] for n in names if n in self.tensors]
+
+
+def measure(runner: ModelRunner, conversion: Conversion, calibration: CalibrationSet,
+            target_dtype: str, candidate_tensors: bool = False,
+            data_max: float | None = None) -> Measurement:
+    """Run the probe over every batch and fold each batch into per-tensor statistics."""
+    start = time.perf_counter()
+    infos = runner.nodes(conversion)
+    probe = runner.open_probe(conversion, candidate_tensors)
+    outputs = runner.output_names()
+    tensors: dict[str, RangeStats] = {}
+    nodes = {info.name: NodeMeasurement(info) for info in infos}
+    converted: dict[str, ErrorStats] = {}
+    reference_outputs: list[dict[str, np.ndarray]] = []
+    batches = 0
+    for batch in calibration:
+        # One function call per batch: its locals (the batch's arrays) go when it returns.
+        reference_outputs.append(_absorb(probe.run(batch), outputs, tensors, nodes, converted,
+                                         target_dtype, data_max))
+        batches += 1
+    for measurement in nodes.values():
+        measurement.converted = [converted[name] for name in measurement.info.outputs
+                                 if name in converted]
+    ordered = sorted(nodes.values(), key=lambda m: m.info.order)
+    first = next((m.info.name for m in ordered if any(s.broken for s in m.converted)), None)
+    first_local = next((m.info.name for m in ordered if m.breaks_locally), None)
+    return Measurement(target_dtype, batches, calibration.description, calibration.random,
+                       runner.execution_note, tensors, {m.info.name: m for m in ordered},
+                       reference_outputs, list(probe.notes), time.perf_counter() - start,
+                       first, first_local,
+                       {name: converted[name].relative for name in outputs if name in converted})
+
+
+def _absorb(result: ProbeBatch, outputs: list[str], tensors: dict[str, RangeStats],
+            nodes: dict[str, NodeMeasurement], converted: dict[str, ErrorStats],
+            target_dtype: str, data_max: float | None) -> dict[str, np.ndarray]:
+    """Fold one batch's probe results into the statistics; returns its model outputs."""
+    for name, array in result.reference.items():
+        stats = tensors.get(name)
+        if stats is None:
+            stats = tensors[name] = RangeStats(target_dtype, limit=data_max)
+        stats.update(array)
+    for node_name, arrays in result.local.items():
+        _fold(nodes[node_name].local, nodes[node_name].info.outputs, result.reference, arrays)
+    for node_name, per_input in result.rounded.items():
+        node = nodes[node_name]
+        for input_name, rounded in per_input.items():
+            _fold(node.rounded.setdefault(input_name, []), node.info.outputs, result.reference,
+                  rounded)
+    for name, array in result.candidate.items():
+        if name in result.reference:
+            converted.setdefault(name, ErrorStats()).update(result.reference[name], array)
+    return {name: result.reference[name] for name in outputs}
+
+
+def _fold(stats: list[ErrorStats], output_names: list[str], reference: dict[str, Any],
+          arrays: list[np.ndarray | None]) -> None:
+    """Add one batch of a node's computed outputs to its per-output error statistics."""
+    while len(stats) < len(arrays):
+        stats.append(ErrorStats())
+    for slot, (name, array) in enumerate(zip(output_names, arrays)):
+        if array is not None and name in reference:
+            stats[slot].update(reference[name], array)
+
+
+def format_number(value: float) -> str:
+    """A short number for reasons and tables ("9.1e+04", "inf")."""
+    if math.isinf(value):
+        return "inf"
+    if math.isnan(value):
+        return "nan"
+    return f"{value:.2g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.1e}"

@@ -1,0 +1,212 @@
+"""Per-tensor statistics, updated batch by batch so no activation outlives its batch.
+
+`RangeStats` is what the fp32 reference run says about one tensor (its range, how much of it
+would overflow or flush to zero in the target dtype, on how many batches); `ErrorStats` is how
+far a low-precision computation of that tensor is from the reference (max-abs and relative
+error, cosine similarity, new NaN/Inf). Both hold a few numbers per tensor, whatever the
+number of batches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..ir.dtypes import FINITE_MAX, NUMPY_DTYPES, SMALLEST_SUBNORMAL
+
+#: Smallest positive normal value: below it a value keeps fewer mantissa bits.
+SMALLEST_NORMAL = {"float16": 2.0**-14, "bfloat16": 2.0**-126}
+
+
+def _as_float64(array: Any) -> np.ndarray:
+    array = np.asarray(array)
+    if array.dtype.name == "bfloat16":
+        array = array.astype(np.float32)
+    return array.astype(np.float64, copy=False)
+
+
+@dataclass
+class RangeStats:
+    """The fp32 range of one tensor over the calibration batches, and how it fares in `dtype`."""
+
+    dtype: str
+    #: The `--data-max` threshold the batches are counted against (the dtype's finite max when
+    #: None).
+    limit: float | None = None
+    elements: int = 0
+    absmax: float = 0.0
+    minimum: float = math.inf
+    maximum: float = -math.inf
+    nonfinite: int = 0
+    nonzero: int = 0
+    #: Finite values that become inf in `dtype`, non-zero values that become zero, non-zero
+    #: values below the smallest normal (fewer significant bits).
+    overflow: int = 0
+    flushed: int = 0
+    subnormal: int = 0
+    batches: int = 0
+    batches_overflowing: int = 0
+    batches_flushing: int = 0
+    batches_over_limit: int = 0
+    shape: tuple[int, ...] = ()
+
+    def update(self, array: Any) -> None:
+        """Add one batch's values."""
+        values = np.asarray(array)
+        if values.dtype.name == "bfloat16":
+            values = values.astype(np.float32)
+        self.batches += 1
+        self.shape = tuple(values.shape)
+        if values.size == 0:
+            return
+        self.elements += values.size
+        finite = np.isfinite(values)
+        all_finite = bool(finite.all())
+        if not all_finite:
+            self.nonfinite += int(values.size - np.count_nonzero(finite))
+            values = values[finite]
+            if values.size == 0:
+                return
+        magnitude = np.abs(values)
+        top = float(magnitude.max())
+        self.absmax = max(self.absmax, top)
+        self.minimum = min(self.minimum, float(values.min()))
+        self.maximum = max(self.maximum, float(values.max()))
+        nonzero = magnitude[magnitude > 0]
+        self.nonzero += int(nonzero.size)
+        overflow = 0
+        if top > FINITE_MAX[self.dtype]:
+            with np.errstate(over="ignore"):
+                overflow = int(np.count_nonzero(~np.isfinite(
+                    magnitude.astype(NUMPY_DTYPES[self.dtype]))))
+        flushed = subnormal = 0
+        if nonzero.size and float(nonzero.min()) < SMALLEST_NORMAL[self.dtype]:
+            small = nonzero[nonzero < SMALLEST_NORMAL[self.dtype]]
+            subnormal = int(small.size)
+            if float(small.min()) < SMALLEST_SUBNORMAL[self.dtype]:
+                flushed = int(np.count_nonzero(small.astype(NUMPY_DTYPES[self.dtype]) == 0))
+        self.overflow += overflow
+        self.flushed += flushed
+        self.subnormal += subnormal
+        self.batches_overflowing += overflow > 0
+        self.batches_flushing += flushed > 0
+        self.batches_over_limit += top > self.threshold
+
+    @property
+    def threshold(self) -> float:
+        """The magnitude above which a value counts as out of range."""
+        return FINITE_MAX[self.dtype] if self.limit is None else self.limit
+
+    @property
+    def overflow_fraction(self) -> float:
+        return self.overflow / self.elements if self.elements else 0.0
+
+    @property
+    def flush_fraction(self) -> float:
+        """Of the non-zero values, the share that becomes zero in the target dtype."""
+        return self.flushed / self.nonzero if self.nonzero else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"absmax": self.absmax,
+                "min": self.minimum if self.elements else None,
+                "max": self.maximum if self.elements else None,
+                "elements": self.elements, "nonfinite": self.nonfinite,
+                "overflow_fraction": self.overflow_fraction,
+                "flush_fraction": self.flush_fraction,
+                "subnormal_fraction": self.subnormal / self.nonzero if self.nonzero else 0.0,
+                "batches_overflowing": self.batches_overflowing,
+                "batches_flushing": self.batches_flushing,
+                "batches_over_limit": self.batches_over_limit, "batches": self.batches}
+
+
+@dataclass
+class ErrorStats:
+    """How far a computed tensor is from the reference, over the calibration batches."""
+
+    max_abs: float = 0.0
+    ref_absmax: float = 0.0
+    sum_sq_error: float = 0.0
+    sum_sq_ref: float = 0.0
+    sum_sq_new: float = 0.0
+    dot: float = 0.0
+    elements: int = 0
+    #: Elements that are finite in the reference and NaN/Inf here, and the batches with any.
+    new_nonfinite: int = 0
+    batches_nonfinite: int = 0
+    batches: int = 0
+    shape_mismatch: bool = False
+
+    def update(self, reference: Any, computed: Any) -> None:
+        """Add one batch: the reference values and the computed ones."""
+        self.batches += 1
+        ref = _as_float64(reference)
+        new = _as_float64(computed)
+        if ref.shape != new.shape:
+            self.shape_mismatch = True
+            return
+        if ref.size == 0:
+            return
+        finite = np.isfinite(ref)
+        if not finite.all():
+            ref, new = ref[finite], new[finite]
+        broken = ~np.isfinite(new)
+        broken_count = int(np.count_nonzero(broken))
+        if broken_count:
+            self.new_nonfinite += broken_count
+            self.batches_nonfinite += 1
+            ref, new = ref[~broken], new[~broken]
+        self.elements += ref.size
+        if ref.size == 0:
+            return
+        diff = np.abs(ref - new)
+        self.max_abs = max(self.max_abs, float(diff.max()))
+        self.ref_absmax = max(self.ref_absmax, float(np.abs(ref).max()))
+        self.sum_sq_error += float(np.dot(diff.ravel(), diff.ravel()))
+        self.sum_sq_ref += float(np.dot(ref.ravel(), ref.ravel()))
+        self.sum_sq_new += float(np.dot(new.ravel(), new.ravel()))
+        self.dot += float(np.dot(ref.ravel(), new.ravel()))
+
+    @property
+    def broken(self) -> bool:
+        """NaN/Inf where the reference is finite, or a different shape."""
+        return self.new_nonfinite > 0 or self.shape_mismatch
+
+    @property
+    def relative(self) -> float:
+        """max |computed - reference| / max |reference| (inf when broken)."""
+        if self.broken:
+            return math.inf
+        if self.ref_absmax > 0:
+            return self.max_abs / self.ref_absmax
+        return self.max_abs
+
+    @property
+    def rms_relative(self) -> float:
+        """Root-mean-square error over the reference's root-mean-square."""
+        if self.broken:
+            return math.inf
+        if self.sum_sq_ref > 0:
+            return math.sqrt(self.sum_sq_error / self.sum_sq_ref)
+        return math.sqrt(self.sum_sq_error / self.elements) if self.elements else 0.0
+
+    @property
+    def cosine(self) -> float:
+        if self.broken:
+            return -1.0
+        denominator = math.sqrt(self.sum_sq_ref * self.sum_sq_new)
+        return self.dot / denominator if denominator > 0 else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"relative": _json_number(self.relative), "max_abs": self.max_abs,
+                "rms_relative": _json_number(self.rms_relative),
+                "cosine": self.cosine, "new_nonfinite": self.new_nonfinite,
+                "batches_nonfinite": self.batches_nonfinite, "batches": self.batches,
+                "shape_mismatch": self.shape_mismatch}
+
+
+def _json_number(value: float) -> float | str:
+    """JSON has no inf: write it as the string "inf"."""
+    return value if math.isfinite(value) else "inf"

@@ -1,0 +1,152 @@
+"""Where `convert --auto` and `diagnose` run ONNX models, and how low precision is made real there.
+
+onnxruntime's CPU provider has fp16 kernels for few ops and bf16 kernels for almost none; for the
+rest it computes in fp32 and drops the casts around the op, so an fp16 model run there mostly
+shows fp32 numbers (a MatMul whose output exceeds 65504 does not overflow). Measuring on it as
+is would miss the hazards `--auto` exists to find. So, unless a CUDA provider is available for
+the `ort-cuda` backend, a converted model runs *emulated*: every op computes in fp32 and every
+tensor the model holds in fp16/bf16 is rounded to that dtype where it is produced (an explicit
+cast pair, which onnxruntime keeps), as a kernel that computes in fp32 and stores its output in
+low precision does. Ops whose low-precision kernels accumulate in low precision (ORT CUDA's
+CumSum) are not modelled.
+
+`Execution` is the pluggable part: `prepare` turns a converted model into what runs, `providers`
+says where, `description` says which for the report. Work on better emulation or on devices
+replaces `select_execution`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from ...errors import AmpError
+from .load import load_onnx
+
+_LOW = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How models run: onnxruntime providers, and whether low-precision models are emulated."""
+
+    providers: tuple[str, ...]
+    emulate: bool
+    description: str
+    provider_options: tuple[dict, ...] = field(default=())
+
+    def prepare(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """The model to hand to onnxruntime for a converted model."""
+        return emulate_low_precision(model) if self.emulate else model
+
+    def session(self, model: onnx.ModelProto | str, label: str):
+        """An onnxruntime session for a model (proto or path); failures are one-line errors."""
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        # The arena keeps the largest batch's buffers for the session's life; measurement runs
+        # go batch by batch, so give memory back between them.
+        options.enable_cpu_mem_arena = False
+        try:
+            source = model if isinstance(model, str) else model.SerializeToString()
+            return ort.InferenceSession(source, options, providers=list(self.providers),
+                                        provider_options=list(self.provider_options) or None)
+        except Exception as exc:
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else \
+                type(exc).__name__
+            raise AmpError(f"onnxruntime cannot load the {label}: {message}") from None
+
+
+def select_execution(backend: str, target: str) -> Execution:
+    """CUDA when onnxruntime has it and the backend is ort-cuda; else the CPU, emulated."""
+    import onnxruntime as ort
+
+    if backend == "ort-cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
+        # TF32 off: the fp32 reference must be fp32.
+        return Execution(("CUDAExecutionProvider", "CPUExecutionProvider"), False,
+                         f"onnxruntime CUDA provider: {target} kernels run natively, the fp32 "
+                         f"reference with TF32 off",
+                         ({"use_tf32": "0"}, {}))
+    return Execution(("CPUExecutionProvider",), True,
+                     f"onnxruntime CPU provider, {target} emulated: every op computes in fp32 "
+                     f"and each {target} tensor is rounded to {target} where it is produced "
+                     f"(no CUDA provider{'' if backend == 'ort-cuda' else ' for ' + backend})")
+
+
+def emulate_low_precision(model: onnx.ModelProto) -> onnx.ModelProto:
+    """An fp32 copy of `model` that rounds every fp16/bf16 tensor to its dtype where it is
+    produced: initializers become their (exact) fp32 values, op outputs are rounded with a cast
+    to the low dtype and back. Graph inputs become fp32: feed them values already rounded (see
+    `round_feeds`)."""
+    emulated = onnx.ModelProto()
+    emulated.CopyFrom(model)
+    ir_model = load_onnx(emulated)
+    f32 = onnx.TensorProto.FLOAT
+    codes = {name: code for code, name in _LOW.items()}
+    # Inner graphs first: re-adding an outer node copies its body, so bodies must be final by then.
+    for graph in reversed(list(ir_model.graph.walk_graphs())):
+        proto: onnx.GraphProto = graph.handle
+        nodes: list[onnx.NodeProto] = []
+        for node in graph.nodes:
+            nodes.append(node.handle)
+            for slot, value in enumerate(node.outputs):
+                if value is None or value.dtype not in codes:
+                    continue
+                raw = f"{value.name}__amp_emulated"
+                node.handle.output[slot] = raw
+                code = codes[value.dtype]
+                if node.op_type == "Cast":  # the cast itself rounds; widen its result
+                    nodes.append(onnx.helper.make_node("Cast", [raw], [value.name], to=f32))
+                else:
+                    nodes.extend(_round_pair(raw, value.name, code))
+        del proto.node[:]
+        proto.node.extend(nodes)
+        for index, tensor in enumerate(proto.initializer):
+            if tensor.data_type in _LOW:
+                array = onnx.numpy_helper.to_array(tensor).astype(np.float32)
+                proto.initializer[index].CopyFrom(onnx.numpy_helper.from_array(array, tensor.name))
+        for node in proto.node:
+            for attr in node.attribute:
+                if attr.HasField("t") and attr.t.data_type in _LOW:
+                    array = onnx.numpy_helper.to_array(attr.t).astype(np.float32)
+                    attr.t.CopyFrom(onnx.numpy_helper.from_array(array, attr.t.name))
+        for info in list(proto.input) + list(proto.output):
+            if info.type.tensor_type.elem_type in _LOW:
+                info.type.tensor_type.elem_type = f32
+        del proto.value_info[:]
+    return emulated
+
+
+def _round_pair(raw: str, name: str, code: int) -> list[onnx.NodeProto]:
+    rounded = f"{raw}_rounded"
+    return [onnx.helper.make_node("Cast", [raw], [rounded], to=code),
+            onnx.helper.make_node("Cast", [rounded], [name], to=onnx.TensorProto.FLOAT)]
+
+
+def round_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Feeds for `model`'s emulated copy: fp32 values rounded where the model takes fp16/bf16."""
+    from ...ir.dtypes import NUMPY_DTYPES
+
+    low = {info.name: _LOW[info.type.tensor_type.elem_type] for info in model.graph.input
+           if info.type.tensor_type.elem_type in _LOW}
+    return {name: (value.astype(NUMPY_DTYPES[low[name]]).astype(np.float32)
+                   if name in low and value.dtype == np.float32 else value)
+            for name, value in feeds.items()}
+
+
+def native_feeds(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Feeds cast to the dtypes a session's inputs take (fp32 data for an fp16 input)."""
+    from ...ir.dtypes import NUMPY_DTYPES
+
+    wanted = {"tensor(float16)": NUMPY_DTYPES["float16"],
+              "tensor(bfloat16)": NUMPY_DTYPES["bfloat16"]}
+    result = {}
+    for info in session.get_inputs():
+        value = feeds[info.name]
+        target = wanted.get(info.type)
+        result[info.name] = value.astype(target) if target is not None \
+            and value.dtype != target else value
+    return result
