@@ -20,6 +20,7 @@ import amp_rewriter
 from amp_rewriter.accuracy import calibration_for
 from amp_rewriter.accuracy.calibration import CalibrationSet
 from amp_rewriter.accuracy.measure import measure
+from amp_rewriter.accuracy.runner import ProbePlan
 from amp_rewriter.formats.onnx.accuracy import OnnxRunner
 from amp_rewriter.formats.onnx.execution import emulate_low_precision
 from amp_rewriter.options import AutoOptions, Options
@@ -304,8 +305,8 @@ def test_statistics_are_streamed_one_batch_at_a_time(tmp_path):
     alive: list[weakref.ref] = []
     runs = []
 
-    def open_probe(conv, candidate_tensors):
-        probe = real_open(conv, candidate_tensors)
+    def open_probe(conv, plan):
+        probe = real_open(conv, plan)
         real_run = probe.run
 
         def run(batch):
@@ -325,7 +326,8 @@ def test_statistics_are_streamed_one_batch_at_a_time(tmp_path):
         return probe
 
     runner.open_probe = open_probe
-    measurement = measure(runner, conversion, calibration, "float16", candidate_tensors=True)
+    measurement = measure(runner, conversion, calibration, "float16",
+                          ProbePlan(candidate_tensors=True))
     assert runs == [0, 0, 0, 0]
     assert measurement.batches == 4
     assert all(ref() is None for ref in alive)

@@ -21,7 +21,7 @@ from .calibration import CalibrationSet, InputSpec
 from .diagnose import diagnose_dict
 from .measure import measure
 from .metrics import load_metric
-from .runner import ModelRunner
+from .runner import ModelRunner, ProbePlan
 from .search import AutoResult, auto_convert
 
 RANDOM_WARNING = ("no --inputs: {count} seeded random batch(es) of the model's input shapes "
@@ -65,7 +65,7 @@ def run_diagnose(runner: ModelRunner, inputs: Sequence[str] | None, options: Aut
     calibration, warnings = calibration_for(runner, inputs, options)
     conversion = runner.convert({})
     measurement = measure(runner, conversion, calibration, TARGET_DTYPES[target],
-                          candidate_tensors=True, data_max=options.data_max)
+                          ProbePlan(candidate_tensors=True), data_max=options.data_max)
     report = diagnose_dict(measurement, options, TARGET_DTYPES[target], backend,
                            measurement.output_errors)
     return report, warnings

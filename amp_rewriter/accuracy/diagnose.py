@@ -31,7 +31,9 @@ def _contribution(node: NodeMeasurement, measurement: Measurement) -> tuple:
 def rows(measurement: Measurement, options: AutoOptions) -> list[dict[str, Any]]:
     """One entry per node with float outputs, sorted by contribution."""
     entries = []
-    nodes = [n for n in measurement.nodes.values() if n.info.outputs]
+    # Nodes that compute (constants and inputs have nothing to report).
+    nodes = [n for n in measurement.nodes.values()
+             if n.info.outputs and (n.info.inputs or n.info.low)]
     for node in sorted(nodes, key=lambda n: _contribution(n, measurement)):
         ranges = measurement.ranges_of(node.info.outputs)
         entry: dict[str, Any] = {

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .calibration import CalibrationSet
-from .runner import Conversion, ModelRunner, NodeInfo, ProbeBatch
+from .runner import Conversion, ModelRunner, NodeInfo, ProbeBatch, ProbePlan
 from .stats import ErrorStats, RangeStats
 
 
@@ -83,18 +83,20 @@ class Measurement:
     first_local_nonfinite: str | None = None
     #: The converted model's relative error at each model output (diagnose only).
     output_errors: dict[str, float] = field(default_factory=dict)
+    #: Passes over the calibration data (a second one measures input rounding, when needed).
+    reference_runs: int = 1
 
     def ranges_of(self, names: list[str]) -> list[RangeStats]:
         return [self.tensors[n] for n in names if n in self.tensors]
 
 
 def measure(runner: ModelRunner, conversion: Conversion, calibration: CalibrationSet,
-            target_dtype: str, candidate_tensors: bool = False,
+            target_dtype: str, plan: ProbePlan | None = None,
             data_max: float | None = None) -> Measurement:
     """Run the probe over every batch and fold each batch into per-tensor statistics."""
     start = time.perf_counter()
     infos = runner.nodes(conversion)
-    probe = runner.open_probe(conversion, candidate_tensors)
+    probe = runner.open_probe(conversion, plan or ProbePlan())
     outputs = runner.output_names()
     tensors: dict[str, RangeStats] = {}
     nodes = {info.name: NodeMeasurement(info) for info in infos}
@@ -119,11 +121,27 @@ def measure(runner: ModelRunner, conversion: Conversion, calibration: Calibratio
                        {name: converted[name].relative for name in outputs if name in converted})
 
 
+def measure_rounding(runner: ModelRunner, conversion: Conversion,
+                     calibration: CalibrationSet, measurement: Measurement,
+                     names: frozenset[str]) -> None:
+    """A second pass for `names` only: how much of each node's error its low-precision inputs'
+    rounding explains (folded into `measurement`; needed only for nodes with a large local
+    error, so most models never pay for it)."""
+    start = time.perf_counter()
+    probe = runner.open_probe(conversion, ProbePlan(local=False, rounding=names))
+    nodes = measurement.nodes
+    for batch in calibration:
+        _absorb(probe.run(batch), [], {}, nodes, {}, measurement.target, None, ranges=False)
+    measurement.seconds += time.perf_counter() - start
+    measurement.reference_runs += 1
+
+
 def _absorb(result: ProbeBatch, outputs: list[str], tensors: dict[str, RangeStats],
             nodes: dict[str, NodeMeasurement], converted: dict[str, ErrorStats],
-            target_dtype: str, data_max: float | None) -> dict[str, np.ndarray]:
+            target_dtype: str, data_max: float | None, ranges: bool = True
+            ) -> dict[str, np.ndarray]:
     """Fold one batch's probe results into the statistics; returns its model outputs."""
-    for name, array in result.reference.items():
+    for name, array in result.reference.items() if ranges else ():
         stats = tensors.get(name)
         if stats is None:
             stats = tensors[name] = RangeStats(target_dtype, limit=data_max)

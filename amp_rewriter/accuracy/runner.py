@@ -79,6 +79,21 @@ class ProbeBatch:
     candidate: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ProbePlan:
+    """What a probe computes besides the reference tensors."""
+
+    #: The converted model's value of every float tensor (diagnose).
+    candidate_tensors: bool = False
+    #: The lp shadow (local output) of every low-precision node.
+    local: bool = True
+    #: rd shadows (one per low-precision input) of these nodes; None: of every node.
+    rounding: frozenset[str] | None = None
+
+    def rounds(self, node: str) -> bool:
+        return self.rounding is None or node in self.rounding
+
+
 class Probe(ABC):
     """An open probe session."""
 
@@ -126,7 +141,7 @@ class ModelRunner(ABC):
         """Every original node of the model, as `conversion` left it, in execution order."""
 
     @abstractmethod
-    def open_probe(self, conversion: Conversion, candidate_tensors: bool) -> Probe:
+    def open_probe(self, conversion: Conversion, plan: ProbePlan) -> Probe:
         """The probe for `conversion` (see the module docstring)."""
 
     @abstractmethod

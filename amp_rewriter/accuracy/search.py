@@ -7,11 +7,14 @@ meets the metric on the calibration data.
    conversion when there are none; a hazard-free model that passes is written as plain
    `convert` writes it, after exactly one reference and one verification run).
 3. If the metric fails, the other low-precision nodes are ranked by the error they add on their
-   own, and the pinned set grows along that ranking (1, 2, 4, ... nodes) until a verification
+   own, and the pinned set grows along that ranking (1, 4, 16, ... nodes) until a verification
    run passes; each pinned node also pins the producers of its low-precision inputs when their
-   rounding alone breaks it (its fp32 copy fed rounded inputs is off by more than
+   rounding alone breaks it (its fp32 copy fed that input rounded is off by more than
    `--local-max`). Then the set narrows: bisection between the last failing and the first
-   passing size, and, for small sets, dropping one node at a time while the metric holds.
+   passing size (to within 1/16 of it), and, for small sets, dropping one node at a time while
+   the metric holds. Hazards return to fp32 alone; nodes the ranking adds are fp32 barriers, so
+   fp32 regions form around them: an error spread over many nodes comes as much from rounding
+   the activations between them as from the ops, and pinning lone nodes would keep that.
 4. Every step is bounded by `--max-trials` verification runs. All fp32 (every low-precision node
    pinned) meets any metric the fp32 model meets, so the search ends there at worst, verified;
    it never fails when a solution exists.
@@ -30,13 +33,17 @@ from ..ir import decisions
 from ..options import AutoOptions
 from ..passes.base import Pin
 from .calibration import CalibrationSet
-from .measure import Measurement, format_number, measure
+from .measure import Measurement, format_number, measure, measure_rounding
 from .metrics import Metric
 from .rules import SHORT, hazards, local_max
-from .runner import ModelRunner
+from .runner import ModelRunner, ProbePlan
 
 #: Above this many ranked pins, dropping them one at a time costs more trials than it saves.
 PRUNE_LIMIT = 8
+#: The pinned set grows by this factor until the metric holds (then bisection narrows it).
+GROWTH = 4
+#: Bisection stops when the set is known to within 1/NARROW of its size.
+NARROW = 16
 
 
 @dataclass
@@ -80,7 +87,7 @@ class AutoResult:
             "passed": self.metric.passes(self.final_value),
             "calibration": m.calibration, "random_inputs": m.random_inputs,
             "batches": m.batches, "execution": m.execution,
-            "reference_runs": 1, "verification_runs": len(self.trials),
+            "reference_runs": m.reference_runs, "verification_runs": len(self.trials),
             "same_as_plain_convert": self.same_as_plain,
             "pinned": self.contributions,
             "trials": [t.to_dict() for t in self.trials],
@@ -103,14 +110,22 @@ class _Search:
         self.progress = progress or (lambda message: None)
         self.trials: list[Trial] = []
         self.reasons: dict[str, str] = {}
+        self.hazard_set: set[str] = set()
         self.measurement: Measurement
 
     # -- verification ------------------------------------------------------------------------
+    def pins(self, names: list[str]) -> dict[str, Pin]:
+        """Hazards (and the producers their rounding breaks) return to fp32 alone; nodes the
+        search adds are barriers, so fp32 regions form around them (removing the rounding of
+        the activations between them, which pinning lone nodes would keep)."""
+        return {name: Pin(self.reasons[name], decisions.MEASUREMENT,
+                          barrier=name not in self.hazard_set) for name in names}
+
     def verify(self, step: str, names: list[str]) -> Trial:
         """Convert with `names` pinned and run the calibration batches; stop at the first batch
         that fails the metric."""
         start = time.perf_counter()
-        pins = {name: Pin(self.reasons[name], decisions.MEASUREMENT) for name in names}
+        pins = self.pins(names)
         conversion = self.runner.convert(pins)
         session = self.runner.open_candidate(conversion)
         worst = 0.0
@@ -180,6 +195,7 @@ class _Search:
         found = hazards(m, self.options)
         self.reasons.update(found)
         base = self.closure(list(found)) if found else []
+        self.hazard_set = set(base)
         first = self.verify("plain conversion" if not base else "data-range rules", base)
         if first.passed:
             return base, first
@@ -197,7 +213,7 @@ class _Search:
             failed_k = k
             if k == len(order):
                 break
-            k = min(2 * k, len(order))
+            k = min(GROWTH * k, len(order))
         if best is None:
             everything = self.closure(base + order)
             if self.trials[-1].pins != everything:
@@ -206,7 +222,9 @@ class _Search:
                 trial = self.trials[-1]
             return everything, trial
         passing_k = k
-        while passing_k - failed_k > 1 and self.budget_left():
+        # Narrow to within 1/16 of the set: the last few bisection steps would each cost a
+        # verification run to save a node or two.
+        while passing_k - failed_k > max(1, passing_k // NARROW) and self.budget_left():
             middle = (failed_k + passing_k) // 2
             pins = self.closure(base + order[:middle])
             trial = self.verify(f"top {middle} of {len(order)}", pins)
@@ -238,7 +256,13 @@ def auto_convert(runner: ModelRunner, calibration: CalibrationSet, metric: Metri
     search = _Search(runner, calibration, metric, options, target_dtype, progress)
     plain = runner.convert({})
     measurement = measure(runner, plain, calibration, target_dtype,
-                          data_max=options.data_max)
+                          ProbePlan(rounding=frozenset()), data_max=options.data_max)
+    threshold = local_max(options, target_dtype)
+    large = frozenset(name for name, node in measurement.nodes.items()
+                      if node.info.low and node.info.low_inputs
+                      and (node.breaks_locally or node.local_error > threshold))
+    if large:  # only then does it matter whether their inputs' rounding explains their error
+        measure_rounding(runner, plain, calibration, measurement, large)
     del plain
     search.measurement = measurement
     search.progress(f"auto: reference run: {measurement.batches} batch(es), "
@@ -252,7 +276,7 @@ def auto_convert(runner: ModelRunner, calibration: CalibrationSet, metric: Metri
                            f"fp32 model with itself (batch {index}): no conversion can meet "
                            f"--max-error {metric.max_error:g}")
     names, trial = search.run()
-    pins = {name: Pin(search.reasons[name], decisions.MEASUREMENT) for name in names}
+    pins = search.pins(names)
     found = {n: r for n, r in search.reasons.items() if n in names}
     contributions = []
     for name in names:

@@ -15,17 +15,25 @@ from typing import Any
 
 import numpy as np
 
-from ..ir.dtypes import FINITE_MAX, NUMPY_DTYPES, SMALLEST_SUBNORMAL
+from ..ir.dtypes import FINITE_MAX, NUMPY_DTYPES
 
 #: Smallest positive normal value: below it a value keeps fewer mantissa bits.
 SMALLEST_NORMAL = {"float16": 2.0**-14, "bfloat16": 2.0**-126}
 
 
-def _as_float64(array: Any) -> np.ndarray:
+def _floating(array: Any) -> np.ndarray:
+    """The array in a dtype numpy computes in (bf16 widened to fp32, integers to fp64)."""
     array = np.asarray(array)
     if array.dtype.name == "bfloat16":
-        array = array.astype(np.float32)
-    return array.astype(np.float64, copy=False)
+        return array.astype(np.float32)
+    if not np.issubdtype(array.dtype, np.floating):
+        return array.astype(np.float64)
+    return array
+
+
+def _absmax(array: np.ndarray) -> float:
+    """max |x| without a temporary array (NaN when there is one)."""
+    return float(max(array.max(), -array.min()))
 
 
 @dataclass
@@ -54,43 +62,41 @@ class RangeStats:
     shape: tuple[int, ...] = ()
 
     def update(self, array: Any) -> None:
-        """Add one batch's values."""
-        values = np.asarray(array)
-        if values.dtype.name == "bfloat16":
-            values = values.astype(np.float32)
+        """Add one batch's values (a few passes over the array, no float64 copies)."""
+        values = _floating(array)
         self.batches += 1
         self.shape = tuple(values.shape)
         if values.size == 0:
             return
         self.elements += values.size
-        finite = np.isfinite(values)
-        all_finite = bool(finite.all())
-        if not all_finite:
+        top = _absmax(values)
+        if not math.isfinite(top):
+            finite = np.isfinite(values)
             self.nonfinite += int(values.size - np.count_nonzero(finite))
             values = values[finite]
             if values.size == 0:
                 return
-        magnitude = np.abs(values)
-        top = float(magnitude.max())
+            top = _absmax(values)
         self.absmax = max(self.absmax, top)
         self.minimum = min(self.minimum, float(values.min()))
         self.maximum = max(self.maximum, float(values.max()))
-        nonzero = magnitude[magnitude > 0]
-        self.nonzero += int(nonzero.size)
+        nonzero = int(np.count_nonzero(values))
+        self.nonzero += nonzero
         overflow = 0
         if top > FINITE_MAX[self.dtype]:
             with np.errstate(over="ignore"):
                 overflow = int(np.count_nonzero(~np.isfinite(
-                    magnitude.astype(NUMPY_DTYPES[self.dtype]))))
-        flushed = subnormal = 0
-        if nonzero.size and float(nonzero.min()) < SMALLEST_NORMAL[self.dtype]:
-            small = nonzero[nonzero < SMALLEST_NORMAL[self.dtype]]
-            subnormal = int(small.size)
-            if float(small.min()) < SMALLEST_SUBNORMAL[self.dtype]:
-                flushed = int(np.count_nonzero(small.astype(NUMPY_DTYPES[self.dtype]) == 0))
+                    values.astype(NUMPY_DTYPES[self.dtype]))))
+        normal = SMALLEST_NORMAL[self.dtype]
+        small = int(np.count_nonzero((values > -normal) & (values < normal))) - (
+            values.size - nonzero)
+        flushed = 0
+        if small:
+            tiny = values[(values != 0) & (values > -normal) & (values < normal)]
+            flushed = int(np.count_nonzero(tiny.astype(NUMPY_DTYPES[self.dtype]) == 0))
         self.overflow += overflow
         self.flushed += flushed
-        self.subnormal += subnormal
+        self.subnormal += small
         self.batches_overflowing += overflow > 0
         self.batches_flushing += flushed > 0
         self.batches_over_limit += top > self.threshold
@@ -142,32 +148,38 @@ class ErrorStats:
     def update(self, reference: Any, computed: Any) -> None:
         """Add one batch: the reference values and the computed ones."""
         self.batches += 1
-        ref = _as_float64(reference)
-        new = _as_float64(computed)
+        ref = _floating(reference)
+        new = _floating(computed)
         if ref.shape != new.shape:
             self.shape_mismatch = True
             return
         if ref.size == 0:
             return
-        finite = np.isfinite(ref)
-        if not finite.all():
-            ref, new = ref[finite], new[finite]
-        broken = ~np.isfinite(new)
-        broken_count = int(np.count_nonzero(broken))
-        if broken_count:
-            self.new_nonfinite += broken_count
-            self.batches_nonfinite += 1
-            ref, new = ref[~broken], new[~broken]
+        work = np.result_type(ref.dtype, new.dtype, np.float32)
+        diff = np.subtract(new, ref, dtype=work)
+        worst = _absmax(diff)
+        if not math.isfinite(worst):  # NaN/Inf somewhere: drop what the reference lacks too
+            finite = np.isfinite(ref)
+            broken = finite & ~np.isfinite(new)
+            broken_count = int(np.count_nonzero(broken))
+            if broken_count:
+                self.new_nonfinite += broken_count
+                self.batches_nonfinite += 1
+            keep = finite & ~broken
+            ref, new = ref[keep], new[keep]
+            if ref.size == 0:
+                return
+            diff = np.subtract(new, ref, dtype=work)
+            worst = _absmax(diff)
+        flat_diff, flat_ref, flat_new = diff.ravel(), ref.astype(work, copy=False).ravel(), \
+            new.astype(work, copy=False).ravel()
         self.elements += ref.size
-        if ref.size == 0:
-            return
-        diff = np.abs(ref - new)
-        self.max_abs = max(self.max_abs, float(diff.max()))
-        self.ref_absmax = max(self.ref_absmax, float(np.abs(ref).max()))
-        self.sum_sq_error += float(np.dot(diff.ravel(), diff.ravel()))
-        self.sum_sq_ref += float(np.dot(ref.ravel(), ref.ravel()))
-        self.sum_sq_new += float(np.dot(new.ravel(), new.ravel()))
-        self.dot += float(np.dot(ref.ravel(), new.ravel()))
+        self.max_abs = max(self.max_abs, worst)
+        self.ref_absmax = max(self.ref_absmax, _absmax(ref))
+        self.sum_sq_error += float(np.dot(flat_diff, flat_diff))
+        self.sum_sq_ref += float(np.dot(flat_ref, flat_ref))
+        self.sum_sq_new += float(np.dot(flat_new, flat_new))
+        self.dot += float(np.dot(flat_ref, flat_new))
 
     @property
     def broken(self) -> bool:

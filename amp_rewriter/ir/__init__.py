@@ -14,6 +14,7 @@ from .core import (
     Node,
     TypeGroup,
     Value,
+    ValueNames,
     present,
     unique_name,
 )
@@ -31,7 +32,7 @@ from .lint import IRInvariantError, assert_sound, lint
 from .tensors import LazyTensor, RangeCheck, check_range, convert_array
 
 __all__ = ["ALLOW", "CLEAR", "DENY", "FP32", "INFER", "Graph", "IRError", "Model", "Node",
-           "TypeGroup", "Value", "present", "unique_name", "BFLOAT16", "FLOAT16", "FLOAT32",
-           "FLOAT64", "FLOAT_DTYPES", "LOW_PRECISION_DTYPES", "TARGET_DTYPES", "short_name",
-           "decisions", "IRInvariantError", "assert_sound", "lint", "LazyTensor", "RangeCheck",
-           "check_range", "convert_array"]
+           "TypeGroup", "Value", "ValueNames", "present", "unique_name", "BFLOAT16", "FLOAT16",
+           "FLOAT32", "FLOAT64", "FLOAT_DTYPES", "LOW_PRECISION_DTYPES", "TARGET_DTYPES",
+           "short_name", "decisions", "IRInvariantError", "assert_sound", "lint", "LazyTensor",
+           "RangeCheck", "check_range", "convert_array"]

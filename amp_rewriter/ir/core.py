@@ -172,7 +172,8 @@ class Node:
 
     __slots__ = ("name", "op_type", "domain", "inputs", "outputs", "attrs", "subgraphs",
                  "type_groups", "input_group", "output_group", "graph", "handle", "op_class",
-                 "class_reason", "class_kind", "order", "has_schema", "pin_reason", "pin_kind")
+                 "class_reason", "class_kind", "order", "has_schema", "pin_reason", "pin_kind",
+                 "pin_barrier")
 
     def __init__(self, name: str, op_type: str, domain: str = "", graph: Graph | None = None):
         self.name = name
@@ -199,6 +200,9 @@ class Node:
         #: and the kind of that rule.
         self.pin_reason = ""
         self.pin_kind = ""
+        #: A pin is an fp32 barrier to propagation unless a front end says otherwise (then only
+        #: the node itself returns to fp32 and its neighbours are decided as without the pin).
+        self.pin_barrier = True
 
     def __repr__(self) -> str:
         return f"Node({self.name!r}, {self.op_type})"
@@ -419,6 +423,22 @@ class Model:
     def unique_name(self, base: str) -> str:
         """A deterministic name not used anywhere in the model yet."""
         return unique_name(base, self.used_names)
+
+
+class ValueNames:
+    """Every value's name at one moment (after loading), kept so that tools comparing a
+    converted model with its original can map values back when a pass renamed them (a graph
+    output's producer hands its name to the cast that now produces the output)."""
+
+    def __init__(self, model: Model):
+        # Holding the values keeps their ids from being reused by values made later.
+        self._names = {id(value): (value, name) for graph in model.graph.walk_graphs()
+                       for name, value in graph.values.items()}
+
+    def original_name(self, value: Value) -> str | None:
+        """The name `value` had then (None for a value made since)."""
+        entry = self._names.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
 
 
 def present(value: Value | None) -> Value:

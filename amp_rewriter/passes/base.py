@@ -41,10 +41,13 @@ class FormatRules:
 class Pin:
     """Why a front end keeps a node fp32: the reason users read, and the kind of rule behind it
     (`decisions.PIN` for a plan such as the training rewrite's, `decisions.MEASUREMENT` for what
-    `convert --auto` measured on calibration data)."""
+    `convert --auto` measured on calibration data). A `barrier` pin makes the node an fp32
+    barrier, as `--keep-node` does (its infer/clear neighbours may follow it to fp32); otherwise
+    only the node returns to fp32 after the painting, its neighbours decided as without it."""
 
     reason: str
     kind: str = decisions.PIN
+    barrier: bool = True
 
 
 @dataclass

@@ -31,9 +31,10 @@ import onnx
 from onnx import helper
 
 from ...accuracy.calibration import Batch, InputSpec
-from ...accuracy.runner import Conversion, ModelRunner, NodeInfo, Probe, ProbeBatch
+from ...accuracy.ir_nodes import Ref, constant_as_read, node_info, resolve
+from ...accuracy.runner import Conversion, ModelRunner, NodeInfo, Probe, ProbeBatch, ProbePlan
 from ...errors import AmpError
-from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, TARGET_DTYPES, Graph, Node, Value, short_name
+from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, TARGET_DTYPES, Graph, Node, Value
 from ...options import Options
 from ...passes.base import Pin
 from ...report import Report
@@ -198,18 +199,6 @@ def _body_output(graph: onnx.GraphProto, item: _Wanted, fresh: Any) -> str:
 
 # -- the runner ----------------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class _Ref:
-    """What a converted node reads in one input slot, in terms of the fp32 model."""
-
-    kind: str  # "activation" | "constant"
-    reference: str | None  # the fp32 model's tensor
-    dtype: str | None  # the dtype the converted node reads
-    reference_dtype: str | None
-    value: Value  # the value it reads in the converted IR
-    source: Value  # that value before any cast the conversion inserted
-
-
 class OnnxRunner(ModelRunner):
     """An ONNX model file, converted and run for `convert --auto` and `diagnose`."""
 
@@ -263,22 +252,9 @@ class OnnxRunner(ModelRunner):
         return convert_model_file(self.path, output_path, self.options, dict(pins))[1]
 
     # -- nodes -------------------------------------------------------------------------------
-    def _resolve(self, ir: ConvertedIR, value: Value) -> _Ref:
-        source = value
-        while (source.producer is not None and source.producer.handle is None
-               and source.producer.op_type == "Cast" and source.producer.inputs[0] is not None):
-            source = source.producer.inputs[0]
-        if value.const is not None or source.const is not None:
-            origin = source
-            while origin.origin is not None:
-                origin = origin.origin
-            return _Ref("constant", ir.original_name(origin), value.dtype, origin.original_dtype,
-                        value, source)
-        return _Ref("activation", ir.original_name(source), value.dtype, source.original_dtype,
-                    value, source)
-
-    def _node_refs(self, conversion: OnnxConversion, node: Node) -> list[_Ref | None]:
-        return [None if v is None else self._resolve(conversion.ir, v) for v in node.inputs]
+    def _node_refs(self, conversion: OnnxConversion, node: Node) -> list[Ref | None]:
+        name_of = conversion.ir.original_name
+        return [None if v is None else resolve(v, name_of) for v in node.inputs]
 
     def nodes(self, conversion: Conversion) -> list[NodeInfo]:
         assert isinstance(conversion, OnnxConversion)
@@ -298,40 +274,11 @@ class OnnxRunner(ModelRunner):
 
     def _info(self, conversion: OnnxConversion, node: Node, graph: Graph, order: int
               ) -> NodeInfo:
-        ir = conversion.ir
-        low = sorted({g.precision for g in node.type_groups
-                      if g.precision in LOW_PRECISION_DTYPES})
-        fp32 = any(g.precision == "float32" for g in node.type_groups)
-        precision = "fp32" if not low else ("mixed" if fp32 or len(low) > 1
-                                            else short_name(low[0]) or "")
-        outputs = [ir.original_name(v) or v.name for v in node.outputs
-                   if v is not None and v.original_dtype in FLOAT_DTYPES]
-        refs = self._node_refs(conversion, node)
-        inputs, low_inputs, producers, divisors = [], [], [], []
-        for slot, ref in enumerate(refs):
-            if ref is None or ref.kind != "activation" or ref.reference is None \
-                    or ref.reference_dtype not in FLOAT_DTYPES:
-                continue
-            inputs.append(ref.reference)
-            if ref.dtype in LOW_PRECISION_DTYPES and ref.dtype != ref.reference_dtype:
-                low_inputs.append(ref.reference)
-                producer = ref.source.producer
-                producers.append(producer.name if producer is not None
-                                 and producer.handle is not None else "")
-            if (node.op_type, slot) in ONNX_RULES.divisor_slots:
-                divisors.append(ref.reference)
-        reduction = None
-        first = refs[0] if refs else None
-        if first is not None and first.kind == "activation" and first.reference and outputs:
-            if node.op_type in REDUCE_OPS:
-                reduction = ("ratio", first.reference, outputs[0])
-            elif node.op_type == "MatMul":
-                reduction = ("last", first.reference, "")
-        measured = (bool(low) and not node.subgraphs and node.has_schema
-                    and node.op_type not in CONTROL_FLOW_OPS)
-        where = _label(ir_graph_path(graph, ir.original_name))
-        return NodeInfo(node.name, node.qualified_op, where, order, precision, outputs, inputs,
-                        low_inputs, producers, divisors, reduction, measured)
+        name_of = conversion.ir.original_name
+        measurable = (not node.subgraphs and node.has_schema
+                      and node.op_type not in CONTROL_FLOW_OPS)
+        return node_info(node, _label(ir_graph_path(graph, name_of)), order, name_of,
+                         ONNX_RULES.divisor_slots, REDUCE_OPS, ("MatMul",), measurable)
 
     # -- sessions ------------------------------------------------------------------------------
     def _session(self, model: onnx.ModelProto, label: str) -> Any:
@@ -368,14 +315,14 @@ class OnnxRunner(ModelRunner):
                            f"{_first_line(exc)}") from None
         return dict(zip(names, values))
 
-    def open_probe(self, conversion: Conversion, candidate_tensors: bool) -> Probe:
+    def open_probe(self, conversion: Conversion, plan: ProbePlan) -> Probe:
         assert isinstance(conversion, OnnxConversion)
         try:
-            return _OnnxProbe(self, conversion, candidate_tensors, bodies=True)
+            return _OnnxProbe(self, conversion, plan, bodies=True)
         except AmpError as first:
             if not any(g.parent is not None for g in conversion.ir.model.graph.walk_graphs()):
                 raise
-            probe = _OnnxProbe(self, conversion, candidate_tensors, bodies=False)
+            probe = _OnnxProbe(self, conversion, plan, bodies=False)
             probe.notes.append(f"If/Loop bodies measured as a whole: the probe of their "
                                f"insides failed ({first})")
             return probe
@@ -384,16 +331,16 @@ class OnnxRunner(ModelRunner):
 class _OnnxProbe(Probe):
     """The probe model's session (and, for diagnose, the instrumented converted model's)."""
 
-    def __init__(self, runner: OnnxRunner, conversion: OnnxConversion, candidate: bool,
+    def __init__(self, runner: OnnxRunner, conversion: OnnxConversion, plan: ProbePlan,
                  bodies: bool):
         self.runner = runner
         self.notes: list[str] = []
-        probe, self.labels, self.shadows = self._build(conversion, bodies)
+        probe, self.labels, self.shadows = self._build(conversion, plan, bodies)
         self.session = runner._session(runner.execution.prepare(probe), "probe model")
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.candidate_session = None
         self.candidate_labels: dict[str, str] = {}
-        if candidate:
+        if plan.candidate_tensors:
             instrumented = onnx.ModelProto()
             instrumented.CopyFrom(conversion.model)
             wanted = []
@@ -417,7 +364,7 @@ class _OnnxProbe(Probe):
         # A first run checks that onnxruntime can run the probe (bodies included) at all.
         self._checked = False
 
-    def _build(self, conversion: OnnxConversion, bodies: bool
+    def _build(self, conversion: OnnxConversion, plan: ProbePlan, bodies: bool
                ) -> tuple[onnx.ModelProto, dict[str, str], dict[str, tuple[str, str, str, int]]]:
         runner = self.runner
         ir = conversion.ir
@@ -449,7 +396,8 @@ class _OnnxProbe(Probe):
                     continue
                 if not any(g.precision in LOW_PRECISION_DTYPES for g in node.type_groups):
                     continue
-                for kind, rounded, index, name, elem in builder.add(node, path):
+                shadows_of = builder.add(node, path, plan.local, plan.rounds(node.name))
+                for kind, rounded, index, name, elem in shadows_of:
                     label = f"{kind}:{node.name}:{rounded}:{index}"
                     shadows[label] = (kind, node.name, rounded, index)
                     wanted.append(_Wanted(path, name, label, elem))
@@ -533,7 +481,7 @@ class _ShadowBuilder:
         self.casts[key] = name
         return name
 
-    def _constant(self, path: Path_, ref: Any) -> str:
+    def _constant(self, path: Path_, ref: Ref) -> str:
         """The converted node's constant as it reads it, as an initializer of the probe."""
         value: Value = ref.value
         key = (path, id(value), ref.dtype or "")
@@ -541,24 +489,16 @@ class _ShadowBuilder:
         if name is not None:
             return name
         name = self.fresh("const")
-        if value.const is not None:
-            tensor = _tensor_proto(name, value.const)
-        else:  # an inserted cast of a constant that was not folded: cast the data here
-            from ...ir import LazyTensor
-
-            data = np.asarray(ref.source.const.numpy())
-            with np.errstate(over="ignore"):
-                from ...ir.dtypes import NUMPY_DTYPES
-
-                cast = data.astype(NUMPY_DTYPES.get(ref.dtype, data.dtype))
-            tensor = _tensor_proto(name, LazyTensor(ref.dtype, cast.shape, lambda: cast))
+        tensor = _tensor_proto(name, constant_as_read(ref))
         self.graphs[path][0].initializer.append(tensor)
         self.constants[key] = name
         return name
 
-    def add(self, node: Node, path: Path_) -> list[tuple[str, str, int, str, int]]:
+    def add(self, node: Node, path: Path_, local: bool, rounds: bool
+            ) -> list[tuple[str, str, int, str, int]]:
         """Add `node`'s shadows; returns (kind, rounded input, output index, name, elem type) to
-        expose: kind "lp" (rounded input "") and one "rd" per low-precision input."""
+        expose: kind "lp" (rounded input "", when `local`) and, when `rounds`, one "rd" per
+        low-precision input."""
         runner = self.runner
         graph = self.graphs[path][0]
         refs = runner._node_refs(self.conversion, node)
@@ -588,13 +528,14 @@ class _ShadowBuilder:
         float_slots = [slot for slot, v in enumerate(node.outputs)
                        if v is not None and v.original_dtype in FLOAT_DTYPES]
         exposed: list[tuple[str, str, int, str, int]] = []
-        outputs = self._copy(graph, node, "lp", lp_inputs, fp32=False)
-        for index, slot in enumerate(float_slots):
-            value = node.outputs[slot]
-            assert value is not None
-            exposed.append(("lp", "", index, outputs[slot],
-                            elem_type_code(value.dtype or "float32")))
-        for _slot, reference, rounded in rounding:
+        if local:
+            outputs = self._copy(graph, node, "lp", lp_inputs, fp32=False)
+            for index, slot in enumerate(float_slots):
+                value = node.outputs[slot]
+                assert value is not None
+                exposed.append(("lp", "", index, outputs[slot],
+                                elem_type_code(value.dtype or "float32")))
+        for _slot, reference, rounded in (rounding if rounds else []):
             inputs = [rounded if name == reference else name for name in exact]
             outputs = self._copy(graph, node, "rd", inputs, fp32=True)
             for index, slot in enumerate(float_slots):

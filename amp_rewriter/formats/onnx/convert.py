@@ -10,7 +10,7 @@ from typing import Any
 import onnx
 
 from ...errors import AmpError
-from ...ir import Model, Value
+from ...ir import Model, ValueNames
 from ...op_lists import OpLists
 from ...options import Options
 from ...passes import PassContext, Pin, run_pipeline
@@ -72,9 +72,7 @@ def convert_model_ir(model_or_path: onnx.ModelProto | str | os.PathLike, options
         ir_model = load_onnx(model, base)
         original_nodes = [(node, graph.name) for graph in ir_model.graph.walk_graphs()
                           for node in graph.nodes]
-        # Holding the values keeps their ids from being reused by values the passes create.
-        original_names = {id(value): (value, name) for graph in ir_model.graph.walk_graphs()
-                          for name, value in graph.values.items()}
+        original_names = ValueNames(ir_model)
         ctx = PassContext(ir_model, lists, options, ONNX_RULES, pins=dict(pins or {}))
         results = run_pipeline(ctx, "onnx")
         converted = emit_onnx(ir_model)
@@ -91,17 +89,11 @@ def convert_model_ir(model_or_path: onnx.ModelProto | str | os.PathLike, options
 
 
 class ConvertedIR:
-    """The IR after the passes, and each value's name before them (a graph output's producer
-    may have handed its name to the cast that now produces the output)."""
+    """The IR after the passes, and each value's name before them."""
 
-    def __init__(self, model: Model, original_names: dict[int, tuple[Value, str]]):
+    def __init__(self, model: Model, names: ValueNames):
         self.model = model
-        self._original = original_names
-
-    def original_name(self, value: Value) -> str | None:
-        """The name `value` had in the input model (None for a value a pass created)."""
-        entry = self._original.get(id(value))
-        return entry[1] if entry is not None and entry[0] is value else None
+        self.original_name = names.original_name
 
 
 def _load(model_or_path: onnx.ModelProto | str | os.PathLike

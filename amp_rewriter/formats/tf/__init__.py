@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ...accuracy.runner import ModelRunner
 from ...errors import AmpError
 from ...options import Options, TrainingOptions
 from ...report import CheckResult, Report
@@ -83,6 +84,11 @@ class TfFormat(Format):
                 options = dataclasses.replace(options, outputs=meta_graph_fetches(meta) or None)
             return convert_graph_def(meta.graph_def, options)[1]
         return convert_graph_def(read_graphdef(source), options)[1]
+
+    def accuracy_runner(self, path: Path, options: Options) -> ModelRunner:
+        from .accuracy import TfRunner
+
+        return TfRunner(path, options)
 
     def discard_output(self, output_path: Path) -> None:
         if output_path.is_dir():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow.python.framework import op_def_registry
 
 from ...errors import AmpError
-from ...ir import ALLOW, Model
+from ...ir import ALLOW, Model, ValueNames
 from ...op_lists import OpLists
 from ...options import Options
 from ...passes import PassContext, Pin, run_pipeline
@@ -51,7 +51,7 @@ _CHECKPOINT_OPS = frozenset({"SaveV2", "RestoreV2", "MergeV2Checkpoints", "Save"
 
 
 def _run(ir_model: Model, lists: OpLists, options: Options, graph_name: str,
-         pipeline: str = "tf", pins: dict[str, Pin] | None = None) -> Report:
+         pipeline: str = "tf", pins: Mapping[str, Pin] | None = None) -> Report:
     original = [(node, graph_name) for node in ir_model.graph.nodes]
     ctx = PassContext(ir_model, lists, options, TF_RULES, pins=dict(pins or {}))
     results = run_pipeline(ctx, pipeline)
@@ -97,11 +97,20 @@ def convert_graphdef(graph_def: graph_pb2.GraphDef, outputs: Iterable[str] | Non
 
 
 def convert_graph_def(graph_def: graph_pb2.GraphDef, options: Options,
-                      pipeline: str = "tf", pins: dict[str, Pin] | None = None
+                      pipeline: str = "tf", pins: Mapping[str, Pin] | None = None
                       ) -> tuple[graph_pb2.GraphDef, Report]:
     """`convert_graphdef` with the options as one object; `pins` maps node names to why a front
     end keeps them fp32 (the training rewrite's plan, with its own `pipeline`; `--auto`'s
     measurements)."""
+    converted, report, _ = convert_graph_def_ir(graph_def, options, pipeline, pins)
+    return converted, report
+
+
+def convert_graph_def_ir(graph_def: graph_pb2.GraphDef, options: Options,
+                         pipeline: str = "tf", pins: Mapping[str, Pin] | None = None
+                         ) -> tuple[graph_pb2.GraphDef, Report, tuple[Model, ValueNames]]:
+    """`convert_graph_def`, also returning the IR the passes left and the values' names before
+    them (for the accuracy tools)."""
     options, lists = _resolved(options)
     copy = graph_pb2.GraphDef()
     copy.CopyFrom(graph_def)
@@ -110,13 +119,14 @@ def convert_graph_def(graph_def: graph_pb2.GraphDef, options: Options,
         raise AmpError("no output found: name the fetch nodes with --outputs")
     with cyclic_gc_paused():
         ir_model = load_graphdef(copy, fetches, keep_fetch_nodes=options.keep_io_types)
+        names = ValueNames(ir_model)
         report = _run(ir_model, lists, options, "main", pipeline, pins)
         converted = emit_graphdef(ir_model)
     report.summary["outputs"] = fetches
     report.warnings = _warnings(options, report, ir_model.handle.unknown_ops)
     if options.check:
         check_graphdef(converted)
-    return converted, report
+    return converted, report, (ir_model, names)
 
 
 def meta_graph_fetches(meta: meta_graph_pb2.MetaGraphDef) -> list[str]:

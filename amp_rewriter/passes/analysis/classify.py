@@ -14,7 +14,8 @@ def classify_ops(ctx: PassContext) -> tuple[int, list[str]]:
     counts: dict[str, int] = {}
     for node in ctx.model.graph.walk_nodes():
         ctx.focus = node
-        if node.pin_reason:  # the user's --keep-node, or a loader's / front end's rule
+        if node.pin_reason and node.pin_barrier:
+            # the user's --keep-node, or a loader's / front end's rule: an fp32 barrier
             node.op_class, node.class_reason = FP32, node.pin_reason
             node.class_kind = node.pin_kind or decisions.PIN
         elif not node.has_schema:

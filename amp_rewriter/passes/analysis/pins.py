@@ -33,6 +33,6 @@ def pin_front_end(ctx: PassContext) -> tuple[int, list[str]]:
     for node in ctx.model.graph.walk_nodes():
         pin = ctx.pins.get(node.name)
         if pin is not None and not node.pin_reason:  # the user's --keep-node comes first
-            node.pin_reason, node.pin_kind = pin.reason, pin.kind
+            node.pin_reason, node.pin_kind, node.pin_barrier = pin.reason, pin.kind, pin.barrier
             pinned += 1
     return pinned, []

@@ -13,6 +13,9 @@ built, with the reason, kind and path of each decision):
    deny group goes low.
 5. spread_through_clear: allow spreads through clear groups in both directions.
 6. drop_without_kernel: groups the backend cannot run in low precision go back to fp32.
+   drop_pins_without_barrier: pinned nodes that are no barrier (`convert --auto`'s measured
+   hazards) go back to fp32. The painting above saw them with their op class, so their
+   neighbours are decided as in the conversion that was measured.
 7. retarget_existing_casts: the model's casts to fp32 whose consumers all run low precision.
 8. follow_producers: inputs that merely inspect a value (Shape, Cast's source) follow their
    producer.
@@ -211,12 +214,32 @@ def drop_without_kernel(p: Painting) -> int:
     return dropped
 
 
+def measured_pin(group: TypeGroup) -> bool:
+    """Whether the group's node is pinned without being a barrier (`convert --auto`)."""
+    node = group.node
+    return bool(node.pin_reason) and not node.pin_barrier
+
+
+def drop_pins_without_barrier(p: Painting) -> int:
+    """Pinned nodes that are no barrier go back to fp32, their neighbours staying as they are."""
+    dropped = 0
+    for g in p.graph.vertices:
+        if not measured_pin(g):
+            continue
+        if g in p.allow:
+            p.allow.discard(g)
+            dropped += 1
+        p.note(g, g.node.pin_kind or decisions.PIN, g.node.pin_reason)
+    return dropped
+
+
 def retarget_existing_casts(p: Painting) -> int:
     """The model's own casts to fp32 whose consumers all run low precision cast to that instead."""
     retargeted = 0
     for g in p.graph.vertices:
         node = g.node
-        if node.op_type != "Cast" or g.output_slots != [0] or node.op_class == DENY:
+        if node.op_type != "Cast" or g.output_slots != [0] or node.op_class == DENY \
+                or measured_pin(g):
             continue
         value = node.outputs[0]
         if value is None:
@@ -238,7 +261,7 @@ def follow_producers(p: Painting) -> int:
     target = p.ctx.target_dtype
     painted = 0
     for g in p.graph.vertices:
-        if g.name not in follow.get(g.node.op_type, ()) or g.output_slots:
+        if g.name not in follow.get(g.node.op_type, ()) or g.output_slots or measured_pin(g):
             continue
         producers = [p.graph.producer_group(v) for v in
                      (g.node.inputs[s] for s in g.input_slots) if v is not None]
@@ -256,7 +279,8 @@ def follow_data_group(p: Painting) -> int:
     painted = 0
     for g in p.graph.vertices:
         node = g.node
-        if g in p.allow or g.output_slots or g.inner_defs or not g.paintable or g in p.deny:
+        if g in p.allow or g.output_slots or g.inner_defs or not g.paintable or g in p.deny \
+                or measured_pin(g):
             continue
         inputs = [node.inputs[s] for s in g.input_slots if node.inputs[s] is not None]
         data_groups = [d for d in node.type_groups if d.output_slots and d is not g]
@@ -271,8 +295,8 @@ def follow_data_group(p: Painting) -> int:
 
 #: The phases in Grappler's order; each returns how many groups it moved.
 PHASES: list[Phase] = [seed_allow, spread_deny, fill_between_allow, infer_after_allow,
-                       spread_through_clear, drop_without_kernel, retarget_existing_casts,
-                       follow_producers, follow_data_group]
+                       spread_through_clear, drop_without_kernel, drop_pins_without_barrier,
+                       retarget_existing_casts, follow_producers, follow_data_group]
 
 
 def why_fp32(group: TypeGroup) -> tuple[str, str]:
