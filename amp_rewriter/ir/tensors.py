@@ -14,16 +14,20 @@ from .dtypes import FINITE_MAX, NUMPY_DTYPES, SMALLEST_SUBNORMAL
 class LazyTensor:
     """Constant data that is only read when a pass needs the values (big weights stay on disk)."""
 
-    __slots__ = ("dtype", "shape", "_load", "_array", "handle")
+    __slots__ = ("dtype", "shape", "_load", "_array", "handle", "_reloadable")
 
     def __init__(self, dtype: str, shape: tuple[int, ...], load: Callable[[], np.ndarray],
-                 handle: Any = None):
+                 handle: Any = None, array: np.ndarray | None = None,
+                 reloadable: bool = False):
         self.dtype = dtype
         self.shape = shape
         self._load = load
-        self._array: np.ndarray | None = None
+        #: The values, when already known (a pass's result); else read on first use.
+        self._array: np.ndarray | None = array
         #: The loader's original tensor proto; None for tensors a pass created.
         self.handle = handle
+        #: Whether `load` can produce the values again (so the cache may be dropped).
+        self._reloadable = reloadable or handle is not None
 
     @property
     def size(self) -> int:
@@ -35,6 +39,13 @@ class LazyTensor:
         if self._array is None:
             self._array = self._load()
         return self._array
+
+    def release(self) -> None:
+        """Drop the cached values of a tensor that can load them again (one read from its model,
+        one a pass computes from such a tensor), so a conversion holds one weight at a time
+        rather than all of them."""
+        if self._reloadable:
+            self._array = None
 
 
 @dataclass

@@ -92,6 +92,7 @@ class PassContext:
         if result is None:
             result = check_range(np.asarray(tensor.numpy(), dtype=np.float32), dtype)
             self.range_checks[key] = result
+            tensor.release()
         return result
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from pathlib import Path
@@ -167,8 +168,11 @@ def convert_model_file(input_path: Path, output_path: Path, options: Options,
         raise AmpError(f"{output_path}: output folder does not exist")
     source = read_model_file(input_path)
     external = has_external_data(source)
-    model, report = convert_model(source, options, base_dir=input_path.resolve().parent,
-                                  pins=pins)
+    # A model with external data is checked once written (from the file, without its data):
+    # checking it in memory would serialize every converted weight twice more.
+    model, report = convert_model(
+        source, dataclasses.replace(options, check=options.check and not external),
+        base_dir=input_path.resolve().parent, pins=pins)
     del source  # convert worked on its own copy
     external = external or model.ByteSize() > PROTOBUF_LIMIT
     save_onnx(model, output_path, source_dir=input_path.resolve().parent, external=external)
@@ -177,6 +181,7 @@ def convert_model_file(input_path: Path, output_path: Path, options: Options,
             check_valid(str(output_path))
         except AmpError:
             discard_output(output_path)
+            _blame_invalid_input(input_path)
             raise
     return model, report
 

@@ -32,6 +32,14 @@ def _tensor_proto(name: str, tensor: LazyTensor) -> onnx.TensorProto:
     return numpy_helper.from_array(array, name)
 
 
+def _emitted(name: str, tensor: LazyTensor) -> onnx.TensorProto:
+    """A pass's constant as a TensorProto; the IR then lets go of its values (the proto holds
+    them), so the model's weights are not held twice."""
+    proto = _tensor_proto(name, tensor)
+    tensor.release()
+    return proto
+
+
 def _data(initializer: Value) -> LazyTensor:
     if initializer.const is None:
         raise IRError(f"initializer {initializer.name!r} has no data")
@@ -90,12 +98,12 @@ def _emit_graph(graph: Graph, cast_takes_string: bool = False) -> None:
         if value is None:
             continue
         const = _data(value)
-        kept.append(tensor if const.handle is tensor else _tensor_proto(value.name, const))
+        kept.append(tensor if const.handle is tensor else _emitted(value.name, const))
         emitted.add(tensor.name)
     for name, value in graph.initializers.items():
         if name not in emitted:
             const = _data(value)
-            kept.append(const.handle if const.handle is not None else _tensor_proto(name, const))
+            kept.append(const.handle if const.handle is not None else _emitted(name, const))
     del proto.initializer[:]
     proto.initializer.extend(kept)
 

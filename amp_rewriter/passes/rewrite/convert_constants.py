@@ -26,10 +26,19 @@ def _converted_tensor(tensor: LazyTensor, dtype: str, clamp: bool, name: str,
                                             result.flushed_to_zero, "overflows; cast kept"))
         return None
     converted = convert_array(array, dtype, clamp)
+    del array
+    tensor.release()
     action = "clamped" if result.overflowed else "converted"
     ctx.constants.append(ConstantRecord(name, action, tensor.size, result.overflowed,
                                         result.flushed_to_zero))
-    return LazyTensor(dtype, tuple(converted.shape), lambda: converted)
+
+    def load() -> np.ndarray:  # the same conversion again, once the emitter dropped the values
+        values = convert_array(np.asarray(tensor.numpy(), dtype=np.float32), dtype, clamp)
+        tensor.release()
+        return values
+
+    return LazyTensor(dtype, tuple(converted.shape), load, array=converted,
+                      reloadable=tensor.handle is not None)
 
 
 def _convert_fill_value(node: Node, attr: str, ctx: PassContext) -> bool:
