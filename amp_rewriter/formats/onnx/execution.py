@@ -17,6 +17,7 @@ replaces `select_execution`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,9 +38,13 @@ class Execution:
     description: str
     provider_options: tuple[dict, ...] = field(default=())
 
-    def prepare(self, model: onnx.ModelProto) -> onnx.ModelProto:
-        """The model to hand to onnxruntime for a converted model."""
-        return emulate_low_precision(model) if self.emulate else model
+    def prepare(self, model: onnx.ModelProto, base_dir: str | os.PathLike | None = None,
+                in_place: bool = False) -> onnx.ModelProto:
+        """The model to hand to onnxruntime for a converted model (`base_dir`: where its
+        external data lives; `in_place`: `model` may be changed, saving a copy)."""
+        if not self.emulate:
+            return model
+        return emulate_low_precision(model, base_dir, in_place)
 
     def session(self, model: onnx.ModelProto | str, label: str):
         """An onnxruntime session for a model (proto or path); failures are one-line errors."""
@@ -50,10 +55,15 @@ class Execution:
         # The arena keeps the largest batch's buffers for the session's life; measurement runs
         # go batch by batch, so give memory back between them.
         options.enable_cpu_mem_arena = False
+        # Pre-packing copies every MatMul weight into a second buffer.
+        options.add_session_config_entry("session.disable_prepacking", "1")
         try:
             source = model if isinstance(model, str) else model.SerializeToString()
+            # Constant folding would turn each emulated model's Cast(fp16 weight) into an fp32
+            # copy of the weight: the weights would be held twice.
             return ort.InferenceSession(source, options, providers=list(self.providers),
-                                        provider_options=list(self.provider_options) or None)
+                                        provider_options=list(self.provider_options) or None,
+                                        disabled_optimizers=["ConstantFolding"])
         except Exception as exc:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else \
                 type(exc).__name__
@@ -76,21 +86,46 @@ def select_execution(backend: str, target: str) -> Execution:
                      f"(no CUDA provider{'' if backend == 'ort-cuda' else ' for ' + backend})")
 
 
-def emulate_low_precision(model: onnx.ModelProto) -> onnx.ModelProto:
+def emulate_low_precision(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None,
+                          in_place: bool = False) -> onnx.ModelProto:
     """An fp32 copy of `model` that rounds every fp16/bf16 tensor to its dtype where it is
-    produced: initializers become their (exact) fp32 values, op outputs are rounded with a cast
-    to the low dtype and back. Graph inputs become fp32: feed them values already rounded (see
-    `round_feeds`)."""
-    emulated = onnx.ModelProto()
-    emulated.CopyFrom(model)
-    ir_model = load_onnx(emulated)
+    produced: op outputs are rounded with a cast to the low dtype and back; initializers stay in
+    their dtype (half the memory) and are read through a cast to fp32. Graph inputs become fp32:
+    feed them values already rounded (see `round_feeds`)."""
+    if in_place:
+        emulated = model
+    else:
+        emulated = onnx.ModelProto()
+        emulated.CopyFrom(model)
+    ir_model = load_onnx(emulated, base_dir)
     f32 = onnx.TensorProto.FLOAT
     codes = {name: code for code, name in _LOW.items()}
     # Inner graphs first: re-adding an outer node copies its body, so bodies must be final by then.
     for graph in reversed(list(ir_model.graph.walk_graphs())):
         proto: onnx.GraphProto = graph.handle
+        position = {id(node): index for index, node in enumerate(graph.nodes)}
         nodes: list[onnx.NodeProto] = []
-        for node in graph.nodes:
+        declared_inputs = {info.name: info for info in proto.input}
+        #: node -> the casts of low-precision initializers it reads first: each cast runs right
+        #: before its first reader, so that the fp32 copies are not all alive at once.
+        widen_before: dict[int, list[onnx.NodeProto]] = {}
+        for tensor in proto.initializer:
+            if tensor.data_type in _LOW:
+                raw = f"{tensor.name}__amp_emulated"
+                cast = onnx.helper.make_node("Cast", [raw], [tensor.name], to=f32)
+                value = graph.values.get(tensor.name)
+                first = min((position[id(consumer)] for consumer, _ in value.uses
+                             if id(consumer) in position), default=None) \
+                    if value is not None else None
+                if first is not None:
+                    widen_before.setdefault(first, []).append(cast)
+                else:  # read by a body, or by nothing: at the start
+                    nodes.append(cast)
+                if tensor.name in declared_inputs:  # IR < 4 lists initializers as inputs
+                    declared_inputs[tensor.name].name = raw
+                tensor.name = raw
+        for index, node in enumerate(graph.nodes):
+            nodes.extend(widen_before.get(index, ()))
             nodes.append(node.handle)
             for slot, value in enumerate(node.outputs):
                 if value is None or value.dtype not in codes:
@@ -104,17 +139,14 @@ def emulate_low_precision(model: onnx.ModelProto) -> onnx.ModelProto:
                     nodes.extend(_round_pair(raw, value.name, code))
         del proto.node[:]
         proto.node.extend(nodes)
-        for index, tensor in enumerate(proto.initializer):
-            if tensor.data_type in _LOW:
-                array = onnx.numpy_helper.to_array(tensor).astype(np.float32)
-                proto.initializer[index].CopyFrom(onnx.numpy_helper.from_array(array, tensor.name))
         for node in proto.node:
             for attr in node.attribute:
                 if attr.HasField("t") and attr.t.data_type in _LOW:
                     array = onnx.numpy_helper.to_array(attr.t).astype(np.float32)
                     attr.t.CopyFrom(onnx.numpy_helper.from_array(array, attr.t.name))
         for info in list(proto.input) + list(proto.output):
-            if info.type.tensor_type.elem_type in _LOW:
+            if info.type.tensor_type.elem_type in _LOW and not info.name.endswith(
+                    "__amp_emulated"):
                 info.type.tensor_type.elem_type = f32
         del proto.value_info[:]
     return emulated
@@ -126,12 +158,19 @@ def _round_pair(raw: str, name: str, code: int) -> list[onnx.NodeProto]:
             onnx.helper.make_node("Cast", [rounded], [name], to=onnx.TensorProto.FLOAT)]
 
 
-def round_feeds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Feeds for `model`'s emulated copy: fp32 values rounded where the model takes fp16/bf16."""
+def low_precision_inputs(model: onnx.ModelProto) -> dict[str, str]:
+    """The model's graph inputs that take fp16/bf16, with their dtype."""
+    return {info.name: _LOW[info.type.tensor_type.elem_type] for info in model.graph.input
+            if info.type.tensor_type.elem_type in _LOW}
+
+
+def round_feeds(model: onnx.ModelProto | dict[str, str], feeds: dict[str, np.ndarray]
+                ) -> dict[str, np.ndarray]:
+    """Feeds for `model`'s emulated copy: fp32 values rounded where the model takes fp16/bf16
+    (`model` may be `low_precision_inputs(model)`)."""
     from ...ir.dtypes import NUMPY_DTYPES
 
-    low = {info.name: _LOW[info.type.tensor_type.elem_type] for info in model.graph.input
-           if info.type.tensor_type.elem_type in _LOW}
+    low = model if isinstance(model, dict) else low_precision_inputs(model)
     return {name: (value.astype(NUMPY_DTYPES[low[name]]).astype(np.float32)
                    if name in low and value.dtype == np.float32 else value)
             for name, value in feeds.items()}
