@@ -300,13 +300,12 @@ def test_statistics_are_streamed_one_batch_at_a_time(tmp_path):
     (model, folder), _, _ = matmul_overflow(tmp_path)
     runner = OnnxRunner(model, Options())
     calibration, _ = calibration_for(runner, [str(folder)], AutoOptions())
-    conversion = runner.convert({})
-    real_open = runner.open_probe
+    real_prepare = runner.prepare_probe
     alive: list[weakref.ref] = []
     runs = []
 
-    def open_probe(conv, plan):
-        probe = real_open(conv, plan)
+    def prepare_probe(conv, plan):
+        probe = real_prepare(conv, plan)
         real_run = probe.run
 
         def run(batch):
@@ -325,8 +324,8 @@ def test_statistics_are_streamed_one_batch_at_a_time(tmp_path):
         probe.run = run
         return probe
 
-    runner.open_probe = open_probe
-    measurement = measure(runner, conversion, calibration, "float16",
+    runner.prepare_probe = prepare_probe
+    measurement = measure(runner, lambda: runner.convert({}), calibration, "float16",
                           ProbePlan(candidate_tensors=True))
     assert runs == [0, 0, 0, 0]
     assert measurement.batches == 4

@@ -10,6 +10,7 @@ statistics (`stats.py`, `measure.py`), applies the data-range rules (`rules.py`)
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ def run_auto(runner: ModelRunner, output_path: Path, inputs: Sequence[str] | Non
     metric = load_metric(options.metric, options.max_error)
     calibration, warnings = calibration_for(runner, inputs, options)
     result = auto_convert(runner, calibration, metric, options, TARGET_DTYPES[target], progress)
+    gc.collect()  # the search's last conversion and sessions, before the final one
     report = runner.write(output_path, result.pins)
     report.auto = result.to_dict()
     report.warnings = warnings + report.warnings
@@ -63,8 +65,7 @@ def run_diagnose(runner: ModelRunner, inputs: Sequence[str] | None, options: Aut
     """Measure the plain conversion with the converted model's tensors; the JSON report and
     warnings."""
     calibration, warnings = calibration_for(runner, inputs, options)
-    conversion = runner.convert({})
-    measurement = measure(runner, conversion, calibration, TARGET_DTYPES[target],
+    measurement = measure(runner, lambda: runner.convert({}), calibration, TARGET_DTYPES[target],
                           ProbePlan(candidate_tensors=True), data_max=options.data_max)
     report = diagnose_dict(measurement, options, TARGET_DTYPES[target], backend,
                            measurement.output_errors)

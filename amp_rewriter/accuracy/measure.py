@@ -5,15 +5,19 @@ the verification runs compare against. Each batch's activations are dropped befo
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..errors import AmpError
 from .calibration import CalibrationSet
-from .runner import Conversion, ModelRunner, NodeInfo, ProbeBatch, ProbePlan
+from .runner import Conversion, ModelRunner, NodeInfo, Probe, ProbeBatch, ProbePlan
 from .stats import ErrorStats, RangeStats
 
 
@@ -90,13 +94,48 @@ class Measurement:
         return [self.tensors[n] for n in names if n in self.tensors]
 
 
-def measure(runner: ModelRunner, conversion: Conversion, calibration: CalibrationSet,
+def open_probe(runner: ModelRunner, make: Callable[[], Conversion], plan: ProbePlan
+               ) -> tuple[list[NodeInfo], Probe]:
+    """Convert, describe and prepare the probe, drop the conversion, then start the probe: the
+    conversion and the probe's sessions are never in memory together. Falls back to measuring
+    control-flow bodies as a whole when onnxruntime cannot run the probe of their insides."""
+    conversion = make()
+    infos = runner.nodes(conversion)
+    prepared = runner.prepare_probe(conversion, plan)
+    del conversion
+    gc.collect()  # the IR is full of cycles: free its weights now, not at some later collection
+    try:
+        return infos, prepared.open()
+    except AmpError as first:
+        if not prepared.has_bodies:
+            raise
+        failure = str(first)
+    return infos, _without_bodies(runner, make, plan, failure)
+
+
+def _without_bodies(runner: ModelRunner, make: Callable[[], Conversion], plan: ProbePlan,
+                    failure: str) -> Probe:
+    conversion = make()
+    prepared = runner.prepare_probe(conversion, dataclasses.replace(plan, bodies=False))
+    del conversion
+    gc.collect()
+    probe = prepared.open()
+    probe.notes.append(f"If/Loop bodies measured as a whole: the probe of their insides failed "
+                       f"({failure})")
+    return probe
+
+
+def measure(runner: ModelRunner, make: Callable[[], Conversion], calibration: CalibrationSet,
             target_dtype: str, plan: ProbePlan | None = None,
             data_max: float | None = None) -> Measurement:
-    """Run the probe over every batch and fold each batch into per-tensor statistics."""
+    """Run the probe of the conversion `make()` returns over every batch and fold each batch
+    into per-tensor statistics."""
     start = time.perf_counter()
-    infos = runner.nodes(conversion)
-    probe = runner.open_probe(conversion, plan or ProbePlan())
+    plan = plan or ProbePlan()
+    groups = _shadow_groups(runner, make, plan)
+    if groups:  # the shadows' weights would not fit beside the model's: a pass per group
+        plan = dataclasses.replace(plan, local_nodes=groups[0])
+    infos, probe = open_probe(runner, make, plan)
     outputs = runner.output_names()
     tensors: dict[str, RangeStats] = {}
     nodes = {info.name: NodeMeasurement(info) for info in infos}
@@ -104,10 +143,34 @@ def measure(runner: ModelRunner, conversion: Conversion, calibration: Calibratio
     reference_outputs: list[dict[str, np.ndarray]] = []
     batches = 0
     for batch in calibration:
+        try:
+            result = probe.run(batch)
+        except AmpError as exc:
+            if batches or not plan.bodies:
+                raise
+            # onnxruntime may refuse a body's probe only when it runs (a tensor whose shape
+            # changes between loop iterations): measure the bodies as a whole instead.
+            probe = _without_bodies(runner, make, plan, str(exc))
+            result = probe.run(batch)
         # One function call per batch: its locals (the batch's arrays) go when it returns.
-        reference_outputs.append(_absorb(probe.run(batch), outputs, tensors, nodes, converted,
+        reference_outputs.append(_absorb(result, outputs, tensors, nodes, converted,
                                          target_dtype, data_max))
+        del result
         batches += 1
+    notes = list(probe.notes)
+    if groups:
+        notes.append(f"the low-precision copies of the weights would not fit in memory beside "
+                     f"the model's: local errors measured in {len(groups)} passes")
+    del probe
+    extra_runs = 0
+    for group in groups[1:]:
+        gc.collect()
+        _, probe = open_probe(runner, make, ProbePlan(local_nodes=group,
+                                                      rounding=plan.rounding, bodies=plan.bodies))
+        for batch in calibration:
+            _absorb(probe.run(batch), [], {}, nodes, {}, target_dtype, None, ranges=False)
+        del probe
+        extra_runs += 1
     for measurement in nodes.values():
         measurement.converted = [converted[name] for name in measurement.info.outputs
                                  if name in converted]
@@ -116,19 +179,51 @@ def measure(runner: ModelRunner, conversion: Conversion, calibration: Calibratio
     first_local = next((m.info.name for m in ordered if m.breaks_locally), None)
     return Measurement(target_dtype, batches, calibration.description, calibration.random,
                        runner.execution_note, tensors, {m.info.name: m for m in ordered},
-                       reference_outputs, list(probe.notes), time.perf_counter() - start,
+                       reference_outputs, notes, time.perf_counter() - start,
                        first, first_local,
-                       {name: converted[name].relative for name in outputs if name in converted})
+                       {name: converted[name].relative for name in outputs if name in converted},
+                       reference_runs=1 + extra_runs)
 
 
-def measure_rounding(runner: ModelRunner, conversion: Conversion,
+#: Models whose weights take more than this are measured with the memory bound in mind.
+BIG_MODEL_BYTES = 256 * 2**20
+#: Per pass, the shadows' weights may take this share of the model's.
+SHADOW_SHARE = 0.4
+
+
+def _shadow_groups(runner: ModelRunner, make: Callable[[], Conversion], plan: ProbePlan
+                   ) -> list[frozenset[str]]:
+    """For a big model, the low-precision nodes split into groups whose shadows' weights fit in
+    SHADOW_SHARE of the model's size (the probe holds the model's weights, and the shadows'
+    weights in fp32 where low precision is emulated). [] when one pass fits."""
+    if runner.weight_bytes < BIG_MODEL_BYTES or not plan.local:
+        return []
+    conversion = make()
+    costs = runner.shadow_bytes(conversion)
+    del conversion
+    gc.collect()
+    budget = SHADOW_SHARE * runner.weight_bytes
+    if sum(costs.values()) <= budget:
+        return []
+    groups: list[set[str]] = [set()]
+    used = 0.0
+    for name, cost in costs.items():
+        if groups[-1] and used + cost > budget:
+            groups.append(set())
+            used = 0.0
+        groups[-1].add(name)
+        used += cost
+    return [frozenset(g) for g in groups]
+
+
+def measure_rounding(runner: ModelRunner, make: Callable[[], Conversion],
                      calibration: CalibrationSet, measurement: Measurement,
                      names: frozenset[str]) -> None:
     """A second pass for `names` only: how much of each node's error its low-precision inputs'
     rounding explains (folded into `measurement`; needed only for nodes with a large local
     error, so most models never pay for it)."""
     start = time.perf_counter()
-    probe = runner.open_probe(conversion, ProbePlan(local=False, rounding=names))
+    _, probe = open_probe(runner, make, ProbePlan(local=False, rounding=names))
     nodes = measurement.nodes
     for batch in calibration:
         _absorb(probe.run(batch), [], {}, nodes, {}, measurement.target, None, ranges=False)

@@ -85,13 +85,21 @@ class ProbePlan:
 
     #: The converted model's value of every float tensor (diagnose).
     candidate_tensors: bool = False
-    #: The lp shadow (local output) of every low-precision node.
+    #: The lp shadow (local output) of every low-precision node (of `local_nodes` only, when
+    #: given).
     local: bool = True
+    local_nodes: frozenset[str] | None = None
     #: rd shadows (one per low-precision input) of these nodes; None: of every node.
     rounding: frozenset[str] | None = None
+    #: Measure inside control-flow bodies (off: they count as one node).
+    bodies: bool = True
 
     def rounds(self, node: str) -> bool:
         return self.rounding is None or node in self.rounding
+
+    def shadows(self, node: str) -> bool:
+        """Whether the node's lp shadow is part of this probe."""
+        return self.local and (self.local_nodes is None or node in self.local_nodes)
 
 
 class Probe(ABC):
@@ -103,6 +111,19 @@ class Probe(ABC):
     @abstractmethod
     def run(self, batch: Batch) -> ProbeBatch:
         """Run one batch."""
+
+
+class PreparedProbe(ABC):
+    """A probe built from a conversion and ready to run: the conversion may be dropped before
+    `open`, so that it and the sessions are never in memory together."""
+
+    notes: list[str]
+    #: Whether it measures inside control-flow bodies (a fallback without them exists).
+    has_bodies: bool = False
+
+    @abstractmethod
+    def open(self) -> Probe:
+        """Start its sessions."""
 
 
 class Conversion(ABC):
@@ -119,6 +140,12 @@ class ModelRunner(ABC):
     format: str
     #: Where and how models run (which provider, emulated or not), for reports.
     execution_note: str
+    #: The size of the model's weights (bytes), for the probe's memory bound.
+    weight_bytes: int = 0
+
+    def shadow_bytes(self, conversion: Conversion) -> dict[str, int]:
+        """Low-precision node -> the memory its lp shadow's weights take in the probe."""
+        return {}
 
     @abstractmethod
     def input_specs(self) -> list[InputSpec]:
@@ -141,8 +168,8 @@ class ModelRunner(ABC):
         """Every original node of the model, as `conversion` left it, in execution order."""
 
     @abstractmethod
-    def open_probe(self, conversion: Conversion, plan: ProbePlan) -> Probe:
-        """The probe for `conversion` (see the module docstring)."""
+    def prepare_probe(self, conversion: Conversion, plan: ProbePlan) -> PreparedProbe:
+        """The probe for `conversion` (see the module docstring), built but not yet running."""
 
     @abstractmethod
     def open_candidate(self, conversion: Conversion) -> Any:

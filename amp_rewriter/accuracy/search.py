@@ -22,6 +22,7 @@ meets the metric on the calibration data.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -36,7 +37,7 @@ from .calibration import CalibrationSet
 from .measure import Measurement, format_number, measure, measure_rounding
 from .metrics import Metric
 from .rules import SHORT, hazards, local_max
-from .runner import ModelRunner, ProbePlan
+from .runner import Conversion, ModelRunner, ProbePlan
 
 #: Above this many ranked pins, dropping them one at a time costs more trials than it saves.
 PRUNE_LIMIT = 8
@@ -128,6 +129,8 @@ class _Search:
         pins = self.pins(names)
         conversion = self.runner.convert(pins)
         session = self.runner.open_candidate(conversion)
+        del conversion  # the session has what it needs; memory holds one model at a time
+        gc.collect()  # (the IR is full of cycles)
         worst = 0.0
         for index, batch in enumerate(self.calibration):
             outputs = self.runner.run_candidate(session, batch)
@@ -254,7 +257,9 @@ def auto_convert(runner: ModelRunner, calibration: CalibrationSet, metric: Metri
     """Run the search (see the module docstring); the runner then writes `result.pins`."""
     start = time.perf_counter()
     search = _Search(runner, calibration, metric, options, target_dtype, progress)
-    plain = runner.convert({})
+    def plain() -> Conversion:
+        return runner.convert({})
+
     measurement = measure(runner, plain, calibration, target_dtype,
                           ProbePlan(rounding=frozenset()), data_max=options.data_max)
     threshold = local_max(options, target_dtype)
@@ -263,7 +268,6 @@ def auto_convert(runner: ModelRunner, calibration: CalibrationSet, metric: Metri
                       and (node.breaks_locally or node.local_error > threshold))
     if large:  # only then does it matter whether their inputs' rounding explains their error
         measure_rounding(runner, plain, calibration, measurement, large)
-    del plain
     search.measurement = measurement
     search.progress(f"auto: reference run: {measurement.batches} batch(es), "
                     f"{len(measurement.tensors)} tensors, "

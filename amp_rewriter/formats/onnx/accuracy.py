@@ -32,7 +32,15 @@ from onnx import helper
 
 from ...accuracy.calibration import Batch, InputSpec
 from ...accuracy.ir_nodes import Ref, constant_as_read, node_info, resolve
-from ...accuracy.runner import Conversion, ModelRunner, NodeInfo, Probe, ProbeBatch, ProbePlan
+from ...accuracy.runner import (
+    Conversion,
+    ModelRunner,
+    NodeInfo,
+    PreparedProbe,
+    Probe,
+    ProbeBatch,
+    ProbePlan,
+)
 from ...errors import AmpError
 from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, TARGET_DTYPES, Graph, Node, Value
 from ...options import Options
@@ -40,8 +48,14 @@ from ...passes.base import Pin
 from ...report import Report
 from .convert import DEFAULT_BACKEND, ConvertedIR, convert_model_file, convert_model_ir
 from .emit import _tensor_proto, has_external_data
-from .execution import Execution, native_feeds, round_feeds, select_execution
-from .load import PROTOBUF_LIMIT, elem_type_code, load_onnx, read_model_file
+from .execution import (
+    Execution,
+    low_precision_inputs,
+    native_feeds,
+    round_feeds,
+    select_execution,
+)
+from .load import all_tensors, elem_type_code, load_onnx, read_model_file
 from .rules import CONTROL_FLOW_OPS, ONNX_RULES
 from .validate import _NUMPY_OF_ELEM, random_inputs
 
@@ -203,6 +217,7 @@ class OnnxRunner(ModelRunner):
     """An ONNX model file, converted and run for `convert --auto` and `diagnose`."""
 
     format = "onnx"
+    _written = 0
 
     def __init__(self, path: Path, options: Options):
         if options.outputs:
@@ -213,6 +228,13 @@ class OnnxRunner(ModelRunner):
         assert self.options.backend is not None
         self.model = read_model_file(path)
         self.base_dir = path.resolve().parent
+        #: Where the models handed to onnxruntime are written (deleted with the runner).
+        self._workdir = tempfile.TemporaryDirectory(prefix="amp-rewriter-auto-")
+        self.workdir = Path(self._workdir.name)
+        #: Big models go to onnxruntime as files, their new tensors spilled to disk as made.
+        self.on_disk = has_external_data(self.model) or self.model.ByteSize() >= SMALL_MODEL
+        self.weight_bytes = sum(_tensor_bytes(t) for t in all_tensors(self.model.graph))
+        self._keep_weights_on_disk()
         self.target_dtype = TARGET_DTYPES[self.options.target]
         self.execution: Execution = select_execution(self.options.backend, self.options.target)
         self.execution_note = self.execution.description
@@ -256,6 +278,18 @@ class OnnxRunner(ModelRunner):
         name_of = conversion.ir.original_name
         return [None if v is None else resolve(v, name_of) for v in node.inputs]
 
+    def shadow_bytes(self, conversion: Conversion) -> dict[str, int]:
+        """Each low-precision node's constants, as the emulated probe holds them (fp32)."""
+        assert isinstance(conversion, OnnxConversion)
+        costs: dict[str, int] = {}
+        for node in conversion.ir.model.graph.walk_nodes():
+            if node.handle is None or not any(g.precision in LOW_PRECISION_DTYPES
+                                              for g in node.type_groups):
+                continue
+            costs[node.name] = sum(4 * v.const.size for v in node.inputs
+                                   if v is not None and v.const is not None)
+        return costs
+
     def nodes(self, conversion: Conversion) -> list[NodeInfo]:
         assert isinstance(conversion, OnnxConversion)
         ir = conversion.ir
@@ -281,29 +315,94 @@ class OnnxRunner(ModelRunner):
                          ONNX_RULES.divisor_slots, REDUCE_OPS, ("MatMul",), measurable)
 
     # -- sessions ------------------------------------------------------------------------------
+    def _keep_weights_on_disk(self) -> None:
+        """Memory stays near the model's size only if no Python object holds the weights while
+        onnxruntime does: external data files are copied into the work folder (the models
+        written there refer to them), inline weights are moved out to a file there."""
+        from onnx import external_data_helper
+
+        if has_external_data(self.model):
+            locations = {entry.value for tensor in all_tensors(self.model.graph)
+                         for entry in tensor.external_data if entry.key == "location"}
+            for location in locations:
+                source = (self.base_dir / location).resolve()
+                try:
+                    source.relative_to(self.base_dir.resolve())
+                except ValueError:
+                    raise AmpError(f"external data location {location!r} points outside the "
+                                   f"model's folder") from None
+                if not source.is_file():
+                    raise AmpError(f"external data file {location!r} not found")
+                target = self.workdir / location
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _link(source, target)
+            return
+        if self.model.ByteSize() < SMALL_MODEL:
+            return
+        external_data_helper.convert_model_to_external_data(
+            self.model, all_tensors_to_one_file=True, location="amp_weights.data",
+            size_threshold=1024)
+        external_data_helper.write_external_data_tensors(self.model, str(self.workdir))
+        self.base_dir = self.workdir
+
+    def _write(self, model: onnx.ModelProto) -> onnx.ModelProto | Path:
+        """`model` as onnxruntime will read it: small models stay in memory; others are written
+        to the work folder (new tensors in a file of their own, external data linked there) so
+        that no Python object holds their weights while onnxruntime loads them."""
+        if model.ByteSize() < SMALL_MODEL and not has_external_data(model):
+            return model
+        self._written += 1
+        path = self.workdir / f"session_{self._written}.onnx"
+        onnx.save_model(model, str(path), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=f"{path.name}.data",
+                        size_threshold=1024)
+        return path
+
+    def _open(self, written: onnx.ModelProto | Path, label: str,
+              spilled: Path | None = None) -> Any:
+        """The session of a `_write` result (whose files go once onnxruntime has read them)."""
+        if not isinstance(written, Path):
+            return self.execution.session(written, label)
+        try:
+            return self.execution.session(str(written), label)
+        finally:
+            written.unlink(missing_ok=True)
+            written.with_name(written.name + ".data").unlink(missing_ok=True)
+            if spilled is not None:
+                spilled.unlink(missing_ok=True)
+
+    def spill_file(self) -> Path | None:
+        """A new file in the work folder for tensors written out as they are made (None when
+        the model is small enough to stay in memory)."""
+        if not self.on_disk:
+            return None
+        self._written += 1
+        return self.workdir / f"spill_{self._written}.bin"
+
     def _session(self, model: onnx.ModelProto, label: str) -> Any:
-        """A session for a model that may be bigger than one protobuf or hold external data."""
-        if has_external_data(model) or model.ByteSize() > PROTOBUF_LIMIT:
-            with tempfile.TemporaryDirectory(prefix="amp-rewriter-probe-") as tmp:
-                path = Path(tmp) / "model.onnx"
-                from onnx import external_data_helper
+        return self._open(self._write(model), label)
 
-                external_data_helper.load_external_data_for_model(model, str(self.base_dir))
-                onnx.save_model(model, str(path), save_as_external_data=True,
-                                all_tensors_to_one_file=True, location="model.onnx.data",
-                                size_threshold=1024)
-                return self.execution.session(str(path), label)
-        return self.execution.session(model, label)
-
-    def _feeds(self, converted: onnx.ModelProto, session: Any, batch: Batch) -> Batch:
+    def _feeds(self, low_inputs: dict[str, str], session: Any, batch: Batch) -> Batch:
         if self.execution.emulate:
-            return round_feeds(converted, batch)
+            return round_feeds(low_inputs, batch)
         return native_feeds(session, batch)
+
+    @property
+    def _data_dir(self) -> Path:
+        """Where the external data of the models handed to onnxruntime is found."""
+        return self.workdir if self.on_disk else self.base_dir
+
+    def _prepared_session(self, model: onnx.ModelProto, label: str) -> Any:
+        return self._session(self.execution.prepare(model, self._data_dir), label)
+
+    def _prepared_write(self, model: onnx.ModelProto) -> onnx.ModelProto | Path:
+        """`_write` of a model built for the purpose (emulated in place)."""
+        return self._write(self.execution.prepare(model, self._data_dir, in_place=True))
 
     def open_candidate(self, conversion: Conversion) -> Any:
         assert isinstance(conversion, OnnxConversion)
-        session = self._session(self.execution.prepare(conversion.model), "converted model")
-        return (session, conversion.model)
+        session = self._prepared_session(conversion.model, "converted model")
+        return (session, low_precision_inputs(conversion.model))
 
     def run_candidate(self, session: Any, batch: Batch) -> dict[str, np.ndarray]:
         sess, converted = session
@@ -315,31 +414,28 @@ class OnnxRunner(ModelRunner):
                            f"{_first_line(exc)}") from None
         return dict(zip(names, values))
 
-    def open_probe(self, conversion: Conversion, plan: ProbePlan) -> Probe:
+    def prepare_probe(self, conversion: Conversion, plan: ProbePlan) -> PreparedProbe:
         assert isinstance(conversion, OnnxConversion)
-        try:
-            return _OnnxProbe(self, conversion, plan, bodies=True)
-        except AmpError as first:
-            if not any(g.parent is not None for g in conversion.ir.model.graph.walk_graphs()):
-                raise
-            probe = _OnnxProbe(self, conversion, plan, bodies=False)
-            probe.notes.append(f"If/Loop bodies measured as a whole: the probe of their "
-                               f"insides failed ({first})")
-            return probe
+        return _OnnxProbe(self, conversion, plan)
 
 
-class _OnnxProbe(Probe):
-    """The probe model's session (and, for diagnose, the instrumented converted model's)."""
+class _OnnxProbe(Probe, PreparedProbe):
+    """The probe model (and, for diagnose, the instrumented converted model): built and written
+    by the constructor, run by sessions `open` creates."""
 
-    def __init__(self, runner: OnnxRunner, conversion: OnnxConversion, plan: ProbePlan,
-                 bodies: bool):
+    def __init__(self, runner: OnnxRunner, conversion: OnnxConversion, plan: ProbePlan):
         self.runner = runner
         self.notes: list[str] = []
+        bodies = plan.bodies
+        self.has_bodies = bodies and any(g.parent is not None
+                                         for g in conversion.ir.model.graph.walk_graphs())
+        self.spilled = runner.spill_file()
         probe, self.labels, self.shadows = self._build(conversion, plan, bodies)
-        self.session = runner._session(runner.execution.prepare(probe), "probe model")
-        self.output_names = [o.name for o in self.session.get_outputs()]
-        self.candidate_session = None
+        self.written = runner._prepared_write(probe)
+        del probe
+        self.candidate_written: onnx.ModelProto | Path | None = None
         self.candidate_labels: dict[str, str] = {}
+        self.candidate_session: Any = None
         if plan.candidate_tensors:
             instrumented = onnx.ModelProto()
             instrumented.CopyFrom(conversion.model)
@@ -358,11 +454,17 @@ class _OnnxProbe(Probe):
                                               elem_type_code(value.dtype)))
             self.candidate_labels, notes = expose(instrumented, wanted, bodies)
             self.notes.extend(n for n in notes if n not in self.notes)
-            self.candidate_session = runner._session(runner.execution.prepare(instrumented),
-                                                     "instrumented converted model")
-            self.candidate_model = conversion.model
-        # A first run checks that onnxruntime can run the probe (bodies included) at all.
-        self._checked = False
+            self.candidate_written = runner._prepared_write(instrumented)
+            del instrumented
+            self.candidate_inputs = low_precision_inputs(conversion.model)
+
+    def open(self) -> Probe:
+        self.session = self.runner._open(self.written, "probe model", self.spilled)
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        if self.candidate_written is not None:
+            self.candidate_session = self.runner._open(self.candidate_written,
+                                                       "instrumented converted model")
+        return self
 
     def _build(self, conversion: OnnxConversion, plan: ProbePlan, bodies: bool
                ) -> tuple[onnx.ModelProto, dict[str, str], dict[str, tuple[str, str, str, int]]]:
@@ -384,7 +486,7 @@ class _OnnxProbe(Probe):
                                               elem_type_code(value.dtype)))
         for name in runner.output_names():
             wanted.append(_Wanted((), name, name, 0))
-        builder = _ShadowBuilder(runner, conversion, graphs)
+        builder = _ShadowBuilder(runner, conversion, graphs, self.spilled)
         for graph in ir.model.graph.walk_graphs():
             path = ir_graph_path(graph, ir.original_name)
             if path and not bodies:
@@ -396,7 +498,8 @@ class _OnnxProbe(Probe):
                     continue
                 if not any(g.precision in LOW_PRECISION_DTYPES for g in node.type_groups):
                     continue
-                shadows_of = builder.add(node, path, plan.local, plan.rounds(node.name))
+                shadows_of = builder.add(node, path, plan.shadows(node.name),
+                                         plan.rounds(node.name))
                 for kind, rounded, index, name, elem in shadows_of:
                     label = f"{kind}:{node.name}:{rounded}:{index}"
                     shadows[label] = (kind, node.name, rounded, index)
@@ -435,7 +538,7 @@ class _OnnxProbe(Probe):
             session = self.candidate_session
             names = [o.name for o in session.get_outputs()]
             try:
-                outs = session.run(names, runner._feeds(self.candidate_model, session, batch))
+                outs = session.run(names, runner._feeds(self.candidate_inputs, session, batch))
             except Exception as exc:
                 raise AmpError(f"onnxruntime failed to run the converted model: "
                                f"{_first_line(exc)}") from None
@@ -450,10 +553,13 @@ class _ShadowBuilder:
     """Adds the lp and rd shadows of converted nodes to the probe (a copy of the fp32 model)."""
 
     def __init__(self, runner: OnnxRunner, conversion: OnnxConversion,
-                 graphs: dict[Path_, tuple[onnx.GraphProto, onnx.NodeProto | None, str, Path_]]):
+                 graphs: dict[Path_, tuple[onnx.GraphProto, onnx.NodeProto | None, str, Path_]],
+                 spill: Path | None):
         self.runner = runner
         self.conversion = conversion
         self.graphs = graphs
+        #: Where constants go as they are made (so the probe never holds them), if anywhere.
+        self.spill = spill
         self.casts: dict[tuple[Path_, str, str, bool], str] = {}
         self.constants: dict[tuple[Path_, int, str], str] = {}
         self.count = 0
@@ -489,7 +595,19 @@ class _ShadowBuilder:
         if name is not None:
             return name
         name = self.fresh("const")
-        tensor = _tensor_proto(name, constant_as_read(ref))
+        data = constant_as_read(ref)
+        tensor = _tensor_proto(name, data)
+        data.release()  # the probe's proto (or the spill file) holds it now
+        if self.spill is not None and len(tensor.raw_data) >= 1024:
+            from onnx import external_data_helper
+
+            with open(self.spill, "ab") as handle:
+                offset = handle.tell()
+                handle.write(tensor.raw_data)
+            external_data_helper.set_external_data(tensor, self.spill.name, offset,
+                                                   len(tensor.raw_data))
+            tensor.ClearField("raw_data")
+            tensor.data_location = onnx.TensorProto.EXTERNAL
         self.graphs[path][0].initializer.append(tensor)
         self.constants[key] = name
         return name
@@ -564,6 +682,29 @@ class _ShadowBuilder:
         copy.output.extend(outputs)
         graph.node.append(copy)
         return outputs
+
+
+def _tensor_bytes(tensor: onnx.TensorProto) -> int:
+    """A tensor's size in bytes, from its dims and dtype (its data is not read)."""
+    elements = 1
+    for dim in tensor.dims:
+        elements *= dim
+    itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize \
+        if tensor.data_type not in (0, onnx.TensorProto.STRING) else 0
+    return elements * itemsize
+
+
+#: Below this size a model is handed to onnxruntime in memory.
+SMALL_MODEL = 64 * 2**20
+
+
+def _link(source: Path, target: Path) -> None:
+    """`target` holds `source`'s content: a copy. Not a symbolic link (onnxruntime refuses
+    external data that resolves outside the model's folder) nor a hard link (onnx then refuses
+    to read the original: "multiple hard links")."""
+    import shutil
+
+    shutil.copyfile(source, target)
 
 
 def _first_line(exc: Exception) -> str:

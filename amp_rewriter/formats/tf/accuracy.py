@@ -27,7 +27,15 @@ from tensorflow.python.framework import op_def_registry
 
 from ...accuracy.calibration import Batch, InputSpec
 from ...accuracy.ir_nodes import Ref, constant_as_read, node_info, resolve
-from ...accuracy.runner import Conversion, ModelRunner, NodeInfo, Probe, ProbeBatch, ProbePlan
+from ...accuracy.runner import (
+    Conversion,
+    ModelRunner,
+    NodeInfo,
+    PreparedProbe,
+    Probe,
+    ProbeBatch,
+    ProbePlan,
+)
 from ...errors import AmpError
 from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, TARGET_DTYPES, Model, Node, ValueNames
 from ...options import Options
@@ -205,12 +213,14 @@ class TfRunner(ModelRunner):
         values = self._run(session, [_tensor(n) for n in self.fetches], batch, "converted graph")
         return dict(zip(self.fetches, values))
 
-    def open_probe(self, conversion: Conversion, plan: ProbePlan) -> Probe:
+    def prepare_probe(self, conversion: Conversion, plan: ProbePlan) -> PreparedProbe:
         assert isinstance(conversion, TfConversion)
         return _TfProbe(self, conversion, plan)
 
 
-class _TfProbe(Probe):
+class _TfProbe(Probe, PreparedProbe):
+    """The probe GraphDef (and, for diagnose, the converted one), sessions started by `open`."""
+
     def __init__(self, runner: TfRunner, conversion: TfConversion, plan: ProbePlan):
         self.runner = runner
         self.notes: list[str] = []
@@ -242,12 +252,13 @@ class _TfProbe(Probe):
             if not any(g.precision in LOW_PRECISION_DTYPES for g in node.type_groups):
                 continue
             for kind, rounded, index, tensor in builder.add(node, converted[node.name],
-                                                            plan.local,
+                                                            plan.shadows(node.name),
                                                             plan.rounds(node.name)):
                 self.labels[tensor] = (kind, node.name, rounded, index)
         self.fetch_names = list(self.labels)
-        self.session = runner._session(probe, "probe graph")
-        self.candidate_session = None
+        self.probe = probe
+        self.candidate_graph: graph_pb2.GraphDef | None = None
+        self.candidate_session: Any = None
         self.candidate_fetches: dict[str, str] = {}
         if plan.candidate_tensors:
             for node in conversion.ir.graph.nodes:
@@ -259,7 +270,14 @@ class _TfProbe(Probe):
                             or value.dtype not in FLOAT_DTYPES:
                         continue
                     self.candidate_fetches[_tensor(value.name)] = original_name
-            self.candidate_session = runner._session(conversion.graph_def, "converted graph")
+            self.candidate_graph = conversion.graph_def
+
+    def open(self) -> Probe:
+        self.session = self.runner._session(self.probe, "probe graph")
+        if self.candidate_graph is not None:
+            self.candidate_session = self.runner._session(self.candidate_graph,
+                                                          "converted graph")
+        return self
 
     def run(self, batch: Batch) -> ProbeBatch:
         values = self.runner._run(self.session, self.fetch_names, batch, "probe graph")
