@@ -334,6 +334,40 @@ def test_statistics_are_streamed_one_batch_at_a_time(tmp_path):
     assert all(set(o) == {"mm_out"} for o in measurement.reference_outputs)
 
 
+def test_the_big_model_path_gives_the_same_answer(tmp_path, monkeypatch):
+    """Models too big to hold twice go to onnxruntime as files with their weights on disk (the
+    model's external data copied into a work folder, the shadows' constants spilled as they are
+    made) and measure local errors in several passes: the thresholds lowered so that a tiny model
+    takes that path, it gives the bytes, pins and ranking of the in-memory path."""
+    import importlib
+
+    measure_module = importlib.import_module("amp_rewriter.accuracy.measure")
+    onnx_accuracy = importlib.import_module("amp_rewriter.formats.onnx.accuracy")
+
+    (model, folder), culprit, _ = matmul_overflow(tmp_path)
+    in_memory = amp_rewriter.convert_auto(model, tmp_path / "memory.onnx", [folder],
+                                          max_error=TOLERANCE)
+    ranking = [row["node"] for row in amp_rewriter.diagnose(model, [folder])["nodes"]]
+    external = tmp_path / "external" / "model.onnx"
+    external.parent.mkdir()
+    onnx.save_model(onnx.load(str(model)), str(external), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.data", size_threshold=256)
+    monkeypatch.setattr(onnx_accuracy, "SMALL_MODEL", 0)
+    monkeypatch.setattr(measure_module, "BIG_MODEL_BYTES", 0)
+    monkeypatch.setattr(measure_module, "SHADOW_SHARE", 1e-6)  # one node's shadows per pass
+    for source in (model, external):
+        out = tmp_path / f"disk_{source.parent.name}.onnx"
+        on_disk = amp_rewriter.convert_auto(source, out, [folder], max_error=TOLERANCE)
+        assert on_disk.auto["pinned"] == in_memory.auto["pinned"]
+        assert on_disk.auto["reference_runs"] > 1  # the local errors took several passes
+        if source == model:
+            assert out.read_bytes() == (tmp_path / "memory.onnx").read_bytes()
+        report = amp_rewriter.diagnose(source, [folder])
+        assert [row["node"] for row in report["nodes"]] == ranking
+        assert report["nodes"][0]["node"] == culprit
+        assert any("passes" in note for note in report["notes"]), report["notes"]
+
+
 # -- the command line ---------------------------------------------------------------------------
 
 def test_cli_auto_report_and_explain(amp_cli, tmp_path):
