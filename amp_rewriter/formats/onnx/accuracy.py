@@ -362,9 +362,9 @@ class OnnxRunner(ModelRunner):
               spilled: Path | None = None) -> Any:
         """The session of a `_write` result (whose files go once onnxruntime has read them)."""
         if not isinstance(written, Path):
-            return self.execution.session(written, label)
+            return self.execution.session(written, label, lean=self.on_disk)
         try:
-            return self.execution.session(str(written), label)
+            return self.execution.session(str(written), label, lean=self.on_disk)
         finally:
             written.unlink(missing_ok=True)
             written.with_name(written.name + ".data").unlink(missing_ok=True)
@@ -694,8 +694,9 @@ def _tensor_bytes(tensor: onnx.TensorProto) -> int:
     return elements * itemsize
 
 
-#: Below this size a model is handed to onnxruntime in memory.
-SMALL_MODEL = 64 * 2**20
+#: Below this size a model is handed to onnxruntime in memory, in sessions as onnxruntime makes
+#: them by default; above it, in files and lean sessions (weights held once).
+SMALL_MODEL = 256 * 2**20
 
 
 def _link(source: Path, target: Path) -> None:

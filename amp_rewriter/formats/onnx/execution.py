@@ -46,24 +46,30 @@ class Execution:
             return model
         return emulate_low_precision(model, base_dir, in_place)
 
-    def session(self, model: onnx.ModelProto | str, label: str):
-        """An onnxruntime session for a model (proto or path); failures are one-line errors."""
+    def session(self, model: onnx.ModelProto | str, label: str, lean: bool = False):
+        """An onnxruntime session for a model (proto or path); failures are one-line errors.
+        `lean`: hold the weights once (for big models) rather than run as onnxruntime runs by
+        default; the two differ in fp32 summation order (pre-packed GEMM), which fp16 rounding
+        can amplify, so small models run the default way users run them."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
         options.log_severity_level = 3
-        # The arena keeps the largest batch's buffers for the session's life; measurement runs
-        # go batch by batch, so give memory back between them.
-        options.enable_cpu_mem_arena = False
-        # Pre-packing copies every MatMul weight into a second buffer.
-        options.add_session_config_entry("session.disable_prepacking", "1")
-        try:
-            source = model if isinstance(model, str) else model.SerializeToString()
+        disabled: list[str] = []
+        if lean:
+            # The arena keeps the largest batch's buffers for the session's life; measurement
+            # runs go batch by batch, so give memory back between them.
+            options.enable_cpu_mem_arena = False
+            # Pre-packing copies every MatMul weight into a second buffer.
+            options.add_session_config_entry("session.disable_prepacking", "1")
             # Constant folding would turn each emulated model's Cast(fp16 weight) into an fp32
             # copy of the weight: the weights would be held twice.
+            disabled.append("ConstantFolding")
+        try:
+            source = model if isinstance(model, str) else model.SerializeToString()
             return ort.InferenceSession(source, options, providers=list(self.providers),
                                         provider_options=list(self.provider_options) or None,
-                                        disabled_optimizers=["ConstantFolding"])
+                                        disabled_optimizers=disabled or None)
         except Exception as exc:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else \
                 type(exc).__name__
