@@ -159,6 +159,52 @@ def overflow_in_loop(tmp_path):
     return _save(b, tmp_path, "loop_overflow", _x_batches()), "loop_big", {}
 
 
+def layernorm_in_if(tmp_path):
+    """The LayerNorm hazard inside an If branch (taken on some batches only)."""
+    b = GraphBuilder(opset=17)
+    x = b.input("x", ["batch", 16])
+    cond = b.input("cond", [], np.bool_)
+    h = b.op("MatMul", x, b.weight("w1", [16, 16], 0.3), name="mm1")
+    then = b.subgraph("then")
+    shifted = then.op("Add", h, then.const("offset_value", np.float32(1e4)), name="then_offset")
+    then.output(then.op("LayerNormalization", shifted, then.const("gamma", np.ones(16, np.float32)),
+                        then.const("beta", np.zeros(16, np.float32)), name="then_layernorm",
+                        axis=-1), dtype=np.float32, shape=["batch", 16])
+    other = b.subgraph("else")
+    other.output(other.op("Mul", h, other.const("half", np.float32(0.5)), name="else_half"),
+                 dtype=np.float32, shape=["batch", 16])
+    branch = b.op("If", cond, name="branch", then_branch=then.graph(), else_branch=other.graph())
+    b.output(b.op("MatMul", branch, b.weight("w3", [16, 8]), name="mm_out"), dtype=np.float32,
+             shape=["batch", 8])
+    batches = _x_batches(loud=None, cond=lambda i: np.array(i != 1))
+    return _save(b, tmp_path, "if_layernorm", batches), "then_layernorm", {}
+
+
+def division_in_loop(tmp_path):
+    """The division by a tiny computed value inside a Loop body (the state stays bounded)."""
+    b = GraphBuilder(opset=17)
+    x = b.input("x", ["batch", 16])
+    h = b.op("MatMul", x, b.weight("w1", [16, 16], 0.3), name="mm1")
+    body = b.subgraph("body")
+    body.input("iteration", [], np.int64)
+    keep = body.input("keep_in", [], np.bool_)
+    state = body.input("state_in", ["batch", 16])
+    rng = np.random.default_rng(3)
+    gate = body.op("Sigmoid", body.op("MatMul", h, body.const(
+        "wb", (rng.standard_normal((16, 16)) * 0.1).astype(np.float32)), name="loop_den"),
+        name="loop_gate")
+    tiny = body.op("Mul", gate, body.const("tiny_value", np.float32(1e-7)), name="loop_tiny")
+    ratio = body.op("Div", body.op("Add", state, h, name="loop_add"), tiny, name="loop_divide")
+    body.output(body.op("Identity", keep, name="keep_out"), dtype=np.bool_, shape=[])
+    back = body.op("Mul", ratio, body.const("back_value", np.float32(1e-7)), name="loop_back")
+    body.output(body.op("Tanh", back, name="loop_tanh"), dtype=np.float32, shape=["batch", 16])
+    looped = b.op("Loop", b.const("trips", np.array(2, np.int64)), b.const("go", np.array(True)),
+                  h, name="loop", body=body.graph())
+    b.output(b.op("MatMul", looped, b.weight("w3", [16, 8]), name="mm_out"), dtype=np.float32,
+             shape=["batch", 8])
+    return _save(b, tmp_path, "loop_division", _x_batches(loud=None)), "loop_divide", {}
+
+
 HAZARDS = {
     "matmul": matmul_overflow,
     "reduce_sum": reduce_sum_overflow,
@@ -168,6 +214,8 @@ HAZARDS = {
     "exp": exp_large,
     "if_body": overflow_in_if,
     "loop_body": overflow_in_loop,
+    "if_body_layernorm": layernorm_in_if,
+    "loop_body_division": division_in_loop,
 }
 
 
