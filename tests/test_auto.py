@@ -416,6 +416,30 @@ def test_the_big_model_path_gives_the_same_answer(tmp_path, monkeypatch):
         assert any("passes" in note for note in report["notes"]), report["notes"]
 
 
+def test_a_probe_holds_only_the_weights_of_the_nodes_it_measures(tmp_path):
+    """Local errors of a big model are measured a group of nodes per pass so that the shadows'
+    low-precision weights fit beside the model's: a pass must not carry the other groups'
+    weights (or their casts) along."""
+    from amp_rewriter.formats.onnx.accuracy import PREFIX
+
+    (model, _folder), culprit, _ = matmul_overflow(tmp_path)
+    runner = OnnxRunner(model, Options())
+
+    def probe_parts(plan: ProbePlan) -> tuple[int, int]:
+        probe = runner.prepare_probe(runner.convert({}), plan).written
+        assert isinstance(probe, onnx.ModelProto)  # a small model stays in memory
+        constants = sum(t.name.startswith(f"{PREFIX}const") for t in probe.graph.initializer)
+        casts = sum(n.name.startswith(f"{PREFIX}cast") for n in probe.graph.node)
+        return constants, casts
+
+    everything = probe_parts(ProbePlan(rounding=frozenset()))
+    one = probe_parts(ProbePlan(rounding=frozenset(), local_nodes=frozenset({culprit})))
+    none = probe_parts(ProbePlan(rounding=frozenset(), local_nodes=frozenset()))
+    assert everything[0] >= 3  # the weights of mm1, hot_big, mm_out (and the scale)
+    assert one == (1, 1)  # hot_big's weight, and its input cast to fp16
+    assert none == (0, 0)
+
+
 # -- the command line ---------------------------------------------------------------------------
 
 def test_cli_auto_report_and_explain(amp_cli, tmp_path):

@@ -617,6 +617,8 @@ class _ShadowBuilder:
         """Add `node`'s shadows; returns (kind, rounded input, output index, name, elem type) to
         expose: kind "lp" (rounded input "", when `local`) and, when `rounds`, one "rd" per
         low-precision input."""
+        if not local and not rounds:
+            return []
         runner = self.runner
         graph = self.graphs[path][0]
         refs = runner._node_refs(self.conversion, node)
@@ -630,17 +632,19 @@ class _ShadowBuilder:
                 continue
             if ref.reference is None:
                 return []  # a value the fp32 model does not have: nothing to compare with
+            # Constants and casts only for the shadows this probe has: a node measured in
+            # another pass must not put its low-precision weights in this one.
             if ref.kind == "constant":
-                lp_inputs.append(self._constant(path, ref))
+                lp_inputs.append(self._constant(path, ref) if local else "")
                 exact.append(ref.reference)
                 continue
             exact.append(ref.reference)
             if ref.dtype == ref.reference_dtype or ref.dtype is None:
                 lp_inputs.append(ref.reference)
                 continue
-            lp_inputs.append(self._cast(path, ref.reference, ref.dtype, None))
-            if ref.dtype in LOW_PRECISION_DTYPES and ref.reference_dtype is not None and \
-                    ref.reference not in (r for _, r, _ in rounding):
+            lp_inputs.append(self._cast(path, ref.reference, ref.dtype, None) if local else "")
+            if rounds and ref.dtype in LOW_PRECISION_DTYPES and ref.reference_dtype is not None \
+                    and ref.reference not in (r for _, r, _ in rounding):
                 rounding.append((slot, ref.reference,
                                  self._cast(path, ref.reference, ref.dtype, ref.reference_dtype)))
         float_slots = [slot for slot, v in enumerate(node.outputs)
