@@ -173,7 +173,9 @@ class ModelRunner(ABC):
 
     @abstractmethod
     def open_candidate(self, conversion: Conversion) -> Any:
-        """A session running `conversion` as it would run: `run_candidate(session, batch)`."""
+        """A session running `conversion` as it would run: `run_candidate(session, batch)`.
+        It may use the conversion up (its model changed in place, to save a copy): the caller
+        drops it afterwards."""
 
     @abstractmethod
     def run_candidate(self, session: Any, batch: Batch) -> dict[str, np.ndarray]:

@@ -379,9 +379,6 @@ class OnnxRunner(ModelRunner):
         self._written += 1
         return self.workdir / f"spill_{self._written}.bin"
 
-    def _session(self, model: onnx.ModelProto, label: str) -> Any:
-        return self._open(self._write(model), label)
-
     def _feeds(self, low_inputs: dict[str, str], session: Any, batch: Batch) -> Batch:
         if self.execution.emulate:
             return round_feeds(low_inputs, batch)
@@ -392,17 +389,16 @@ class OnnxRunner(ModelRunner):
         """Where the external data of the models handed to onnxruntime is found."""
         return self.workdir if self.on_disk else self.base_dir
 
-    def _prepared_session(self, model: onnx.ModelProto, label: str) -> Any:
-        return self._session(self.execution.prepare(model, self._data_dir), label)
-
     def _prepared_write(self, model: onnx.ModelProto) -> onnx.ModelProto | Path:
         """`_write` of a model built for the purpose (emulated in place)."""
         return self._write(self.execution.prepare(model, self._data_dir, in_place=True))
 
     def open_candidate(self, conversion: Conversion) -> Any:
         assert isinstance(conversion, OnnxConversion)
-        session = self._prepared_session(conversion.model, "converted model")
-        return (session, low_precision_inputs(conversion.model))
+        low_inputs = low_precision_inputs(conversion.model)
+        # Emulated in place: a copy would hold the converted weights twice (see the contract).
+        session = self._open(self._prepared_write(conversion.model), "converted model")
+        return (session, low_inputs)
 
     def run_candidate(self, session: Any, batch: Batch) -> dict[str, np.ndarray]:
         sess, converted = session
