@@ -56,6 +56,7 @@ def build(folder: Path, size_mb: int) -> tuple[Path, int, int]:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     path = folder / "big.onnx"
+    (folder / "big.onnx.data").unlink(missing_ok=True)  # onnx appends to an existing data file
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="big.onnx.data", size_threshold=1024)
     size = path.stat().st_size + (folder / "big.onnx.data").stat().st_size
