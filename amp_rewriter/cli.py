@@ -8,18 +8,20 @@ AMP_REWRITER_LINT=1 to check the IR's invariants after every pass.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import json
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
 from . import formats
 from .errors import AmpError, CheckFailed
-from .fileio import write_atomically
+from .fileio import OutputTransaction, write_atomically
 from .options import Options, TrainingOptions, cli_flags, cli_given, from_cli
-from .report import Report
+from .report import Report, to_json
 from .validation import default_rtol
 
 PROG = "amp-rewriter"
@@ -60,13 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     cli_flags(training, TrainingOptions)
 
     check = commands.add_parser("check", help="check a converted model (for CI)")
-    check.add_argument("model", help="the mixed-precision model: .onnx, or a TensorFlow graph "
-                                     "(.meta, .pb, .pbtxt; training graphs included)")
+    check.add_argument("model", help="the mixed-precision model: .onnx, a TensorFlow graph "
+                                     "(.meta, .pb, .pbtxt; training graphs included) or a "
+                                     "SavedModel directory")
     check.add_argument("--target", default=None, help="fp16 or bf16 (default: detected)")
     check.add_argument("--backend", default=None,
                        help="ONNX ort-cuda (default) or ort-cpu; TensorFlow tf-gpu or tf-cpu")
-    check.add_argument("--reference", metavar="FP32_ONNX", help="the fp32 model to compare with")
-    check.add_argument("--rtol", type=float, default=None, help="tolerance with --reference")
+    check.add_argument("--reference", metavar="FP32_MODEL",
+                       help="the fp32 model (same format) to compare constants and outputs with")
+    check.add_argument("--inputs", metavar="NPZ",
+                       help="inputs for --reference (.npz keyed by input / placeholder name; "
+                            "default: seeded random ones)")
+    check.add_argument("--rtol", type=float, default=None,
+                       help="largest relative error --reference accepts (fp16 2e-2, bf16 1e-1)")
     check.add_argument("--report", metavar="JSON", help="write the findings as JSON")
 
     explain = commands.add_parser("explain", help="why does a node run in its precision?")
@@ -76,10 +84,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _refuse_report_over_model(args: argparse.Namespace) -> None:
-    if args.report and Path(args.report).resolve() in (Path(args.input).resolve(),
-                                                         Path(args.output).resolve()):
-        raise AmpError("--report must not be the input or output model path")
+def _check_rtol(rtol: float | None) -> None:
+    if rtol is not None and not rtol >= 0:  # also refuses nan
+        raise AmpError(f"--rtol must be a number >= 0, got {rtol}")
+
+
+def _input_entry(path: Path, what: str = "input") -> tuple[Path, str]:
+    """A model path as an input file the outputs must not overwrite (found without parsing)."""
+    kind = "SavedModel" if formats.is_saved_model_dir(path) else "model"
+    return path, f"the {what} {kind}"
+
+
+def _extra_inputs(args: argparse.Namespace) -> list[tuple[Path, str]]:
+    """The files a run reads besides its model(s): --inputs and --config."""
+    files = []
+    if getattr(args, "inputs", None):
+        files.append((Path(args.inputs), "the --inputs file"))
+    if getattr(args, "config", None):
+        files.append((Path(args.config), "the --config file"))
+    return files
+
+
+@contextlib.contextmanager
+def _warnings_as_lines(into: list[str]) -> Iterator[None]:
+    """Collect the Python warnings libraries raise (onnx's notes on a model, say) as one line
+    each, so they print as ours after a successful run, and not at all before an error."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        try:
+            yield
+        finally:
+            for warning in caught:
+                text = str(warning.message).strip()
+                line = text.splitlines()[0] if text else type(warning.message).__name__
+                if line not in into:
+                    into.append(line)
 
 
 def _run_convert(args: argparse.Namespace) -> int:
@@ -87,9 +126,9 @@ def _run_convert(args: argparse.Namespace) -> int:
         raise AmpError("--inputs only makes sense with --validate")
     if args.rtol is not None and not args.validate:
         raise AmpError("--rtol only makes sense with --validate")
-    if args.rtol is not None and not args.rtol >= 0:  # also refuses nan
-        raise AmpError(f"--rtol must be a number >= 0, got {args.rtol}")
-    fmt = formats.for_path(args.input)
+    _check_rtol(args.rtol)
+    input_path, output_path = Path(args.input), Path(args.output)
+    fmt = formats.for_path(input_path)
     training_given = cli_given(args, TrainingOptions)
     training = None
     if args.training:
@@ -101,34 +140,45 @@ def _run_convert(args: argparse.Namespace) -> int:
         flags = TrainingOptions(**training_given).given_flags()
         raise AmpError(f"{', '.join(flags)} only apply with --training")
     options = from_cli(args, Options)
-    _refuse_report_over_model(args)
-    report = fmt.convert_file(Path(args.input), Path(args.output), options, training)
-    status = 0
-    for warning in report.warnings:
-        print(f"{PROG}: warning: {warning}", file=sys.stderr)
-    if args.validate:
-        try:
-            status = _validate(args, fmt, report, options)
-        except AmpError:
-            fmt.discard_output(Path(args.output))  # leave no unvalidated model for a build
-            raise
-    if args.report:
-        write_atomically(args.report, report.to_json().encode())
+    library_warnings: list[str] = []
+    # Everything the run writes is staged beside its destination and moved into place only
+    # when the whole run succeeded (validation included): a failed run changes nothing.
+    with OutputTransaction([_input_entry(input_path), *_extra_inputs(args)],
+                           lambda: fmt.input_files(input_path)) as outputs:
+        staged = outputs.stage(output_path, "output", fmt.output_kind(input_path),
+                               replace_dir=fmt.replaceable_output_dir)
+        staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
+        with _warnings_as_lines(library_warnings):
+            report = fmt.convert_file(input_path, staged, options, training)
+        report.warnings.extend(library_warnings)
+        status = _validate(args, fmt, report, options, staged) if args.validate else 0
+        if status:
+            _print_warnings(report)  # a typo in an override may be why
+            raise CheckFailed(f"validation failed: relative error above rtol; nothing was "
+                              f"written ({args.output} is as it was)")
+        if staged_report is not None:
+            write_atomically(staged_report, report.to_json().encode())
+        outputs.commit()
+    # Warnings only once the run is through: an error (exit 2) prints that one line alone.
+    _print_warnings(report)
     if not args.quiet:
         print(_summary_line(report, args.output))
         if report.training is not None:
             print(_training_line(report.training))
-    if status:
-        print(f"{PROG}: validation failed: relative error above rtol", file=sys.stderr)
-    return status
+    return 0
+
+
+def _print_warnings(report: Report) -> None:
+    for warning in report.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
 
 
 def _validate(args: argparse.Namespace, fmt: formats.base.Format, report: Report,
-              options: Options) -> int:
-    """Run fp32 and converted models on the same inputs; 1 when an output is off."""
+              options: Options, converted: Path) -> int:
+    """Run the fp32 model and the converted one (still at its staged path) on the same inputs;
+    1 when an output is off."""
     rtol = default_rtol(options.target) if args.rtol is None else args.rtol
-    validation = fmt.validate(Path(args.input), Path(args.output), report, options, args.inputs,
-                              rtol)
+    validation = fmt.validate(Path(args.input), converted, report, options, args.inputs, rtol)
     report.validation = validation.to_dict()
     if not args.quiet:
         for note in validation.notes:
@@ -140,13 +190,24 @@ def _validate(args: argparse.Namespace, fmt: formats.base.Format, report: Report
 
 
 def _summary_line(report: Report, output: str) -> str:
+    """One line: the compute ops (what decides the speed-up) in low precision, per op type, then
+    all nodes (shape arithmetic included), casts and constants."""
     s = report.summary
+    by_type = s.get("compute_ops_by_type", {})
+    if by_type:
+        types = ", ".join(f"{op} {low}/{total}" for op, (low, total) in by_type.items())
+        compute = f"compute ops {s['low_precision_compute_ops']}/{s['compute_ops']} ({types})"
+    else:
+        compute = "no compute ops (matrix products, convolutions) on float data"
+    unserved = s.get("graphs_not_served", 0)
+    scope = (f" in the functions the signatures run ({unserved} other function"
+             f"{'s' if unserved != 1 else ''} converted, not counted)" if unserved else "")
     flushed = (f", {s['values_flushed_to_zero']} values flushed to zero"
                if s["values_flushed_to_zero"] else "")
-    return (f"converted {s['low_precision_nodes']}/{s['nodes']} nodes to {report.target} "
-            f"(backend {report.backend}): casts {s['casts_inserted']} inserted, "
-            f"{s['casts_removed']} removed; constants {s['constants_converted']} converted, "
-            f"{s['constants_kept_fp32']} kept fp32 for range{flushed} -> {output}")
+    return (f"converted to {report.target} (backend {report.backend}): {compute}, nodes "
+            f"{s['low_precision_nodes']}/{s['nodes']}{scope}; casts {s['casts_inserted']} "
+            f"inserted, {s['casts_removed']} removed; constants {s['constants_converted']} "
+            f"converted, {s['constants_kept_fp32']} kept fp32 for range{flushed} -> {output}")
 
 
 def _training_line(training: dict) -> str:
@@ -163,17 +224,38 @@ def _training_line(training: dict) -> str:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    fmt = formats.for_path(args.model)
-    result = fmt.check(Path(args.model), args.target, args.backend,
-                       Path(args.reference) if args.reference else None, args.rtol)
-    for note in result.notes:
-        print(f"note: {note}")
-    for problem in result.problems:
-        print(f"{problem['kind']}: {problem['message']}")
-    for output in result.outputs:
-        print(f"output {output['name']}: relative error {output['relative_error']:.3g}")
-    if args.report:
-        write_atomically(args.report, (json.dumps(result.to_dict(), indent=2) + "\n").encode())
+    if args.inputs and not args.reference:
+        raise AmpError("--inputs only makes sense with --reference (they feed both models)")
+    if args.rtol is not None and not args.reference:
+        raise AmpError("--rtol only makes sense with --reference")
+    _check_rtol(args.rtol)
+    model = Path(args.model)
+    reference = Path(args.reference) if args.reference else None
+    fmt = formats.for_path(model)
+    if reference is not None and formats.detect(reference) != fmt.name:
+        raise AmpError(f"--reference {reference} is not a {fmt.name} model like {model}")
+    reads = [_input_entry(model, "checked"), *_extra_inputs(args)]
+    if reference is not None:
+        reads.append(_input_entry(reference, "reference"))
+
+    def every_file_read() -> list[tuple[Path, str]]:
+        files = fmt.input_files(model)
+        if reference is not None:
+            files += [(path, f"{what} (--reference)") for path, what in fmt.input_files(reference)]
+        return files
+
+    with OutputTransaction(reads, every_file_read) as outputs:
+        staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
+        result = fmt.check(model, args.target, args.backend, reference, args.rtol, args.inputs)
+        for note in result.notes:
+            print(f"note: {note}")
+        for problem in result.problems:
+            print(f"{problem['kind']}: {problem['message']}")
+        for output in result.outputs:
+            print(f"output {output['name']}: relative error {output['relative_error']:.3g}")
+        if staged_report is not None:  # the findings are the report: written pass or fail
+            write_atomically(staged_report, to_json(result.to_dict()).encode())
+            outputs.commit()
     print(f"check: {'ok' if result.ok else f'{len(result.problems)} problem(s)'}")
     if not result.ok:
         raise CheckFailed(f"{len(result.problems)} problem(s) in {args.model}")
@@ -200,10 +282,17 @@ def _run_explain(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
+    library_warnings: list[str] = []
     try:
         args = build_parser().parse_args(argv)
         runner = {"convert": _run_convert, "check": _run_check, "explain": _run_explain}
-        return runner[args.command](args)
+        # A library's own warnings (onnx on a model's odd fields) print as one line each after
+        # the run, and not at all when the run ends in an error: that error is the one line.
+        with _warnings_as_lines(library_warnings):
+            status = runner[args.command](args)
+        for warning in library_warnings:
+            print(f"{PROG}: warning: {warning}", file=sys.stderr)
+        return status
     except AmpError as exc:
         print(f"{PROG}: error: {exc}" if exc.exit_code == 2 else f"{PROG}: {exc}",
               file=sys.stderr)

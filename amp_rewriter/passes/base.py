@@ -28,6 +28,9 @@ class FormatRules:
         `value`), converted with the op's output.
     recurrent_edges: op carrying a loop value back (TF's NextIteration) -> the ops it feeds that
         must share its dtype (Merge).
+    compute_ops: the ops that carry a model's arithmetic (matrix products, convolutions,
+        recurrent cells, fused attention), as users write them in op lists: the report's summary
+        counts how many of them run in low precision, which is what decides the speed-up.
     """
 
     name: str
@@ -35,6 +38,7 @@ class FormatRules:
     follow_producer_inputs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     constant_fill_attrs: Mapping[str, str] = field(default_factory=dict)
     recurrent_edges: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    compute_ops: frozenset[str] = frozenset()
 
 
 @dataclass

@@ -36,4 +36,10 @@ ONNX_RULES = FormatRules(
     follow_producer_inputs={"Shape": ("T",), "Size": ("T",), "Cast": ("T1",), "IsNaN": ("T1",),
                             "IsInf": ("T1",), "CastLike": ("T1",)},
     constant_fill_attrs={"ConstantOfShape": "value"},
+    compute_ops=frozenset({
+        "MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "LSTM", "GRU", "RNN", "Attention",
+        "com.microsoft.Attention", "com.microsoft.MultiHeadAttention",
+        "com.microsoft.GroupQueryAttention", "com.microsoft.FusedMatMul",
+        "com.microsoft.FusedConv", "com.microsoft.FusedGemm",
+    }),
 )
