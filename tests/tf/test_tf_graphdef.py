@@ -461,6 +461,9 @@ def test_meta_graph_file_converts_and_keeps_collections(tmp_path, amp_cli):
     assert set(out.collection_def) == set(meta.collection_def)
     mm = next(n for n in out.graph_def.node if n.name == "mm")
     assert mm.attr["T"].type == BF16
+    # check agrees: the MetaGraph passes against its fp32 source
+    assert cli.main(["check", str(tmp_path / "out.meta"), "--reference",
+                     str(tmp_path / "model.meta")]) == 0
 
 
 def test_check_graphdef_against_its_reference_on_the_validation_inputs(tmp_path, capsys):

@@ -98,6 +98,8 @@ def check_model(path: str | os.PathLike, target: str | None = None, backend: str
         ref_model = read_model_file(reference)
         origins = ConstantOrigins(_constants(load_onnx(ref_model,
                                                        Path(reference).resolve().parent)))
+        feeds = load_inputs(inputs) if inputs else random_inputs(ref_model)
+        del ref_model
     constants = check_constants(_constants(model_ir), origins, target)
     result.problems.extend(constants.problems)
     result.notes.extend(constants.notes)
@@ -105,9 +107,8 @@ def check_model(path: str | os.PathLike, target: str | None = None, backend: str
     outputs_agree = False
     if reference is not None:
         rtol = default_rtol(target) if rtol is None else rtol
-        feeds = load_inputs(inputs) if inputs else random_inputs(read_model_file(reference))
         try:
-            with runnable_on_cpu(path) as (candidate, notes):
+            with runnable_on_cpu(path, model=model) as (candidate, notes):
                 comparisons = compare_models(str(reference), candidate, feeds,
                                              inputs_given=inputs is not None)
             result.notes.extend(notes)

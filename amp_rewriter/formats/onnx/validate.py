@@ -182,16 +182,18 @@ EMULATION_NOTE = ("onnxruntime's CPU provider lacks bf16 kernels; running the bf
 
 
 @contextlib.contextmanager
-def runnable_on_cpu(path: Path, scratch: Path | None = None
+def runnable_on_cpu(path: Path, scratch: Path | None = None,
+                    model: onnx.ModelProto | None = None
                     ) -> Iterator[tuple[str | bytes, list[str]]]:
     """What onnxruntime's CPU provider can run for the converted model at `path`, and notes.
 
     Without bf16 that is the path itself. A bf16 model is emulated (`emulate_bfloat16`), its
     external data read from the model's folder; the emulated model goes to onnxruntime as bytes,
     or, when over protobuf's 2 GiB, as a file with external data in a temporary folder inside
-    `scratch` (the system's temporary folder when None), removed afterwards.
+    `scratch` (the system's temporary folder when None), removed afterwards. `model`: the
+    model at `path` already parsed (it is modified when emulated).
     """
-    model = read_model_file(path)
+    model = read_model_file(path) if model is None else model
     if not has_bfloat16(model):
         del model
         yield str(path), []
