@@ -229,3 +229,27 @@ def test_keep_node_matches_the_module_paths_of_dynamo_exports(tmp_path: Path, ca
     assert precisions == {"mm0": "fp16", "mm1": "fp32", "mm2": "fp16", "mm3": "fp32"}
     code, out, _ = run(capsys, "explain", report, "mm1")
     assert "pinned to fp32 by --keep-node 'model\\\\.layers\\\\.1' (module model.layers.1)" in out
+
+
+def test_a_bf16_emulation_over_the_protobuf_limit_runs_from_a_file(tmp_path: Path, capsys,
+                                                                   monkeypatch) -> None:
+    """An emulated model over protobuf's 2 GiB cannot go to onnxruntime as bytes: it is written
+    with external data to a temporary folder beside the output (our limit lowered to get there)."""
+    from amp_rewriter.formats.onnx import validate
+
+    source = write(BUILDERS["transformer_block"](), tmp_path / "block.onnx")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    code, in_memory, _ = run(capsys, "convert", source, out_dir / "a.onnx", "--target", "bf16",
+                             "--validate")
+    assert code == 0
+    monkeypatch.setattr(validate, "PROTOBUF_LIMIT", 1024)
+    code, from_file, err = run(capsys, "convert", source, out_dir / "b.onnx", "--target", "bf16",
+                               "--validate")
+    assert code == 0, err
+    numbers = [line for line in in_memory.splitlines() if line.startswith("validate out")]
+    assert numbers and numbers == [line for line in from_file.splitlines()
+                                   if line.startswith("validate out")]
+    assert sorted(p.name for p in out_dir.iterdir()) == ["a.onnx", "b.onnx"]
+    code, out, _ = run(capsys, "check", out_dir / "b.onnx", "--reference", source)
+    assert code == 0, out
