@@ -28,6 +28,8 @@ class FormatRules:
         `value`), converted with the op's output.
     recurrent_edges: op carrying a loop value back (TF's NextIteration) -> the ops it feeds that
         must share its dtype (Merge).
+    compute_ops: the ops that carry a model's arithmetic (GEMMs, convolutions, fused
+        attention), as `Node.qualified_op`: the report's cost summary counts those left fp32.
     """
 
     name: str
@@ -35,6 +37,7 @@ class FormatRules:
     follow_producer_inputs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     constant_fill_attrs: Mapping[str, str] = field(default_factory=dict)
     recurrent_edges: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    compute_ops: frozenset[str] = frozenset()
 
 
 @dataclass

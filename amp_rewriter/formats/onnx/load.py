@@ -1,15 +1,16 @@
 """ONNX ModelProto -> IR.
 
-Type groups come from the op schema's type constraints at the model's opset; If/Loop/Scan get
-groups that tie their outer slots to their bodies' inputs and outputs. Dtypes come from our own
-inference over the schemas; shape inference and existing value_info only fill what that cannot
-decide, so no correctness depends on them.
+Type groups come from the op schema's type constraints at the model's opset: onnx's schemas, else
+onnxruntime's (its contrib ops, see `ort_registry`). If/Loop/Scan get groups that tie their outer
+slots to their bodies' inputs and outputs. Dtypes come from our own inference over the schemas;
+shape inference and existing value_info only fill what that cannot decide, so no correctness
+depends on them.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ from onnx import numpy_helper
 from ...errors import AmpError
 from ...fileio import read_input_bytes
 from ...ir import FLOAT32, Graph, LazyTensor, Model, Node, TypeGroup, Value
-from .rules import ATTRIBUTE_TYPED_OUTPUTS, CONTROL_FLOW_OPS, FIXED_TYPE_PARAMS
+from . import ort_registry
+from .rules import ATTRIBUTE_TYPED_OUTPUTS, CONTROL_FLOW_OPS, FIXED_TYPE_PARAMS, TIED_TYPE_PARAMS
 
 #: 2 GiB: the protobuf limit on one serialized message.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -56,20 +58,19 @@ def _type_str_dtype(type_str: str) -> str | None:
 
 
 class _Formal:
-    """How a schema's formal inputs/outputs map onto a node's slots."""
+    """How a schema's formal inputs/outputs map onto a node's slots.
 
-    __slots__ = ("inputs", "outputs", "constraints", "has_containers")
+    Takes onnx's `OpSchema` or onnxruntime's schema object (contrib ops): the two spell their
+    formal parameters' fields differently (`type_str` / `typeStr`, `is_homogeneous` /
+    `isHomogeneous`) but mean the same.
+    """
 
-    def __init__(self, schema: onnx.defs.OpSchema):
-        def formals(params: Sequence[Any]) -> list[tuple[str, bool, bool]]:
-            result = []
-            for p in params:
-                variadic = p.option == onnx.defs.OpSchema.FormalParameterOption.Variadic
-                result.append((p.type_str, variadic, bool(getattr(p, "is_homogeneous", True))))
-            return result
+    __slots__ = ("inputs", "outputs", "constraints", "has_containers", "since_version")
 
-        self.inputs = formals(schema.inputs)
-        self.outputs = formals(schema.outputs)
+    def __init__(self, schema: Any):
+        self.inputs = [_formal_param(p) for p in schema.inputs]
+        self.outputs = [_formal_param(p) for p in schema.outputs]
+        self.since_version = int(schema.since_version)
         self.constraints: dict[str, frozenset[str]] = {}
         for constraint in schema.type_constraints:
             allowed = {_type_str_dtype(t) for t in constraint.allowed_type_strs}
@@ -82,7 +83,7 @@ class _Formal:
         self.has_containers = schema.name.startswith(("Sequence", "Optional")) or any(
             all(t.startswith(containers) for t in c.allowed_type_strs)
             for c in schema.type_constraints) or any(
-            p.type_str.startswith(containers) for p in list(schema.inputs) + list(schema.outputs))
+            type_str.startswith(containers) for type_str, _, _ in self.inputs + self.outputs)
 
     def slot_params(self, formals: list[tuple[str, bool, bool]], count: int
                     ) -> list[tuple[str, bool]]:
@@ -104,26 +105,55 @@ def _group_plan(formal: _Formal, op_type: str, inputs: int, outputs: int
                 ) -> tuple[tuple[bool, int, str, str], ...]:
     """(is_input, slot, group key, type param) for every slot bound to a type constraint.
 
-    Homogeneous params share one group per type param; heterogeneous variadic slots get one each.
+    Homogeneous params share one group per type param; heterogeneous variadic slots get one each;
+    params the rules tie (`TIED_TYPE_PARAMS`) join the group of the param they are tied to.
     """
     plan = []
+    tied = TIED_TYPE_PARAMS.get(op_type, {})
     for is_input, formals, count in ((True, formal.inputs, inputs),
                                      (False, formal.outputs, outputs)):
         for slot, (type_str, homogeneous) in enumerate(formal.slot_params(formals, count)):
             if type_str not in formal.constraints:
                 continue  # a fixed type such as tensor(int64)
-            key = type_str if homogeneous else f"{type_str}[{'in' if is_input else 'out'}{slot}]"
-            plan.append((is_input, slot, key, type_str))
+            param = tied.get(type_str, type_str) if tied.get(type_str) in formal.constraints \
+                else type_str
+            key = param if homogeneous else f"{param}[{'in' if is_input else 'out'}{slot}]"
+            plan.append((is_input, slot, key, param))
     return tuple(plan)
+
+
+def _formal_param(param: Any) -> tuple[str, bool, bool]:
+    """(type_str, variadic, homogeneous) of one formal input/output, from onnx's or
+    onnxruntime's schema."""
+    type_str = param.type_str if hasattr(param, "type_str") else param.typeStr
+    homogeneous = getattr(param, "is_homogeneous", getattr(param, "isHomogeneous", True))
+    return type_str, param.option.name == "Variadic", bool(homogeneous)
 
 
 @cache
 def _formal(op_type: str, domain: str, opset: int) -> _Formal | None:
+    """The op's schema at the domain's opset: onnx's, else onnxruntime's (contrib ops, and the
+    default-domain ops only onnxruntime defines); None for ops neither knows."""
     try:
-        schema = onnx.defs.get_schema(op_type, opset, domain)
+        return _Formal(onnx.defs.get_schema(op_type, opset, domain))
     except Exception:  # onnx raises SchemaError for unknown ops; any failure means "no schema"
-        return None
-    return _Formal(schema)
+        pass
+    ort_schema = ort_registry.schema(op_type, domain, opset)
+    return _Formal(ort_schema) if ort_schema is not None else None
+
+
+def schema_since_version(op_type: str, domain: str, opset: int) -> int | None:
+    """The version the op's schema at `opset` dates from (kernels are registered by it)."""
+    formal = _formal(op_type, domain, opset)
+    return formal.since_version if formal is not None else None
+
+
+def model_opsets(model: onnx.ModelProto) -> dict[str, int]:
+    """domain -> opset version of a model's imports ("" for the default domain)."""
+    opsets = {(imp.domain or ""): imp.version for imp in model.opset_import}
+    if "ai.onnx" in opsets:
+        opsets.setdefault("", opsets["ai.onnx"])
+    return opsets
 
 
 def _check_external_location(tensor: onnx.TensorProto, base_dir: Path) -> None:
@@ -208,9 +238,7 @@ class OnnxLoader:
     def __init__(self, model: onnx.ModelProto, base_dir: Path | None):
         self.model = model
         self.base_dir = base_dir
-        self.opsets = {(imp.domain or ""): imp.version for imp in model.opset_import}
-        if "ai.onnx" in self.opsets:
-            self.opsets.setdefault("", self.opsets["ai.onnx"])
+        self.opsets = model_opsets(model)
         self.local_functions = {(f.domain, f.name) for f in model.functions}
         self.hints: dict[str, tuple[str | None, tuple | None]] = {}
         self.ir_model = self._new_model()

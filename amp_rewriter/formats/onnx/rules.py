@@ -15,6 +15,22 @@ FIXED_TYPE_PARAMS: dict[tuple[str, str], str] = {
     ("Dropout", "T1"): "Dropout ratio is a probability input",
     ("LayerNormalization", "U"): "LayerNormalization mean/inv-std outputs are fp32 statistics",
     ("GroupNormalization", "U"): "GroupNormalization statistics stay fp32",
+    # onnxruntime's normalisations (schemas from onnxruntime: their statistics are float only)
+    ("SimplifiedLayerNormalization", "U"): "SimplifiedLayerNormalization's inv_std_var output "
+                                           "is an fp32 statistic",
+    ("SkipLayerNormalization", "U"): "SkipLayerNormalization's mean/inv_std_var outputs are fp32 "
+                                     "statistics",
+    ("SkipSimplifiedLayerNormalization", "U"): "SkipSimplifiedLayerNormalization's statistics "
+                                               "outputs are fp32",
+}
+
+#: Type params a schema keeps apart that the conversion treats as one group: op -> {param: the
+#: param whose group it joins}. onnxruntime's SimplifiedLayerNormalization (and its pre-opset-17
+#: LayerNormalization) type X as T and scale/Y as V; its kernels run T == V, and with two groups
+#: X would sit in a group with no output, never between two low-precision ops.
+TIED_TYPE_PARAMS: dict[str, dict[str, str]] = {
+    "SimplifiedLayerNormalization": {"V": "T"},
+    "LayerNormalization": {"V": "T"},
 }
 
 #: Ops whose output dtype comes from an attribute (or, for BitCast, is a reinterpretation):
@@ -36,4 +52,13 @@ ONNX_RULES = FormatRules(
     follow_producer_inputs={"Shape": ("T",), "Size": ("T",), "Cast": ("T1",), "IsNaN": ("T1",),
                             "IsInf": ("T1",), "CastLike": ("T1",)},
     constant_fill_attrs={"ConstantOfShape": "value"},
+    compute_ops=frozenset({
+        "MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "LSTM", "GRU", "RNN",
+        # onnxruntime's fused ops that hold GEMMs (contrib domain)
+        "com.microsoft.Attention", "com.microsoft.MultiHeadAttention",
+        "com.microsoft.GroupQueryAttention", "com.microsoft.FusedMatMul",
+        "com.microsoft.FusedConv", "com.microsoft.FusedGemm", "com.microsoft.GemmFastGelu",
+        "com.microsoft.DecoderMaskedMultiHeadAttention", "com.microsoft.PackedAttention",
+        "com.microsoft.PackedMultiHeadAttention", "com.microsoft.MatMulNBits",
+    }),
 )

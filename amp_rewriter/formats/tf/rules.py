@@ -34,4 +34,10 @@ TF_RULES = FormatRules(
     # These only inspect their input (Shape, Size) or convert it anyway (Cast's source `SrcT`).
     follow_producer_inputs={"Shape": ("T",), "Size": ("T",), "Cast": ("SrcT",)},
     recurrent_edges={op: MERGE_OPS for op in BACK_EDGE_OPS},
+    compute_ops=frozenset({
+        "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D", "Conv3D",
+        "DepthwiseConv2dNative", "Conv2DBackpropInput", "Conv2DBackpropFilter",
+        "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "_FusedMatMul", "_FusedConv2D",
+        "CudnnRNN", "CudnnRNNV2", "CudnnRNNV3", "BlockLSTM", "BlockLSTMV2",
+    }),
 )
