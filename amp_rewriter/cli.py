@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from . import formats
+from .cost import summary_line
 from .errors import AmpError, CheckFailed
 from .fileio import write_atomically
 from .options import Options, TrainingOptions, cli_flags, cli_given, from_cli
@@ -23,6 +24,8 @@ from .report import Report
 from .validation import default_rtol
 
 PROG = "amp-rewriter"
+#: Where validation runs the converted model (ONNX: onnxruntime's CPU or CUDA provider).
+DEVICES = ("cpu", "cuda")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="inputs for --validate (.npz keyed by input / placeholder name)")
     convert.add_argument("--rtol", type=float, default=None,
                          help="largest relative error --validate accepts (fp16 2e-2, bf16 1e-1)")
+    convert.add_argument("--device", choices=DEVICES, default=None,
+                         help="where --validate runs the converted model: cpu (default: ops "
+                              "without a low-precision CPU kernel are emulated) or cuda "
+                              "(onnxruntime-gpu and a GPU)")
     convert.add_argument("--quiet", action="store_true", help="print only errors")
     training = convert.add_argument_group(
         "training graphs (TensorFlow .meta, or .pb/.pbtxt with --loss and --train-op)")
@@ -67,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ONNX ort-cuda (default) or ort-cpu; TensorFlow tf-gpu or tf-cpu")
     check.add_argument("--reference", metavar="FP32_ONNX", help="the fp32 model to compare with")
     check.add_argument("--rtol", type=float, default=None, help="tolerance with --reference")
+    check.add_argument("--device", choices=DEVICES, default="cpu",
+                       help="where --reference runs the model: cpu (default) or cuda")
     check.add_argument("--report", metavar="JSON", help="write the findings as JSON")
 
     explain = commands.add_parser("explain", help="why does a node run in its precision?")
@@ -87,6 +96,8 @@ def _run_convert(args: argparse.Namespace) -> int:
         raise AmpError("--inputs only makes sense with --validate")
     if args.rtol is not None and not args.validate:
         raise AmpError("--rtol only makes sense with --validate")
+    if args.device is not None and not args.validate:
+        raise AmpError("--device only makes sense with --validate")
     if args.rtol is not None and not args.rtol >= 0:  # also refuses nan
         raise AmpError(f"--rtol must be a number >= 0, got {args.rtol}")
     fmt = formats.for_path(args.input)
@@ -115,7 +126,11 @@ def _run_convert(args: argparse.Namespace) -> int:
     if args.report:
         write_atomically(args.report, report.to_json().encode())
     if not args.quiet:
+        if report.optimizer is not None:
+            print(_optimizer_line(report.optimizer))
         print(_summary_line(report, args.output))
+        if report.cost is not None:
+            print(summary_line(report.cost))
         if report.training is not None:
             print(_training_line(report.training))
     if status:
@@ -128,14 +143,15 @@ def _validate(args: argparse.Namespace, fmt: formats.base.Format, report: Report
     """Run fp32 and converted models on the same inputs; 1 when an output is off."""
     rtol = default_rtol(options.target) if args.rtol is None else args.rtol
     validation = fmt.validate(Path(args.input), Path(args.output), report, options, args.inputs,
-                              rtol)
+                              rtol, args.device or "cpu")
     report.validation = validation.to_dict()
     if not args.quiet:
         for note in validation.notes:
             print(f"validate: {note}")
         for c in validation.comparisons:
             mark = "FAIL" if validation.failed(c) else "ok"
-            print(f"validate {c.name}: max_abs={c.max_abs:.3g} relative={c.relative:.3g} {mark}")
+            print(f"validate {c.name}: max_abs={c.max_abs:.3g} relative={c.relative:.3g} "
+                  f"{mark}{c.how()}")
     return 0 if validation.passed else 1
 
 
@@ -147,6 +163,12 @@ def _summary_line(report: Report, output: str) -> str:
             f"(backend {report.backend}): casts {s['casts_inserted']} inserted, "
             f"{s['casts_removed']} removed; constants {s['constants_converted']} converted, "
             f"{s['constants_kept_fp32']} kept fp32 for range{flushed} -> {output}")
+
+
+def _optimizer_line(optimizer: dict) -> str:
+    added = ", ".join(f"{count} {op}" for op, count in optimizer["ops_added"].items())
+    return (f"optimized with onnxruntime {optimizer['onnxruntime']}'s {optimizer['model_type']} "
+            f"fusions: {added or 'nothing fused'}")
 
 
 def _training_line(training: dict) -> str:
@@ -165,13 +187,15 @@ def _training_line(training: dict) -> str:
 def _run_check(args: argparse.Namespace) -> int:
     fmt = formats.for_path(args.model)
     result = fmt.check(Path(args.model), args.target, args.backend,
-                       Path(args.reference) if args.reference else None, args.rtol)
+                       Path(args.reference) if args.reference else None, args.rtol, args.device)
     for note in result.notes:
         print(f"note: {note}")
     for problem in result.problems:
         print(f"{problem['kind']}: {problem['message']}")
     for output in result.outputs:
-        print(f"output {output['name']}: relative error {output['relative_error']:.3g}")
+        emulated = output.get("emulated_ops")
+        how = f" [emulated: {', '.join(emulated)}]" if emulated else ""
+        print(f"output {output['name']}: relative error {output['relative_error']:.3g}{how}")
     if args.report:
         write_atomically(args.report, (json.dumps(result.to_dict(), indent=2) + "\n").encode())
     print(f"check: {'ok' if result.ok else f'{len(result.problems)} problem(s)'}")

@@ -64,6 +64,15 @@ class Options:
                                 negation="--no-keep-io-types")
     clamp: bool = _flag(False, "--clamp", "saturate constants beyond the target's range instead "
                                           "of keeping them fp32", kind="switch")
+    #: ONNX: onnxruntime's transformer optimizer (its fusions) runs first (formats/onnx/optimize).
+    optimize: str | None = _flag(
+        None, "--optimize", "ONNX: run onnxruntime's transformer optimizer for this model type "
+        "first (bert, gpt2, ...: its Attention, SkipLayerNormalization, ... fusions), then convert",
+        metavar="MODEL_TYPE")
+    num_heads: int | None = _flag(None, "--num-heads", "with --optimize: the attention heads "
+                                                       "(default: detected)", type=int)
+    hidden_size: int | None = _flag(None, "--hidden-size", "with --optimize: the hidden size "
+                                                           "(default: detected)", type=int)
     #: Python API only: run the format's validity check (onnx.checker, TF import) on the result.
     check: bool = True
     _overrides: Overrides = field(init=False, repr=False, compare=False)
@@ -76,6 +85,14 @@ class Options:
             setattr(self, name, _names(getattr(self, name)))
         if self.outputs is not None:
             self.outputs = _names(self.outputs) or None
+        for name, flag in (("num_heads", "--num-heads"), ("hidden_size", "--hidden-size")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if self.optimize is None:
+                raise AmpError(f"{flag} only applies with --optimize")
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise AmpError(f"{flag} must be a positive integer, got {value!r}")
         self._overrides = self._build_overrides()
         self._patterns = self._overrides.keep_node_patterns()
 

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .cost import casts_by_reason, compute_ops_left_fp32
 from .errors import AmpError
 from .ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, Node, short_name
 from .passes.base import PassContext, PassResult
@@ -63,10 +64,15 @@ class Report:
     training: dict[str, Any] | None = None
     #: Things the user likely did not mean (an override naming no op), shown by the CLI.
     warnings: list[str] = field(default_factory=list)
+    #: `--optimize`: the model type, onnxruntime's version and the ops its fusions added.
+    optimizer: dict[str, Any] | None = None
+    #: What the conversion buys and costs (`amp_rewriter.cost`): activation bytes moved in low
+    #: precision vs fp32, compute ops left fp32 and why, casts by reason.
+    cost: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        for key in ("validation", "training"):
+        for key in ("validation", "training", "optimizer", "cost"):
             if data[key] is None:
                 del data[key]
         return data
@@ -100,9 +106,12 @@ def build_report(ctx: PassContext, original_nodes: list[tuple[Node, str]],
         "values_flushed_to_zero": sum(c.flushed_to_zero for c in ctx.constants
                                       if c.action in ("converted", "clamped")),
     }
+    cost = {"compute_ops": compute_ops_left_fp32(ctx.model, ctx.rules.compute_ops),
+            "casts_by_reason": casts_by_reason(ctx.model)}
     return Report(ctx.options.target, ctx.options.backend or "", summary, entries,
                   [asdict(c) for c in ctx.constants],
-                  [{"name": r.name, "changed": r.changed, "notes": r.notes} for r in results])
+                  [{"name": r.name, "changed": r.changed, "notes": r.notes} for r in results],
+                  cost=cost)
 
 
 def load_report(path: str | Path) -> Report:
@@ -111,7 +120,8 @@ def load_report(path: str | Path) -> Report:
         data = json.loads(Path(path).read_text())
         return Report(data["target"], data["backend"], data["summary"], data["nodes"],
                       data.get("constants", []), data.get("passes", []), data.get("validation"),
-                      training=data.get("training"))
+                      training=data.get("training"), optimizer=data.get("optimizer"),
+                      cost=data.get("cost"))
     except FileNotFoundError:
         raise AmpError(f"{path}: no such report") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:

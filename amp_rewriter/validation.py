@@ -10,6 +10,9 @@ import numpy as np
 
 from .errors import AmpError
 
+#: OutputComparison.computed for an output that some emulated op fed.
+EMULATED = "emulated"
+
 
 @dataclass
 class OutputComparison:
@@ -19,10 +22,28 @@ class OutputComparison:
     max_abs: float
     relative: float
     nonfinite_new: bool
+    #: How the converted model computed this output: "emulated" (some op on its path had no
+    #: low-precision kernel where it ran and computed in fp32 with rounding), "low-precision
+    #: kernels", "fp32" (no low-precision tensor on its path), or the device's provider.
+    computed: str = ""
+    #: With "emulated": the ops on the output's path that ran emulated.
+    emulated_ops: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "max_abs_error": self.max_abs, "relative_error": self.relative,
-                "new_nan_or_inf": self.nonfinite_new}
+        data: dict[str, Any] = {"name": self.name, "max_abs_error": self.max_abs,
+                                "relative_error": self.relative,
+                                "new_nan_or_inf": self.nonfinite_new}
+        if self.computed:
+            data["computed"] = self.computed
+        if self.emulated_ops:
+            data["emulated_ops"] = self.emulated_ops
+        return data
+
+    def how(self) -> str:
+        """A short note for the CLI: which ops ran emulated on the way to this output."""
+        if self.computed != EMULATED:
+            return ""
+        return f" [emulated: {', '.join(self.emulated_ops)}]"
 
 
 @dataclass
@@ -42,8 +63,11 @@ class Validation:
         return not any(self.failed(c) for c in self.comparisons)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rtol": self.rtol, "passed": self.passed,
-                "outputs": [c.to_dict() for c in self.comparisons]}
+        data: dict[str, Any] = {"rtol": self.rtol, "passed": self.passed,
+                                "outputs": [c.to_dict() for c in self.comparisons]}
+        if self.notes:
+            data["notes"] = list(self.notes)
+        return data
 
 
 def compare_outputs(name: str, ref: Any, new: Any) -> OutputComparison:

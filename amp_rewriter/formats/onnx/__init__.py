@@ -22,7 +22,8 @@ from .convert import (
 )
 from .load import read_model_file
 from .rules import ONNX_RULES
-from .validate import compare_models, emulate_bfloat16, has_bfloat16, random_inputs
+from .shapes import activation_traffic
+from .validate import random_inputs, validate_conversion
 
 
 class OnnxFormat(Format):
@@ -41,22 +42,17 @@ class OnnxFormat(Format):
         return convert_model_file(input_path, output_path, options)[1]
 
     def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
-                 inputs: str | None, rtol: float) -> Validation:
+                 inputs: str | None, rtol: float, device: str = "cpu") -> Validation:
         feeds = load_inputs(inputs) if inputs else random_inputs(read_model_file(input_path))
-        candidate: object = str(output_path)
-        notes = []
-        if options.target == "bf16":
-            converted = read_model_file(output_path)
-            if has_bfloat16(converted):
-                candidate = emulate_bfloat16(converted)
-                notes.append("onnxruntime's CPU provider lacks bf16 kernels; running the bf16 "
-                             "model emulated (fp32 compute, every bf16 tensor rounded to bf16)")
-        comparisons = compare_models(str(input_path), candidate, feeds)  # type: ignore[arg-type]
+        comparisons, notes = validate_conversion(input_path, output_path, feeds, device)
+        if inputs and report.cost is not None:  # the cost at the sizes validation really ran
+            report.cost["activation_bytes"] = activation_traffic(
+                read_model_file(output_path), {k: tuple(v.shape) for k, v in feeds.items()})
         return Validation(comparisons, rtol, notes)
 
     def check(self, path: Path, target: str | None, backend: str | None,
-              reference: Path | None, rtol: float | None) -> CheckResult:
-        return check_model(path, target, backend or DEFAULT_BACKEND, reference, rtol)
+              reference: Path | None, rtol: float | None, device: str = "cpu") -> CheckResult:
+        return check_model(path, target, backend or DEFAULT_BACKEND, reference, rtol, device)
 
     def explain(self, source: Path, options: Options) -> Report:
         return convert_model(source, dataclasses.replace(options, check=False))[1]

@@ -7,15 +7,15 @@ import os
 from pathlib import Path
 
 import numpy as np
-import onnx
 
 from ...errors import AmpError
 from ...ir import DENY, LOW_PRECISION_DTYPES, LazyTensor
 from ...op_lists import OpLists
 from ...report import CheckResult
 from ...validation import default_rtol
+from .convert import onnx_full_check
 from .load import load_onnx, read_model_file
-from .validate import compare_models, emulate_bfloat16, has_bfloat16, random_inputs
+from .validate import random_inputs, validate_conversion
 
 TARGET_OF_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
@@ -33,15 +33,15 @@ def _detect_target(model_ir) -> str | None:
 
 
 def check_model(path: str | os.PathLike, target: str | None = None, backend: str = "ort-cuda",
-                reference: str | os.PathLike | None = None, rtol: float | None = None
-                ) -> CheckResult:
+                reference: str | os.PathLike | None = None, rtol: float | None = None,
+                device: str = "cpu") -> CheckResult:
     """Check a converted model; see the CLI's `check` for what counts as a problem."""
     path = Path(path)
     model = read_model_file(path)  # not ONNX at all: bad input (exit 2), not a failed check
     base_dir = path.resolve().parent
     invalid = None
     try:
-        onnx.checker.check_model(str(path), full_check=True)
+        onnx_full_check(str(path))
     except Exception as exc:  # the checker raises several exception types
         invalid = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     try:
@@ -102,12 +102,14 @@ def check_model(path: str | os.PathLike, target: str | None = None, backend: str
     if reference is not None:
         rtol = default_rtol(target) if rtol is None else rtol
         feeds = random_inputs(read_model_file(reference))
-        candidate = emulate_bfloat16(model) if has_bfloat16(model) else str(path)
         try:
-            comparisons = compare_models(str(reference), candidate, feeds)
+            comparisons, notes = validate_conversion(reference, path, feeds, device)
         except AmpError as exc:
+            if str(exc).startswith("--device"):
+                raise  # the device is unusable: bad usage, not a finding about the model
             result.problems.append({"kind": "run_failed", "message": str(exc)})
-            comparisons = []
+            comparisons, notes = [], []
+        result.notes.extend(notes)
         for c in comparisons:
             result.outputs.append(c.to_dict())
             if c.relative > rtol or c.nonfinite_new:

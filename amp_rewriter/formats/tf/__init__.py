@@ -53,7 +53,8 @@ class TfFormat(Format):
         return convert_file(input_path, output_path, options)
 
     def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
-                 inputs: str | None, rtol: float) -> Validation:
+                 inputs: str | None, rtol: float, device: str = "cpu") -> Validation:
+        _cpu_only(device)
         feeds = load_inputs(inputs) if inputs else None
         if is_saved_model_dir(input_path):
             comparisons = compare_saved_models(input_path, output_path, feeds)
@@ -67,7 +68,8 @@ class TfFormat(Format):
         return Validation(comparisons, rtol)
 
     def check(self, path: Path, target: str | None, backend: str | None,
-              reference: Path | None, rtol: float | None) -> CheckResult:
+              reference: Path | None, rtol: float | None, device: str = "cpu") -> CheckResult:
+        _cpu_only(device)
         if reference is not None:
             raise AmpError("--reference is for ONNX models")
         return check_tf_graph(path, target, backend)
@@ -89,6 +91,11 @@ class TfFormat(Format):
             shutil.rmtree(output_path, ignore_errors=True)
         else:
             output_path.unlink(missing_ok=True)
+
+
+def _cpu_only(device: str) -> None:
+    if device != "cpu":
+        raise AmpError(f"--device {device}: TensorFlow graphs are validated on the CPU only")
 
 
 FORMAT = TfFormat()

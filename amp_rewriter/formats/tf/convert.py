@@ -60,6 +60,9 @@ def _run(ir_model: Model, lists: OpLists, options: Options, graph_name: str,
 
 def _resolved(options: Options) -> tuple[Options, OpLists]:
     """The options with the target's default backend filled in, and their op lists."""
+    if options.optimize:
+        raise AmpError("--optimize runs onnxruntime's transformer optimizer: it is for ONNX "
+                       "models, not TensorFlow graphs")
     options = options.with_backend(default_backend(options.target))
     assert options.backend is not None
     return options, load_tf_lists(options.target, options.backend, options.overrides)
