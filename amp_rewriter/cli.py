@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--report", metavar="JSON", help="write the decisions as JSON")
     convert.add_argument("--validate", action="store_true",
                          help="run both models on the CPU (onnxruntime or TensorFlow) and "
-                              "compare outputs")
+                              "compare outputs; ONNX ops without a low-precision CPU kernel "
+                              "are emulated (fp32 compute, low-precision outputs rounded)")
     convert.add_argument("--inputs", metavar="NPZ",
                          help="inputs for --validate (.npz keyed by input / placeholder name)")
     convert.add_argument("--rtol", type=float, default=None,
