@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import io
 import logging
 import os
@@ -115,6 +116,7 @@ def optimized_copy(source: Path | onnx.ModelProto, options: Options,
                            f"on this model: {type(exc).__name__}: {detail}") from None
         added = _op_counts(fused.model) - _op_counts(original)
         del fused, original
+        gc.collect()  # the fused model in memory (and the optimizer's graph objects) go first
         summary = {"model_type": model_type, "num_heads": options.num_heads or "detected",
                    "hidden_size": options.hidden_size or "detected",
                    "onnxruntime": ort_registry.version(),
