@@ -19,6 +19,7 @@ from . import formats
 from .cost import summary_line
 from .errors import AmpError, CheckFailed
 from .fileio import write_atomically
+from .ir import short_name
 from .options import Options, TrainingOptions, cli_flags, cli_given, from_cli
 from .report import Report
 from .validation import default_rtol
@@ -134,6 +135,11 @@ def _run_convert(args: argparse.Namespace) -> int:
             print(summary_line(report.cost))
         if report.training is not None:
             print(_training_line(report.training))
+        if report.weights is not None:
+            w = report.weights
+            print(f"weights: {len(w['variables'])} variables stored in {short_name(w['dtype'])} "
+                  f"({w['bytes_before'] / 1e6:.1f} MB -> {w['bytes_after'] / 1e6:.1f} MB), read "
+                  f"without a cast (--keep-fp32-weights keeps them fp32)")
     if status:
         print(f"{PROG}: validation failed: relative error above rtol", file=sys.stderr)
     return status

@@ -73,6 +73,9 @@ class Options:
                                                        "(default: detected)", type=int)
     hidden_size: int | None = _flag(None, "--hidden-size", "with --optimize: the hidden size "
                                                            "(default: detected)", type=int)
+    keep_fp32_weights: bool = _flag(
+        False, "--keep-fp32-weights", "TensorFlow SavedModels: keep every variable fp32 (by "
+        "default variables read only in low precision are stored in it)", kind="switch")
     #: Python API only: run the format's validity check (onnx.checker, TF import) on the result.
     check: bool = True
     _overrides: Overrides = field(init=False, repr=False, compare=False)

@@ -62,6 +62,8 @@ class Report:
     validation: dict[str, Any] | None = None
     #: The training rewrite's names and loss-scaling rule (TF training graphs only).
     training: dict[str, Any] | None = None
+    #: Variables stored in low precision (TF SavedModels).
+    weights: dict[str, Any] | None = None
     #: Things the user likely did not mean (an override naming no op), shown by the CLI.
     warnings: list[str] = field(default_factory=list)
     #: `--optimize`: the model type, onnxruntime's version and the ops its fusions added.
@@ -72,7 +74,7 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        for key in ("validation", "training", "optimizer", "cost"):
+        for key in ("validation", "training", "optimizer", "cost", "weights"):
             if data[key] is None:
                 del data[key]
         return data
@@ -121,7 +123,7 @@ def load_report(path: str | Path) -> Report:
         return Report(data["target"], data["backend"], data["summary"], data["nodes"],
                       data.get("constants", []), data.get("passes", []), data.get("validation"),
                       training=data.get("training"), optimizer=data.get("optimizer"),
-                      cost=data.get("cost"))
+                      cost=data.get("cost"), weights=data.get("weights"))
     except FileNotFoundError:
         raise AmpError(f"{path}: no such report") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:

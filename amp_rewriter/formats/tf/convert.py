@@ -16,17 +16,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
-from tensorflow.core.protobuf import meta_graph_pb2
+from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 from tensorflow.python.framework import op_def_registry
 
 from ...errors import AmpError
-from ...ir import ALLOW, Model
+from ...ir import ALLOW, TARGET_DTYPES, Model
 from ...op_lists import OpLists
 from ...options import Options
 from ...passes import PassContext, run_pipeline
@@ -44,6 +44,7 @@ from .files import (
 from .lists import default_backend, load_tf_lists
 from .load import default_fetches, load_function, load_graphdef
 from .rules import TF_RULES
+from .weights import apply_low_precision_weights, plan_low_precision_weights, write_checkpoint
 
 #: Functions that save or restore checkpoints are copied as they are.
 _CHECKPOINT_OPS = frozenset({"SaveV2", "RestoreV2", "MergeV2Checkpoints", "Save", "Restore",
@@ -206,8 +207,11 @@ def convert_saved_model_dir(input_dir: Path, output_dir: Path, options: Options)
             reports.extend(_convert_main_graph(meta_graph, lists, options))
     report = merge_reports(reports, options)
     report.warnings = _warnings(options, report, unknown_ops)
+    write_variables = None
+    if not options.keep_fp32_weights:
+        write_variables = _lower_weights(saved, input_dir, options, report)
     existed = output_dir.exists()
-    write_saved_model(saved, input_dir, output_dir)
+    write_saved_model(saved, input_dir, output_dir, write_variables)
     if options.check:
         try:
             check_saved_model(output_dir)
@@ -219,6 +223,32 @@ def convert_saved_model_dir(input_dir: Path, output_dir: Path, options: Options)
         report.summary["note"] = ("--no-keep-io-types has no effect on SavedModels: signatures "
                                   "keep their dtypes")
     return report
+
+
+def _lower_weights(saved: saved_model_pb2.SavedModel, input_dir: Path, options: Options,
+                   report: Report) -> Callable[[Path], None] | None:
+    """Plan and apply low-precision storage of the weights only read in low precision (TF2
+    SavedModels with one MetaGraph and a checkpoint); returns what writes the new checkpoint."""
+    prefix = input_dir / "variables" / "variables"
+    if len(saved.meta_graphs) != 1 or not (input_dir / "variables" / "variables.index").is_file():
+        return None
+    meta_graph = saved.meta_graphs[0]
+    if not meta_graph.object_graph_def.nodes:
+        return None  # a TF1 SavedModel: its variables live in the main graph only
+    checkpoint_functions = frozenset(f.signature.name for f in meta_graph.graph_def.library.function
+                                     if not _convertible(f))
+    plan = plan_low_precision_weights(meta_graph, prefix, TARGET_DTYPES[options.target],
+                                      checkpoint_functions)
+    if not plan.variables:
+        return None
+    apply_low_precision_weights(meta_graph, plan, checkpoint_functions)
+
+    def write_variables(staged: Path) -> None:
+        write_checkpoint(prefix, staged / "variables" / "variables", plan)
+        report.weights = plan.summary()
+        report.summary["weights_stored_low"] = len(plan.variables)
+        report.summary["casts_inserted"] -= plan.casts_removed
+    return write_variables
 
 
 def _convert_main_graph(meta_graph, lists: OpLists, options: Options) -> list[Report]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from google.protobuf import message, text_format
@@ -99,9 +100,11 @@ def write_graphdef(graph_def: graph_pb2.GraphDef | meta_graph_pb2.MetaGraphDef,
     write_atomically(path, data)
 
 
-def write_saved_model(saved: saved_model_pb2.SavedModel, input_dir: Path, output_dir: Path
-                      ) -> None:
-    """Copy the SavedModel directory with the new saved_model.pb, then swap it into place."""
+def write_saved_model(saved: saved_model_pb2.SavedModel, input_dir: Path, output_dir: Path,
+                      write_variables: Callable[[Path], None] | None = None) -> None:
+    """Copy the SavedModel directory with the new saved_model.pb, then swap it into place.
+
+    `write_variables(staged_dir)` rewrites the copied checkpoint (low-precision weights)."""
     if output_dir.resolve() == input_dir.resolve():
         raise AmpError("the output directory is the input SavedModel: refusing to overwrite it")
     if output_dir.exists() and (not output_dir.is_dir() or (
@@ -117,6 +120,8 @@ def write_saved_model(saved: saved_model_pb2.SavedModel, input_dir: Path, output
         shutil.copytree(input_dir, staged)
         (staged / "saved_model.pbtxt").unlink(missing_ok=True)
         (staged / "saved_model.pb").write_bytes(saved.SerializeToString(deterministic=True))
+        if write_variables is not None:
+            write_variables(staged)
         fingerprint = staged / "fingerprint.pb"
         if fingerprint.exists():
             fingerprint.unlink()
