@@ -82,6 +82,8 @@ def test_weights_read_only_in_bf16_are_stored_in_bf16(exported, converted):
     assert _weight_casts(low) < _weight_casts(cast)
     loaded = tf.saved_model.load(str(low))
     assert {v.name: v.dtype for v in loaded.variables}["conv2d/kernel:0"] == tf.bfloat16
+    reads = {e["precision"] for e in report.nodes if e["op"] == "ReadVariableOp"}
+    assert reads == {"bf16", "fp32"}  # the batch-norm statistics are still read in fp32
 
 
 def test_same_outputs_as_casting_on_every_call_through_both_loaders(exported, converted):

@@ -26,7 +26,7 @@ from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 from tensorflow.python.framework import op_def_registry
 
 from ...errors import AmpError
-from ...ir import ALLOW, TARGET_DTYPES, Model
+from ...ir import ALLOW, TARGET_DTYPES, Model, decisions, short_name
 from ...op_lists import OpLists
 from ...options import Options
 from ...passes import PassContext, run_pipeline
@@ -242,6 +242,12 @@ def _lower_weights(saved: saved_model_pb2.SavedModel, input_dir: Path, options: 
     if not plan.variables:
         return None
     apply_low_precision_weights(meta_graph, plan, checkpoint_functions)
+    for entry in report.nodes:
+        if (entry.get("graph", "main"), entry["name"]) in plan.read_nodes:
+            entry.update(precision=short_name(plan.dtype), kind=decisions.TYPE_GROUP,
+                         reason=f"reads a variable stored in {short_name(plan.dtype)}: every read "
+                                f"of it is cast to {short_name(plan.dtype)}, so the weight is "
+                                f"stored that way and the cast dropped")
 
     def write_variables(staged: Path) -> None:
         write_checkpoint(prefix, staged / "variables" / "variables", plan)
