@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .errors import AmpError
+from .node_patterns import NodePattern
 from .op_lists import TARGETS, Overrides
 
 T = TypeVar("T")
@@ -79,7 +79,7 @@ class Options:
     #: Python API only: run the format's validity check (onnx.checker, TF import) on the result.
     check: bool = True
     _overrides: Overrides = field(init=False, repr=False, compare=False)
-    _patterns: list[re.Pattern[str]] = field(init=False, repr=False, compare=False)
+    _patterns: list[NodePattern] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -120,8 +120,9 @@ class Options:
         return self._overrides
 
     @property
-    def keep_node_patterns(self) -> list[re.Pattern[str]]:
-        """--keep-node entries (and the config's keep_nodes) as regexes, matched whole."""
+    def keep_node_patterns(self) -> list[NodePattern]:
+        """--keep-node entries (and the config's keep_nodes) as regexes, matched whole (RE2:
+        linear time, whatever the pattern)."""
         return self._patterns
 
     def with_backend(self, default: str) -> Options:

@@ -9,6 +9,7 @@ from typing import Any
 
 from .cost import casts_by_reason, compute_ops_left_fp32
 from .errors import AmpError
+from .fileio import read_input_text
 from .ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, Node, short_name
 from .passes.base import PassContext, PassResult
 
@@ -118,15 +119,18 @@ def build_report(ctx: PassContext, original_nodes: list[tuple[Node, str]],
 
 def load_report(path: str | Path) -> Report:
     """Read a report written by `convert --report`."""
+    if not Path(path).exists():
+        raise AmpError(f"{path}: no such report")
+    text = read_input_text(path, "report")
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(text)
         return Report(data["target"], data["backend"], data["summary"], data["nodes"],
                       data.get("constants", []), data.get("passes", []), data.get("validation"),
                       training=data.get("training"), optimizer=data.get("optimizer"),
                       cost=data.get("cost"), weights=data.get("weights"))
     except FileNotFoundError:
         raise AmpError(f"{path}: no such report") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise AmpError(f"{path}: not an amp-rewriter report ({exc.__class__.__name__})") from None
 
 

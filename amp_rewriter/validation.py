@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .errors import AmpError
+from .fileio import read_input_bytes
 
 #: OutputComparison.computed for an output that some emulated op fed.
 EMULATED = "emulated"
@@ -97,6 +100,19 @@ def _as_float(array: Any) -> np.ndarray:
     return array
 
 
+#: Most elements one random input may have (256 MiB of float32): a declared shape is memory the
+#: model file never paid for; a bigger input comes from --inputs.
+MAX_RANDOM_ELEMENTS = 1 << 26
+
+
+def check_random_shape(name: str, shape: list[int]) -> None:
+    """Refuse to make random data for an input whose declared shape is too big."""
+    elements = math.prod(shape)
+    if elements > MAX_RANDOM_ELEMENTS:
+        raise AmpError(f"input {name!r}: its declared shape {shape} has {elements} elements, too "
+                       f"many to make random data for; give --inputs")
+
+
 def default_rtol(target: str) -> float:
     """Tolerance on the relative error: fp16 keeps ~3 decimal digits, bf16 ~2."""
     return 2e-2 if target == "fp16" else 1e-1
@@ -104,10 +120,11 @@ def default_rtol(target: str) -> float:
 
 def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Inputs from an .npz file, keyed by input name."""
+    if not os.path.exists(path):
+        raise AmpError(f"{path}: inputs file not found")
+    raw = read_input_bytes(path, "expected an .npz file of inputs", "inputs file")
     try:
-        with np.load(path) as data:
+        with np.load(io.BytesIO(raw)) as data:
             return {k: data[k] for k in data.files}
-    except FileNotFoundError:
-        raise AmpError(f"{path}: inputs file not found") from None
     except Exception as exc:  # numpy raises several types for a bad file
         raise AmpError(f"{path}: not an .npz file of inputs ({type(exc).__name__})") from None

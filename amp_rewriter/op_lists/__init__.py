@@ -7,7 +7,6 @@ came from, so `explain` can say why.
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -19,7 +18,9 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from ..errors import AmpError
+from ..fileio import read_input_text
 from ..ir import ALLOW, CLEAR, DENY, FP32, INFER, decisions
+from ..node_patterns import NodePattern
 
 CLASSES = (ALLOW, INFER, DENY, CLEAR)
 TARGETS = ("fp16", "bf16")
@@ -49,11 +50,12 @@ class Overrides:
         """
         overrides = into or cls()
         path = Path(path)
+        if not path.exists():
+            raise AmpError(f"{path}: config file not found")
+        text = read_input_text(path, "config file")
         try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise AmpError(f"{path}: config file not found") from None
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            data = tomllib.loads(text)
+        except (tomllib.TOMLDecodeError, RecursionError) as exc:
             raise AmpError(f"{path}: not a valid TOML config ({exc})") from None
         table = data.get("ops", data)
         for key, entries in table.items():
@@ -67,15 +69,9 @@ class Overrides:
                                f"clear, keep_nodes)")
         return overrides
 
-    def keep_node_patterns(self) -> list[re.Pattern[str]]:
-        """`--keep-node` entries as anchored regexes (a plain name matches itself)."""
-        patterns = []
-        for entry in self.keep_nodes:
-            try:
-                patterns.append(re.compile(entry))
-            except re.error as exc:
-                raise AmpError(f"--keep-node {entry!r}: not a valid regex ({exc})") from None
-        return patterns
+    def keep_node_patterns(self) -> list[NodePattern]:
+        """`--keep-node` entries as whole-name regexes (a plain name matches itself)."""
+        return [NodePattern(entry) for entry in self.keep_nodes]
 
 
 def _str_list(entries: object, path: Path, key: str) -> list[str]:
