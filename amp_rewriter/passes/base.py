@@ -79,7 +79,8 @@ class PassContext:
         key = (id(tensor), dtype)
         result = self.range_checks.get(key)
         if result is None:
-            result = check_range(np.asarray(tensor.numpy(), dtype=np.float32), dtype)
+            values = np.asarray(tensor.stored(), dtype=np.float32)  # compact: not expanded
+            result = check_range(values, dtype, tensor.size - values.size)
             self.range_checks[key] = result
         return result
 

@@ -10,7 +10,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 from ...errors import AmpError
-from ...validation import OutputComparison, compare_outputs
+from ...validation import OutputComparison, check_random_shape, compare_outputs
 
 SYMBOLIC_DIM_SIZE = 2
 
@@ -18,6 +18,7 @@ SYMBOLIC_DIM_SIZE = 2
 def _random_array(rng: np.random.Generator, dtype: tf.DType, dims: list[int | None], name: str
                   ) -> np.ndarray:
     shape = [SYMBOLIC_DIM_SIZE if d is None or d < 0 else d for d in dims]
+    check_random_shape(name, shape)
     if dtype.is_floating:
         return rng.standard_normal(shape).astype(np.float32).astype(dtype.as_numpy_dtype)
     if dtype.is_integer:
@@ -47,8 +48,12 @@ def run_graphdef(graph_def: graph_pb2.GraphDef, fetches: list[str],
     """Run a GraphDef in a tf.compat.v1 Session on the CPU (variables are initialized by running
     their initializers, `<variable>/Assign`, first; a Saver's restore assigns are left alone)."""
     graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.import_graph_def(graph_def, name="")
+    try:
+        with graph.as_default():
+            tf.compat.v1.import_graph_def(graph_def, name="")
+    except Exception as exc:  # TF raises ValueError / InvalidArgumentError
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AmpError(f"TensorFlow cannot import a graph to run it: {detail}") from None
     names = [f if ":" in f else f"{f}:0" for f in fetches]
     feed = {f"{k}:0" if ":" not in k else k: v for k, v in feeds.items()}
     assigns = [nd.name for nd in graph_def.node
