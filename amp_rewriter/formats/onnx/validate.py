@@ -21,7 +21,7 @@ from onnx import external_data_helper
 
 from ...errors import AmpError
 from ...ir import Graph, Node, TypeGroup, Value
-from ...validation import EMULATED, OutputComparison, compare_outputs
+from ...validation import EMULATED, OutputComparison, check_random_shape, compare_outputs
 from . import ort_registry
 from .load import (
     PROTOBUF_LIMIT,
@@ -93,6 +93,7 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray
             raise AmpError(f"input {info.name!r}: cannot make random data of elem_type "
                            f"{tt.elem_type}; pass --inputs")
         shape = validation_shape(info)
+        check_random_shape(info.name, shape)
         lower = info.name.lower()
         if dtype == np.bool_:
             data = rng.random(shape) > 0.5
