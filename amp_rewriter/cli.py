@@ -18,11 +18,11 @@ from typing import NoReturn
 from . import formats
 from .cost import summary_line
 from .errors import AmpError, CheckFailed
-from .fileio import write_atomically
+from .fileio import check_input_path, check_output_path, write_atomically
 from .ir import short_name
 from .options import Options, TrainingOptions, cli_flags, cli_given, from_cli
 from .report import Report
-from .validation import default_rtol
+from .validation import default_rtol, load_inputs
 
 PROG = "amp-rewriter"
 #: Where validation runs the converted model (ONNX: onnxruntime's CPU or CUDA provider).
@@ -91,6 +91,8 @@ def _refuse_report_over_model(args: argparse.Namespace) -> None:
     if args.report and Path(args.report).resolve() in (Path(args.input).resolve(),
                                                          Path(args.output).resolve()):
         raise AmpError("--report must not be the input or output model path")
+    if args.report:  # before converting: a report that cannot be written fails the run late
+        check_output_path(args.report)
 
 
 def _run_convert(args: argparse.Namespace) -> int:
@@ -102,6 +104,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         raise AmpError("--device only makes sense with --validate")
     if args.rtol is not None and not args.rtol >= 0:  # also refuses nan
         raise AmpError(f"--rtol must be a number >= 0, got {args.rtol}")
+    check_input_path(args.input)
     fmt = formats.for_path(args.input)
     training_given = cli_given(args, TrainingOptions)
     training = None
@@ -115,6 +118,8 @@ def _run_convert(args: argparse.Namespace) -> int:
         raise AmpError(f"{', '.join(flags)} only apply with --training")
     options = from_cli(args, Options)
     _refuse_report_over_model(args)
+    if args.inputs:
+        load_inputs(args.inputs)  # a bad inputs file is refused before anything is written
     report = fmt.convert_file(Path(args.input), Path(args.output), options, training)
     status = 0
     for warning in report.warnings:
@@ -125,6 +130,8 @@ def _run_convert(args: argparse.Namespace) -> int:
         except AmpError:
             fmt.discard_output(Path(args.output))  # leave no unvalidated model for a build
             raise
+        if status:
+            fmt.discard_output(Path(args.output))  # nor one that failed validation
     if args.report:
         write_atomically(args.report, report.to_json().encode())
     if not args.quiet:
@@ -192,6 +199,9 @@ def _training_line(training: dict) -> str:
 
 
 def _run_check(args: argparse.Namespace) -> int:
+    check_input_path(args.model)
+    if args.reference:
+        check_input_path(args.reference, "--reference")
     fmt = formats.for_path(args.model)
     result = fmt.check(Path(args.model), args.target, args.backend,
                        Path(args.reference) if args.reference else None, args.rtol, args.device)
@@ -215,6 +225,7 @@ def _run_explain(args: argparse.Namespace) -> int:
     from .report import explain_text, load_report
 
     source = Path(args.source)
+    check_input_path(source)
     if formats.detect(source) == "tf" or source.suffix == ".onnx":
         report = formats.for_path(source).explain(source, from_cli(args, Options))
     else:

@@ -16,6 +16,7 @@ import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
 from ...errors import AmpError
+from ...fileio import check_output_path
 from ...ir import Graph, IRError, LazyTensor, Model, Node, Value, present
 from ...ir.dtypes import NUMPY_DTYPES
 from .load import PROTOBUF_LIMIT, all_tensors, elem_type_code
@@ -161,6 +162,9 @@ def save_onnx(model: onnx.ModelProto, path: str | os.PathLike,
         raise AmpError(f"{path}: output folder {out_dir} does not exist")
     if external is None:
         external = has_external_data(model) or model.ByteSize() > PROTOBUF_LIMIT
+    check_output_path(path)
+    if external:
+        check_output_path(out_dir / (path.name + ".data"))
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".amp-rewriter-") as tmp:
         tmp_model = Path(tmp) / path.name
         if external:
