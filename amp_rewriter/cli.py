@@ -88,11 +88,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _refuse_report_over_model(args: argparse.Namespace) -> None:
-    if args.report and Path(args.report).resolve() in (Path(args.input).resolve(),
-                                                         Path(args.output).resolve()):
+    if args.report and os.path.realpath(args.report) in (os.path.realpath(args.input),
+                                                           os.path.realpath(args.output)):
         raise AmpError("--report must not be the input or output model path")
     if args.report:  # before converting: a report that cannot be written fails the run late
         check_output_path(args.report)
+    _refuse_writing_inputs(args)
+
+
+def _input_files(args: argparse.Namespace) -> list[Path]:
+    """Every file or folder the run reads: the model (a SavedModel folder whole), an ONNX
+    model's external data files, --inputs and --config."""
+    found = [Path(args.input)]
+    if Path(args.input).is_file() and not formats.detect(args.input) == "tf":
+        from .formats.onnx.load import external_locations
+
+        found += external_locations(Path(args.input))
+    found += [Path(p) for p in (args.inputs, getattr(args, "config", None)) if p]
+    return found
+
+
+def _refuse_writing_inputs(args: argparse.Namespace) -> None:
+    """Refuse an output, its .data or a report that is (or lies inside) a file the run reads."""
+    inputs = [Path(os.path.realpath(path)) for path in _input_files(args)]
+    destinations = [("the output", Path(args.output)),
+                    ("the output's data file", Path(f"{args.output}.data"))]
+    if args.report:
+        destinations.append(("--report", Path(args.report)))
+    for what, destination in destinations:
+        target = Path(os.path.realpath(destination))  # a symlink loop does not raise here
+        for source in inputs:
+            if target == source or target.is_relative_to(source):
+                raise AmpError(f"{what} {destination} is {'inside ' if target != source else ''}"
+                               f"an input ({source.name}); refusing to overwrite it")
 
 
 def _run_convert(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ def check_output_path(path: str | os.PathLike) -> None:
     """Refuse an output file path that cannot or must not be written: its folder is missing,
     or it is a directory, a FIFO, a device or a socket (the rename would replace the node)."""
     target = Path(path)
-    parent = target.resolve().parent
+    parent = Path(os.path.realpath(target)).parent  # realpath: a symlink loop does not raise
     if not parent.is_dir():
         raise AmpError(f"{path}: output folder {parent} does not exist")
     if target.is_dir():
@@ -37,7 +37,7 @@ def write_atomically(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` so that a failure never leaves a partial file behind."""
     target = Path(path)
     check_output_path(target)
-    parent = target.resolve().parent
+    parent = Path(os.path.realpath(target)).parent
     fd, tmp = tempfile.mkstemp(dir=parent, prefix=".amp-rewriter-")
     try:
         with os.fdopen(fd, "wb") as handle:

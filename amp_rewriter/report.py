@@ -124,14 +124,45 @@ def load_report(path: str | Path) -> Report:
     text = read_input_text(path, "report")
     try:
         data = json.loads(text)
+        _check_report_shape(data)
         return Report(data["target"], data["backend"], data["summary"], data["nodes"],
                       data.get("constants", []), data.get("passes", []), data.get("validation"),
                       training=data.get("training"), optimizer=data.get("optimizer"),
                       cost=data.get("cost"), weights=data.get("weights"))
-    except FileNotFoundError:
-        raise AmpError(f"{path}: no such report") from None
+    except _ReportShapeError as exc:
+        raise AmpError(f"{path}: not an amp-rewriter report ({exc})") from None
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise AmpError(f"{path}: not an amp-rewriter report ({exc.__class__.__name__})") from None
+
+
+class _ReportShapeError(Exception):
+    """What of a report JSON is not as `convert --report` writes it."""
+
+
+def _check_report_shape(data: Any) -> None:
+    """The fields `explain` reads, with their types: a hand-edited or foreign JSON file is
+    refused in one line instead of failing half-way through the explanation."""
+    def need(mapping: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+        if not isinstance(mapping, dict) or not isinstance(mapping.get(key), kind):
+            raise _ReportShapeError(f"{where} has no {key!r} of the right type")
+        return mapping[key]
+
+    need(data, "target", str, "the report")
+    need(data, "backend", str, "the report")
+    need(data, "summary", dict, "the report")
+    for index, node in enumerate(need(data, "nodes", list, "the report")):
+        for key in ("name", "op", "class", "precision", "reason"):
+            need(node, key, str, f"node {index}")
+        groups = node.get("groups", [])
+        if not isinstance(groups, list):
+            raise _ReportShapeError(f"node {index} has no list of type groups")
+        for group in groups:
+            for key in ("group", "precision", "reason"):
+                need(group, key, str, f"a type group of node {index}")
+            via = group.get("via")
+            if via is not None and not (isinstance(via, dict) and isinstance(via.get("node"), str)
+                                        and isinstance(via.get("group"), str)):
+                raise _ReportShapeError(f"a type group of node {index} has a malformed 'via'")
 
 
 def explain_text(report: Report, node_name: str) -> str:

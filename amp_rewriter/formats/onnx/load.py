@@ -282,6 +282,22 @@ def lazy_tensor(tensor: onnx.TensorProto, base_dir: Path | None) -> LazyTensor:
                       _tensor_loader(tensor, base_dir), handle=tensor)
 
 
+def external_locations(path: Path) -> list[Path]:
+    """The external data files an .onnx file names (inside its folder; others are refused when
+    it loads); none for a file that does not parse."""
+    try:
+        model = read_model_file(path)
+    except AmpError:
+        return []
+    base = path.resolve().parent
+    found = []
+    for tensor in all_tensors(model.graph):
+        location = next((e.value for e in tensor.external_data if e.key == "location"), None)
+        if tensor.data_location == onnx.TensorProto.EXTERNAL and location and "\0" not in location:
+            found.append(base / location)
+    return sorted(set(found))
+
+
 def read_model_file(path: str | os.PathLike) -> onnx.ModelProto:
     """Parse an .onnx file without loading external data; bad files raise AmpError."""
     data = read_input_bytes(path, "expected an .onnx file or a SavedModel directory (one with "
