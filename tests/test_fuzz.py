@@ -18,7 +18,7 @@ import pytest
 from conftest import REPO_ROOT
 
 #: Generated cases in the quick sample (the full run has 2000 and more).
-QUICK_CASES = 250
+QUICK_CASES = 200
 
 
 def _recipe(name: str, family: str, **fields) -> dict:
