@@ -25,11 +25,12 @@ def exported(tmp_path_factory) -> Path:
     """A Keras CNN exported with `model.export` (each variable tracked twice)."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((16, 16, 3), name="image")
-    x = keras.layers.Conv2D(8, 3, padding="same")(inputs)
-    x = keras.layers.BatchNormalization()(x)
+    # Named layers: Keras numbers unnamed ones per process (conv2d_3 after other tests).
+    x = keras.layers.Conv2D(8, 3, padding="same", name="conv2d")(inputs)
+    x = keras.layers.BatchNormalization(name="batch_normalization")(x)
     x = keras.layers.ReLU()(x)
     x = keras.layers.GlobalAveragePooling2D()(x)
-    outputs = keras.layers.Dense(5)(x)
+    outputs = keras.layers.Dense(5, name="dense")(x)
     path = tmp_path_factory.mktemp("cnn") / "saved"
     keras.Model(inputs, outputs).export(str(path), verbose=False)
     return path
