@@ -72,6 +72,9 @@ class Report:
     #: What the conversion buys and costs (`amp_rewriter.cost`): activation bytes moved in low
     #: precision vs fp32, compute ops left fp32 and why, casts by reason.
     cost: dict[str, Any] | None = None
+    #: Structural rules applied: attention masks (with the saturation added), tanh-GELU cubes,
+    #: index math kept fp32, the user's pattern rules; each with its nodes and reason.
+    structures: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -114,7 +117,7 @@ def build_report(ctx: PassContext, original_nodes: list[tuple[Node, str]],
     return Report(ctx.options.target, ctx.options.backend or "", summary, entries,
                   [asdict(c) for c in ctx.constants],
                   [{"name": r.name, "changed": r.changed, "notes": r.notes} for r in results],
-                  cost=cost)
+                  cost=cost, structures=[asdict(s) for s in ctx.structures])
 
 
 def load_report(path: str | Path) -> Report:
@@ -128,7 +131,8 @@ def load_report(path: str | Path) -> Report:
         return Report(data["target"], data["backend"], data["summary"], data["nodes"],
                       data.get("constants", []), data.get("passes", []), data.get("validation"),
                       training=data.get("training"), optimizer=data.get("optimizer"),
-                      cost=data.get("cost"), weights=data.get("weights"))
+                      cost=data.get("cost"), weights=data.get("weights"),
+                      structures=data.get("structures", []))
     except _ReportShapeError as exc:
         raise AmpError(f"{path}: not an amp-rewriter report ({exc})") from None
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:

@@ -61,4 +61,28 @@ ONNX_RULES = FormatRules(
         "com.microsoft.DecoderMaskedMultiHeadAttention", "com.microsoft.PackedAttention",
         "com.microsoft.PackedMultiHeadAttention", "com.microsoft.MatMulNBits",
     }),
+    arithmetic={"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow",
+                "Tanh": "tanh", "Softmax": "softmax"},
+    # Inputs that are shapes, sizes, coordinates or indices (float ones included: Range's
+    # bounds, Resize's roi/scales); a float computation feeding them is index math.
+    index_slots=frozenset({
+        ("Range", 0), ("Range", 1), ("Range", 2), ("Reshape", 1), ("Expand", 1), ("Tile", 1),
+        ("ConstantOfShape", 0), ("Slice", 1), ("Slice", 2), ("Slice", 3), ("Slice", 4),
+        ("Resize", 1), ("Resize", 2), ("Resize", 3), ("Upsample", 1), ("Pad", 1), ("TopK", 1),
+        ("OneHot", 1), ("Squeeze", 1), ("Unsqueeze", 1), ("Trilu", 1), ("CenterCropPad", 1),
+    }),
+    rounding_ops=frozenset({"Floor", "Ceil", "Round"}),
+    metadata_ops=frozenset({"Shape", "Size"}),
+    lookup_ops=frozenset({"Gather", "GatherElements", "GatherND"}),
+    mask_build_ops=frozenset({
+        "Where", "Mul", "Sub", "Add", "Div", "Neg", "Expand", "Cast", "Reshape", "Unsqueeze",
+        "Squeeze", "Concat", "Tile", "Slice", "Transpose", "Gather", "Identity", "Trilu",
+        "Min", "Max", "Clip", "Flatten",
+    }),
+    mask_carry_ops={
+        "Reshape": (0,), "Transpose": (0,), "Squeeze": (0,), "Unsqueeze": (0,), "Expand": (0,),
+        "Slice": (0,), "Gather": (0,), "Tile": (0,), "Identity": (0,), "Flatten": (0,),
+        "Split": (0,), "Cast": (0,), "Where": (1, 2), "Concat": tuple(range(64)),
+    },
+    saturate_op="Clip",
 )

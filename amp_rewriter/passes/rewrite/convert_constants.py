@@ -23,8 +23,10 @@ def _converted_tensor(tensor: LazyTensor, dtype: str, clamp: bool, name: str,
     array = np.asarray(tensor.stored() if tensor.compact else tensor.numpy(), dtype=np.float32)
     result = ctx.range_check(tensor, dtype)
     if result.overflowed and not clamp:
-        ctx.constants.append(ConstantRecord(name, "kept_fp32", tensor.size, result.overflowed,
-                                            result.flushed_to_zero, "overflows; cast kept"))
+        if not any(r.name == name and r.action == "kept_fp32" for r in ctx.constants):
+            ctx.constants.append(ConstantRecord(name, "kept_fp32", tensor.size,
+                                                result.overflowed, result.flushed_to_zero,
+                                                "overflows; cast kept"))
         return None
     converted = convert_array(array, dtype, clamp)
     action = "clamped" if result.overflowed else "converted"
