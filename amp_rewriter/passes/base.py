@@ -125,6 +125,8 @@ class PassContext:
     #: Attention masks whose masked sums get saturated before their Softmax (see
     #: passes/analysis/attention_masks.py).
     saturations: list[SaturationPlan] = field(default_factory=list)
+    #: ids of nodes a user's pattern rule decided: structural rules leave them as the user said.
+    user_rule_nodes: set[int] = field(default_factory=set)
 
     @property
     def target_dtype(self) -> str:

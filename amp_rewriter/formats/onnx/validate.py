@@ -438,6 +438,14 @@ def _how_outputs_were_computed(graph: Graph, emulated_ids: set[int]
 def emulate_bfloat16(model: onnx.ModelProto) -> onnx.ModelProto:
     """An fp32-compute copy of a bf16 model: every bf16 node computes in fp32 with its bf16
     outputs rounded where they are produced (`emulate_low_precision` with every node emulated)."""
+    return emulate_rounding(model)
+
+
+def emulate_rounding(model: onnx.ModelProto) -> onnx.ModelProto:
+    """An fp32-compute copy of a low-precision model with every fp16/bf16 tensor rounded where it
+    is produced. Unlike a plain run on the CPU provider, which computes an fp16 op without a CPU
+    kernel in fp32 and drops the casts around it (so a cast of -3.4e38 to fp16 is not -inf
+    there), every rounding and overflow of the target happens."""
     return emulate_low_precision(model, emulate_all=True).model
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...ir import ALLOW, FLOAT32, FLOAT_DTYPES, Node, TypeGroup, Value, decisions
+from ...ir import FLOAT32, FLOAT_DTYPES, Node, TypeGroup, Value, decisions
 from ...ir.dtypes import FINITE_MAX
 from ..base import (
     ConstantRecord,
@@ -49,6 +49,7 @@ from ..base import (
     StructureRecord,
     register_pass,
 )
+from .structures import heavy
 
 
 @dataclass
@@ -97,8 +98,7 @@ def _after_heavy_ops(ctx: PassContext) -> set[int]:
     such as attention scores, as opposed to masks built from inputs and constants."""
     tainted: set[int] = set()
     for node in ctx.model.graph.nodes:
-        if node.op_class == ALLOW or any(v is not None and id(v) in tainted
-                                         for v in node.inputs):
+        if heavy(node) or any(v is not None and id(v) in tainted for v in node.inputs):
             tainted.update(id(v) for v in node.outputs if v is not None)
     return tainted
 
@@ -260,6 +260,9 @@ def find_attention_masks(ctx: PassContext) -> tuple[int, list[str]]:
     accepted = 0
     notes = []
     for mask in find_masks(ctx):
+        ruled = [n.name for n in mask.construction if id(n) in ctx.user_rule_nodes]
+        if ruled and not mask.refused:
+            mask.refused = f"a pattern rule decides its construction ({', '.join(ruled)})"
         if mask.refused:
             notes.append(f"mask from {', '.join(mask.constants)} left to the constant-range "
                          f"rule: {mask.refused}")
@@ -268,8 +271,7 @@ def find_attention_masks(ctx: PassContext) -> tuple[int, list[str]]:
         for node in mask.construction:
             ctx.focus = node
             for group in node.type_groups:
-                if group.dtype == FLOAT32 and not group.fixed \
-                        and node.class_kind != decisions.USER_OVERRIDE:
+                if group.dtype == FLOAT32 and not group.fixed:
                     group.paintable = False
                     group.reason, group.kind = (f"builds an {why[0].lower()}{why[1:]}",
                                                 decisions.STRUCTURE)

@@ -116,31 +116,35 @@ def _is_float(value: Value | None) -> bool:
     return value is not None and value.original_dtype in FLOAT_DTYPES
 
 
+def heavy(node: Node) -> bool:
+    """Whether `node` is a heavy compute op (allow-class by the op lists, not by a user's move):
+    its outputs are activations."""
+    return node.op_class == ALLOW and node.class_kind != decisions.USER_OVERRIDE
+
+
 def index_math_values(graph: Graph, rules: FormatRules) -> set[int]:
-    """ids of the float values computed only from constants and integer tensors (shapes,
-    positions, lengths, boolean masks), without a heavy (allow-class) op or a table lookup."""
-    known: set[int] = set()  # float values that are index math
-    for sub in graph.walk_graphs():
-        if sub is not graph:
-            continue  # bodies of If/Loop/Scan: their inputs are not known to be integers
-        for value in sub.initializers.values():
-            if _is_float(value) and not value.overridable:
-                known.add(id(value))
-        for node in sub.nodes:
-            if node.subgraphs or node.op_class == ALLOW:
-                continue
-            if node.op_type in rules.lookup_ops and _is_float(node.inputs[0] if node.inputs
-                                                             else None):
-                continue  # an embedding row: data
-            inputs = [v for v in node.inputs if v is not None]
-            if not inputs and node.op_type not in rules.constant_fill_attrs \
-                    and not (node.outputs and node.outputs[0] is not None
-                             and node.outputs[0].const is not None):
-                continue  # random ops and the like
-            if all(id(v) in known or not _is_float(v) for v in inputs):
-                for out in node.outputs:
-                    if _is_float(out):
-                        known.add(id(out))
+    """ids of the float values of the main graph computed without a heavy (allow-class) op, a
+    table lookup (an embedding row is data) or a control-flow op: from graph inputs, constants
+    and integers (shapes, positions, lengths, boolean masks) through light arithmetic."""
+    known: set[int] = set()
+    for value in list(graph.inputs) + list(graph.initializers.values()):
+        if _is_float(value):
+            known.add(id(value))
+    for node in graph.nodes:
+        if node.subgraphs or heavy(node):
+            continue
+        if node.op_type in rules.lookup_ops and _is_float(node.inputs[0] if node.inputs
+                                                         else None):
+            continue  # an embedding row: data
+        inputs = [v for v in node.inputs if v is not None]
+        if not inputs and node.op_type not in rules.constant_fill_attrs \
+                and not (node.outputs and node.outputs[0] is not None
+                         and node.outputs[0].const is not None):
+            continue  # random ops and the like
+        if all(id(v) in known or not _is_float(v) for v in inputs):
+            for out in node.outputs:
+                if out is not None and _is_float(out):
+                    known.add(id(out))
     return known
 
 
@@ -166,9 +170,10 @@ def keep_index_math_fp32(ctx: PassContext) -> tuple[int, list[str]]:
 
     Walks back from every float input that becomes an integer or a shape (Cast to an integer
     type, comparisons, Floor/Ceil/Round, the format's index slots) through the float values
-    computed only from constants and integers (`index_math_values`): fp16 represents integers
+    computed without a heavy op or a lookup (`index_math_values`): fp16 represents integers
     exactly only up to 2048 (bf16: 256), so a length, position or bucket computed there could
-    round to a neighbour.
+    round to a neighbour. A comparison or rounding of activations (downstream of a MatMul or
+    Conv) is not index math and is left alone.
     """
     graph = ctx.model.graph
     rules = ctx.rules
@@ -182,12 +187,13 @@ def keep_index_math_fp32(ctx: PassContext) -> tuple[int, list[str]]:
         if seed is None or id(seed) not in index_math or seed.const is not None:
             continue
         use = f"{seed_node.name} ({seed_node.op_type})"
-        why = (f"computes a shape, length or index from integers and constants (used by {use}): "
+        why = (f"computes a shape, length or index (used by {use}), without a heavy op: "
                f"kept fp32, which holds integers exactly up to 2^24 ({ctx.options.target}: "
                f"{2048 if ctx.options.target == 'fp16' else 256})")
         names: list[str] = []
         group = seed_node.input_group[slot] if slot < len(seed_node.input_group) else None
-        if group is not None and group.name not in follow.get(seed_node.op_type, ()):
+        if group is not None and group.name not in follow.get(seed_node.op_type, ()) \
+                and id(seed_node) not in ctx.user_rule_nodes:
             pinned += _pin(group, why, names)
         stack = [seed]
         while stack:
@@ -196,6 +202,8 @@ def keep_index_math_fp32(ctx: PassContext) -> tuple[int, list[str]]:
             if producer is None or id(producer) in visited or producer.graph is not graph:
                 continue
             visited.add(id(producer))
+            if id(producer) in ctx.user_rule_nodes:
+                continue  # the user's pattern rule decided this node
             for g in producer.type_groups:
                 pinned += _pin(g, why, names)
             stack.extend(v for v in producer.inputs
@@ -207,8 +215,7 @@ def keep_index_math_fp32(ctx: PassContext) -> tuple[int, list[str]]:
 
 def _pin(group: TypeGroup, why: str, names: list[str]) -> int:
     """Keep a paintable float group fp32 for the index-math rule; 1 when it changed."""
-    if not group.paintable or group.dtype != FLOAT32 \
-            or group.node.class_kind == decisions.USER_OVERRIDE:
+    if not group.paintable or group.dtype != FLOAT32:
         return 0
     group.paintable = False
     group.reason, group.kind = why, decisions.STRUCTURE
@@ -263,6 +270,7 @@ def apply_pattern_rules(ctx: PassContext) -> tuple[int, list[str]]:
                 continue
             reason = f"{rule.describe()} ({rule.source})"
             set_class(ctx, node, rule.op_class or FP32, reason, decisions.USER_OVERRIDE)
+            ctx.user_rule_nodes.add(id(node))
             hits.setdefault(index, []).append(node.name)
             changed += 1
             break  # the first matching rule wins
