@@ -129,11 +129,17 @@ def test_padding_mask_runs_fp16_and_masked_rows_match_fp32(builder):
     model = scores_model(builder)
     converted, report = convert(model)
     assert_low_precision_path(report)
-    # The construction stays fp32, by structure, with the reason naming the constant.
     entry = report.node("mask")
-    assert entry["precision"] == "fp32" and entry["kind"] == "structure"
-    assert "'min'" in entry["reason"] and "saturated" in entry["reason"]
-    # Casts: x in, the mask into the scores path, the two outputs back to fp32.
+    if builder is mul_mask:
+        # Arithmetic on the mask stays fp32, by structure, with the reason naming the constant
+        # ((1 - m) * -inf would be NaN where m is 1).
+        assert entry["precision"] == "fp32" and entry["kind"] == "structure"
+        assert "'min'" in entry["reason"] and "saturated" in entry["reason"]
+    else:
+        # Where only selects: it runs fp16, the constant entering it as -inf (a runtime cast).
+        assert entry["precision"] == "fp16"
+        assert "mask" in report.structures[0]["nodes"]
+    # Casts: x in, the mask (or its constant) into the fp16 path, the two outputs back to fp32.
     assert count_casts(converted) == 4
     keep = keep_rows()
     feeds = {"x": scores_input(), "keep": keep.astype(bool), "m": keep}

@@ -7,7 +7,9 @@ Softmax would keep the whole mask path fp32 under the constant-range rule: two c
 the scores path in low precision instead:
 
 - the mask *construction* (from the constant to where it meets the scores: small [B,1,1,S] /
-  [1,1,S,S] tensors) stays fp32, so the constant keeps its exact value;
+  [1,1,S,S] tensors) stays fp32 where it computes (Mul, Sub, Add of masks), so the constant keeps
+  its exact value; steps that only select or move mask values (Where(m, 0, min), Expand, ...)
+  may run low precision, the constant entering them as -inf;
 - where the mask joins the scores (an add), it enters low precision through a cast that turns
   every value beyond the range into -inf (IEEE rounding), so a masked score is -inf whatever the
   score was;
@@ -234,6 +236,33 @@ def _sum_step(node: Node, kind: str, sum_slots: list[int], mask_slots: list[int]
             f"Softmax input nor a step that keeps -inf meaningful")
 
 
+def _selection_only(mask: _Mask, ctx: PassContext) -> list[Node]:
+    """Construction nodes that only move or select mask values (Where(m, 0, min), Expand,
+    Reshape, ...) and whose results reach only joins or other such nodes: they may run in low
+    precision, the constant entering them as -inf through a runtime cast, since no arithmetic
+    sees the -inf before the saturated sum. Arithmetic (Mul, Sub, Add of masks) and constant
+    fills stay fp32: (1 - m) * -inf would be NaN where m is 1."""
+    carry = ctx.rules.mask_carry_ops
+    joins = {id(n) for n in mask.joins + mask.region + mask.sinks}
+    fills = {id(n) for n in mask.construction if not any(v is not None for v in n.inputs)
+             or n.op_type in ctx.rules.constant_fill_attrs}
+    selecting = {id(n): n for n in mask.construction
+                 if n.op_type in carry and id(n) not in fills}
+    changed = True
+    while changed:
+        changed = False
+        for key, node in list(selecting.items()):
+            for out in node.outputs:
+                if out is None or not _is_float(out):
+                    continue
+                if out.graph_output_uses or not all(id(c) in joins or id(c) in selecting
+                                                    for c, _ in out.uses):
+                    del selecting[key]
+                    changed = True
+                    break
+    return [n for n in mask.construction if id(n) in selecting]
+
+
 def _explain(mask: _Mask, ctx: PassContext) -> str:
     limit = FINITE_MAX[ctx.target_dtype]
     names = ", ".join(repr(c) for c in mask.constants)
@@ -268,14 +297,17 @@ def find_attention_masks(ctx: PassContext) -> tuple[int, list[str]]:
                          f"rule: {mask.refused}")
             continue
         why = _explain(mask, ctx)
+        selecting = _selection_only(mask, ctx)
         for node in mask.construction:
             ctx.focus = node
+            if node in selecting:
+                continue  # moves or selects mask values only: may carry -inf in low precision
             for group in node.type_groups:
                 if group.dtype == FLOAT32 and not group.fixed:
                     group.paintable = False
                     group.reason, group.kind = (f"builds an {why[0].lower()}{why[1:]}",
                                                 decisions.STRUCTURE)
-        region: list[TypeGroup] = [g for n in mask.joins + mask.region + mask.sinks
+        region: list[TypeGroup] = [g for n in selecting + mask.joins + mask.region + mask.sinks
                                    for g in n.type_groups if g.dtype == FLOAT32]
         record = StructureRecord("attention_mask",
                                  [n.name for n in mask.construction + mask.joins + mask.sinks],
