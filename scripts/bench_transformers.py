@@ -565,9 +565,8 @@ def main(argv: list[str] | None = None) -> int:
                 by_converter[converter] = measures
                 results.append({"model": model, "variant": variant, "converter": converter,
                                 "measures": measures})
-                print(f"[{model} {variant}] {converter}: "
-                      f"{measures.get('error') or 'converted in %.2f s' % measures['seconds']}",
-                      flush=True)
+                outcome = measures.get("error") or f"converted in {measures['seconds']:.2f} s"
+                print(f"[{model} {variant}] {converter}: {outcome}", flush=True)
             if "ours" in by_converter and "ort" in by_converter:
                 checks.append({"model": model, "variant": variant, "float_io": io_count,
                                **acceptance(by_converter["ours"], by_converter["ort"],
