@@ -302,3 +302,17 @@ def test_mask_conversion_is_deterministic():
     second, _ = convert(model)
     assert first.SerializeToString(deterministic=True) == \
         second.SerializeToString(deterministic=True)
+
+
+def test_user_allowed_join_before_an_fp32_softmax_gets_the_saturation_too():
+    """Regression: with Add moved to the allow list and the Softmax fp32 (ort-cpu), the mask Add
+    ran fp16 (s + -inf) and the fp32 Softmax saw a row of -inf: NaN. The Clip now saturates the
+    masked sum in front of the fp32 Softmax too."""
+    model = scores_model(where_mask)
+    converted, report = convert(model, backend="ort-cpu", allow=["Add"])
+    decided = precisions(report)
+    assert decided["join"] == "fp16" and decided["softmax"] == "fp32"
+    feeds = {"x": scores_input(), "keep": keep_rows().astype(bool)}
+    actual = probabilities(converted, feeds)
+    assert np.isfinite(actual).all()
+    np.testing.assert_array_equal(actual[3], UNIFORM32)

@@ -293,8 +293,8 @@ def find_attention_masks(ctx: PassContext) -> tuple[int, list[str]]:
         if ruled and not mask.refused:
             mask.refused = f"a pattern rule decides its construction ({', '.join(ruled)})"
         if mask.refused:
-            notes.append(f"mask from {', '.join(mask.constants)} left to the constant-range "
-                         f"rule: {mask.refused}")
+            notes.append(f"constant(s) {', '.join(mask.constants)}: not an attention mask the "
+                         f"rule can take ({mask.refused}); left to the constant-range rule")
             continue
         why = _explain(mask, ctx)
         selecting = _selection_only(mask, ctx)

@@ -241,7 +241,9 @@ def fill_tail_to_outputs(p: Painting) -> int:
                 if producer is None or producer not in p.allow:
                     closed = False
                 entering.add(id(value))
-        leaving = {id(v) for g in component for v in gg.defined_values(g) if v.graph_output_uses}
+        nodes = {id(g.node) for g in component}
+        leaving = {id(v) for g in component for v in gg.defined_values(g)
+                   if v.graph_output_uses or any(id(c) not in nodes for c, _ in v.uses)}
         if not closed or not entering or len(leaving) >= len(entering):
             continue
         for g in sorted(component):
