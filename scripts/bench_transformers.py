@@ -26,7 +26,8 @@ input/output kept fp32; no compute op fp32 that theirs converts; byte share >= t
 error <= 1.5x theirs; no NaN/Inf where fp32 has none.
 
 AutoCast (nvidia-modelopt) is optional: install it without its CUDA dependencies,
-``pip install --no-deps nvidia-modelopt==0.47.0 onnx-graphsurgeon nvidia-ml-py onnxslim lief``
+``pip install --no-deps nvidia-modelopt==0.47.0 onnx-graphsurgeon nvidia-ml-py onnxslim lief
+polygraphy``
 (a pyproject extra cannot say --no-deps, so it is not one). Without it its rows say why.
 """
 
