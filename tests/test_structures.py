@@ -179,6 +179,13 @@ precision = "fp32"
     assert [s["nodes"] for s in report.structures if s["rule"] == "pattern_rule"] == [["attn/scores"]]
 
 
+def test_pattern_rule_leaves_pinned_nodes_pinned(tmp_path):
+    config = write_config(tmp_path, '[[rules]]\nop = "Pow"\nfed_by = "MatMul"\nclass = "allow"\n')
+    _, report = convert(gelu_mlp(exponent=2.0), config=config, keep_nodes=["cube"])
+    assert precisions(report)["cube"] == "fp32"
+    assert report.node("cube")["reason"].startswith("pinned to fp32 by --keep-node")
+
+
 def test_pattern_rule_without_through_matches_direct_consumers_only(tmp_path):
     config = write_config(tmp_path, '[[rules]]\nop = "MatMul"\nfeeds = "Softmax"\n'
                                     'precision = "fp32"\n')

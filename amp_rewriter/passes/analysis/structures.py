@@ -257,6 +257,8 @@ def apply_pattern_rules(ctx: PassContext) -> tuple[int, list[str]]:
     hits: dict[int, list[str]] = {}
     for node in ctx.model.graph.walk_nodes():
         ctx.focus = node
+        if node.pin_reason:
+            continue  # --keep-node, or a front end's pin (TF fetch nodes): stays as pinned
         for index, rule in enumerate(rules):
             if node.op_type != rule.op and node.qualified_op != rule.op:
                 continue
