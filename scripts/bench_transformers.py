@@ -450,7 +450,7 @@ def measure(path: Path, feeds: dict[str, np.ndarray], reference: dict[str, np.nd
     except Exception as exc:  # noqa: BLE001
         result["loads_in_ort"] = str(exc).strip().splitlines()[0][:160]
     try:
-        emulated = emulate_rounding(onnx.load(str(path)), "float16")
+        emulated = emulate_rounding(onnx.load(str(path)))
         result["emulated"] = compare(reference, run_model(emulated, feeds))
     except Exception as exc:  # noqa: BLE001
         result["emulated"] = {"error": str(exc).strip().splitlines()[0][:160]}
