@@ -382,9 +382,10 @@ def test_optimize_then_convert_runs_every_fused_op_in_fp16(real_model, name, mod
     """`--optimize`: whatever onnxruntime's optimizer fuses in these exports (SkipLayerNormalization,
     BiasGelu / FastGelu) runs fp16 on ort-cuda, and the result stays as accurate as the plain conversion.
 
-    Except, in GPT-2, the last SkipLayerNormalization: it feeds only the final LayerNormalization and
-    the output, so no allow op lies downstream and the propagation keeps it fp32 (infer op not between
-    low-precision ops), as it keeps an unfused model's final LayerNormalization."""
+    Except, perhaps, in GPT-2, the last SkipLayerNormalization: it feeds only the final LayerNormalization
+    and the output, so no allow op lies downstream; the propagation moves it to fp16 only where that
+    needs fewer casts (fill_tail_to_outputs), else keeps it fp32 (infer op not between low-precision
+    ops), as it does an unfused model's final LayerNormalization."""
     case = real_model(name, opset)
     model, report = amp_rewriter.convert(
         case.fp32_path,
@@ -398,9 +399,10 @@ def test_optimize_then_convert_runs_every_fused_op_in_fp16(real_model, name, mod
     assert len(fused) == sum(count for op, count in added.items() if op.startswith("com.microsoft."))
     kept = [entry for entry in fused if entry["precision"] != "fp16"]
     if name == "gpt2":
-        assert [entry["reason"] for entry in kept] == [
-            "infer op not between low-precision ops: nothing would be gained by a cast"
-        ], kept
+        assert len(kept) <= 1 and all(
+            entry["reason"] == "infer op not between low-precision ops: nothing would be gained by a cast"
+            for entry in kept
+        ), kept
         fused = [entry for entry in fused if entry not in kept]
     assert fused and all(entry["precision"] == "fp16" for entry in fused), fused
     path = tmp_path / "optimized_fp16.onnx"
