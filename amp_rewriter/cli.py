@@ -18,13 +18,17 @@ from pathlib import Path
 from typing import NoReturn
 
 from . import formats
+from .cost import summary_line
 from .errors import AmpError, CheckFailed
-from .fileio import OutputTransaction, write_atomically
+from .fileio import OutputTransaction, check_input_path, write_atomically
+from .ir import short_name
 from .options import Options, TrainingOptions, cli_flags, cli_given, from_cli
 from .report import Report, to_json
-from .validation import default_rtol
+from .validation import default_rtol, load_inputs
 
 PROG = "amp-rewriter"
+#: Where validation runs the converted model (ONNX: onnxruntime's CPU or CUDA provider).
+DEVICES = ("cpu", "cuda")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,11 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--report", metavar="JSON", help="write the decisions as JSON")
     convert.add_argument("--validate", action="store_true",
                          help="run both models on the CPU (onnxruntime or TensorFlow) and "
-                              "compare outputs")
+                              "compare outputs; ONNX ops without a low-precision CPU kernel "
+                              "are emulated (fp32 compute, low-precision outputs rounded)")
     convert.add_argument("--inputs", metavar="NPZ",
                          help="inputs for --validate (.npz keyed by input / placeholder name)")
     convert.add_argument("--rtol", type=float, default=None,
                          help="largest relative error --validate accepts (fp16 2e-2, bf16 1e-1)")
+    convert.add_argument("--device", choices=DEVICES, default=None,
+                         help="where --validate runs the converted model: cpu (default: ops "
+                              "without a low-precision CPU kernel are emulated) or cuda "
+                              "(onnxruntime-gpu and a GPU)")
     convert.add_argument("--quiet", action="store_true", help="print only errors")
     training = convert.add_argument_group(
         "training graphs (TensorFlow .meta, or .pb/.pbtxt with --loss and --train-op)")
@@ -75,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "default: seeded random ones)")
     check.add_argument("--rtol", type=float, default=None,
                        help="largest relative error --reference accepts (fp16 2e-2, bf16 1e-1)")
+    check.add_argument("--device", choices=DEVICES, default="cpu",
+                       help="where --reference runs the model: cpu (default) or cuda")
     check.add_argument("--report", metavar="JSON", help="write the findings as JSON")
 
     explain = commands.add_parser("explain", help="why does a node run in its precision?")
@@ -126,7 +137,10 @@ def _run_convert(args: argparse.Namespace) -> int:
         raise AmpError("--inputs only makes sense with --validate")
     if args.rtol is not None and not args.validate:
         raise AmpError("--rtol only makes sense with --validate")
+    if args.device is not None and not args.validate:
+        raise AmpError("--device only makes sense with --validate")
     _check_rtol(args.rtol)
+    check_input_path(args.input)
     input_path, output_path = Path(args.input), Path(args.output)
     fmt = formats.for_path(input_path)
     training_given = cli_given(args, TrainingOptions)
@@ -140,6 +154,8 @@ def _run_convert(args: argparse.Namespace) -> int:
         flags = TrainingOptions(**training_given).given_flags()
         raise AmpError(f"{', '.join(flags)} only apply with --training")
     options = from_cli(args, Options)
+    if args.inputs:
+        load_inputs(args.inputs)  # a bad inputs file is refused before anything is converted
     library_warnings: list[str] = []
     # Everything the run writes is staged beside its destination and moved into place only
     # when the whole run succeeded (validation included): a failed run changes nothing.
@@ -162,9 +178,18 @@ def _run_convert(args: argparse.Namespace) -> int:
     # Warnings only once the run is through: an error (exit 2) prints that one line alone.
     _print_warnings(report)
     if not args.quiet:
+        if report.optimizer is not None:
+            print(_optimizer_line(report.optimizer))
         print(_summary_line(report, args.output))
+        if report.cost is not None:
+            print(summary_line(report.cost))
         if report.training is not None:
             print(_training_line(report.training))
+        if report.weights is not None:
+            w = report.weights
+            print(f"weights: {len(w['variables'])} variables stored in {short_name(w['dtype'])} "
+                  f"({w['bytes_before'] / 1e6:.1f} MB -> {w['bytes_after'] / 1e6:.1f} MB), read "
+                  f"without a cast (--keep-fp32-weights keeps them fp32)")
     return 0
 
 
@@ -178,14 +203,16 @@ def _validate(args: argparse.Namespace, fmt: formats.base.Format, report: Report
     """Run the fp32 model and the converted one (still at its staged path) on the same inputs;
     1 when an output is off."""
     rtol = default_rtol(options.target) if args.rtol is None else args.rtol
-    validation = fmt.validate(Path(args.input), converted, report, options, args.inputs, rtol)
+    validation = fmt.validate(Path(args.input), converted, report, options, args.inputs, rtol,
+                              args.device or "cpu")
     report.validation = validation.to_dict()
     if not args.quiet:
         for note in validation.notes:
             print(f"validate: {note}")
         for c in validation.comparisons:
             mark = "FAIL" if validation.failed(c) else "ok"
-            print(f"validate {c.name}: max_abs={c.max_abs:.3g} relative={c.relative:.3g} {mark}")
+            print(f"validate {c.name}: max_abs={c.max_abs:.3g} relative={c.relative:.3g} "
+                  f"{mark}{c.how()}")
     return 0 if validation.passed else 1
 
 
@@ -210,6 +237,12 @@ def _summary_line(report: Report, output: str) -> str:
             f"converted, {s['constants_kept_fp32']} kept fp32 for range{flushed} -> {output}")
 
 
+def _optimizer_line(optimizer: dict) -> str:
+    added = ", ".join(f"{count} {op}" for op, count in optimizer["ops_added"].items())
+    return (f"optimized with onnxruntime {optimizer['onnxruntime']}'s {optimizer['model_type']} "
+            f"fusions: {added or 'nothing fused'}")
+
+
 def _training_line(training: dict) -> str:
     rule = training["loss_scale_rule"]
     gated = len(training["update_ops_gated"])
@@ -229,6 +262,9 @@ def _run_check(args: argparse.Namespace) -> int:
     if args.rtol is not None and not args.reference:
         raise AmpError("--rtol only makes sense with --reference")
     _check_rtol(args.rtol)
+    check_input_path(args.model)
+    if args.reference:
+        check_input_path(args.reference, "--reference")
     model = Path(args.model)
     reference = Path(args.reference) if args.reference else None
     fmt = formats.for_path(model)
@@ -246,13 +282,16 @@ def _run_check(args: argparse.Namespace) -> int:
 
     with OutputTransaction(reads, every_file_read) as outputs:
         staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
-        result = fmt.check(model, args.target, args.backend, reference, args.rtol, args.inputs)
+        result = fmt.check(model, args.target, args.backend, reference, args.rtol, args.inputs,
+                           args.device)
         for note in result.notes:
             print(f"note: {note}")
         for problem in result.problems:
             print(f"{problem['kind']}: {problem['message']}")
         for output in result.outputs:
-            print(f"output {output['name']}: relative error {output['relative_error']:.3g}")
+            emulated = output.get("emulated_ops")
+            how = f" [emulated: {', '.join(emulated)}]" if emulated else ""
+            print(f"output {output['name']}: relative error {output['relative_error']:.3g}{how}")
         if staged_report is not None:  # the findings are the report: written pass or fail
             write_atomically(staged_report, to_json(result.to_dict()).encode())
             outputs.commit()
@@ -266,6 +305,7 @@ def _run_explain(args: argparse.Namespace) -> int:
     from .report import explain_text, load_report
 
     source = Path(args.source)
+    check_input_path(source)
     if formats.detect(source) == "tf" or source.suffix == ".onnx":
         report = formats.for_path(source).explain(source, from_cli(args, Options))
     else:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .errors import AmpError
+from .node_patterns import NodePattern
 from .op_lists import TARGETS, Overrides
 
 T = TypeVar("T")
@@ -64,10 +64,22 @@ class Options:
                                 negation="--no-keep-io-types")
     clamp: bool = _flag(False, "--clamp", "saturate constants beyond the target's range instead "
                                           "of keeping them fp32", kind="switch")
+    #: ONNX: onnxruntime's transformer optimizer (its fusions) runs first (formats/onnx/optimize).
+    optimize: str | None = _flag(
+        None, "--optimize", "ONNX: run onnxruntime's transformer optimizer for this model type "
+        "first (bert, gpt2, ...: its Attention, SkipLayerNormalization, ... fusions), then convert",
+        metavar="MODEL_TYPE")
+    num_heads: int | None = _flag(None, "--num-heads", "with --optimize: the attention heads "
+                                                       "(default: detected)", type=int)
+    hidden_size: int | None = _flag(None, "--hidden-size", "with --optimize: the hidden size "
+                                                           "(default: detected)", type=int)
+    keep_fp32_weights: bool = _flag(
+        False, "--keep-fp32-weights", "TensorFlow SavedModels: keep every variable fp32 (by "
+        "default variables read only in low precision are stored in it)", kind="switch")
     #: Python API only: run the format's validity check (onnx.checker, TF import) on the result.
     check: bool = True
     _overrides: Overrides = field(init=False, repr=False, compare=False)
-    _patterns: list[re.Pattern[str]] = field(init=False, repr=False, compare=False)
+    _patterns: list[NodePattern] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -76,6 +88,14 @@ class Options:
             setattr(self, name, _names(getattr(self, name)))
         if self.outputs is not None:
             self.outputs = _names(self.outputs) or None
+        for name, flag in (("num_heads", "--num-heads"), ("hidden_size", "--hidden-size")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if self.optimize is None:
+                raise AmpError(f"{flag} only applies with --optimize")
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise AmpError(f"{flag} must be a positive integer, got {value!r}")
         self._overrides = self._build_overrides()
         self._patterns = self._overrides.keep_node_patterns()
 
@@ -100,8 +120,9 @@ class Options:
         return self._overrides
 
     @property
-    def keep_node_patterns(self) -> list[re.Pattern[str]]:
-        """--keep-node entries (and the config's keep_nodes) as regexes, matched whole."""
+    def keep_node_patterns(self) -> list[NodePattern]:
+        """--keep-node entries (and the config's keep_nodes) as regexes, matched whole (RE2:
+        linear time, whatever the pattern)."""
         return self._patterns
 
     def with_backend(self, default: str) -> Options:

@@ -7,7 +7,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .cost import casts_by_reason, compute_ops_left_fp32
 from .errors import AmpError
+from .fileio import read_input_text
 from .ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, Node, short_name
 from .passes.base import PassContext, PassResult
 
@@ -77,12 +79,22 @@ class Report:
     validation: dict[str, Any] | None = None
     #: The training rewrite's names and loss-scaling rule (TF training graphs only).
     training: dict[str, Any] | None = None
+    #: Variables stored in low precision (TF SavedModels).
+    weights: dict[str, Any] | None = None
     #: Things the user likely did not mean (an override naming no op), shown by the CLI.
     warnings: list[str] = field(default_factory=list)
+    #: `--optimize`: the model type, onnxruntime's version and the ops its fusions added.
+    optimizer: dict[str, Any] | None = None
+    #: What the conversion buys and costs (`amp_rewriter.cost`): activation bytes moved in low
+    #: precision vs fp32, compute ops left fp32 and why, casts by reason.
+    cost: dict[str, Any] | None = None
+    #: Structural rules applied: attention masks (with the saturation added), tanh-GELU cubes,
+    #: index math kept fp32, the user's pattern rules; each with its nodes and reason.
+    structures: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        for key in ("validation", "training"):
+        for key in ("validation", "training", "optimizer", "cost", "weights"):
             if data[key] is None:
                 del data[key]
         return data
@@ -128,21 +140,30 @@ def build_report(ctx: PassContext, original_nodes: list[tuple[Node, str]],
         "values_flushed_to_zero": sum(c.flushed_to_zero for c in ctx.constants
                                       if c.action in ("converted", "clamped")),
     }
+    cost = {"compute_ops": compute_ops_left_fp32(ctx.model, ctx.rules.compute_ops),
+            "casts_by_reason": casts_by_reason(ctx.model)}
     return Report(ctx.options.target, ctx.options.backend or "", summary, entries,
                   [asdict(c) for c in ctx.constants],
-                  [{"name": r.name, "changed": r.changed, "notes": r.notes} for r in results])
+                  [{"name": r.name, "changed": r.changed, "notes": r.notes} for r in results],
+                  cost=cost, structures=[asdict(s) for s in ctx.structures])
 
 
 def load_report(path: str | Path) -> Report:
     """Read a report written by `convert --report`."""
+    if not Path(path).exists():
+        raise AmpError(f"{path}: no such report")
+    text = read_input_text(path, "report")
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(text)
+        _check_report_shape(data)
         return Report(data["target"], data["backend"], data["summary"], data["nodes"],
                       data.get("constants", []), data.get("passes", []), data.get("validation"),
-                      training=data.get("training"))
-    except FileNotFoundError:
-        raise AmpError(f"{path}: no such report") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+                      training=data.get("training"), optimizer=data.get("optimizer"),
+                      cost=data.get("cost"), weights=data.get("weights"),
+                      structures=data.get("structures", []))
+    except _ReportShapeError as exc:
+        raise AmpError(f"{path}: not an amp-rewriter report ({exc})") from None
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise AmpError(f"{path}: not an amp-rewriter report ({exc.__class__.__name__})") from None
 
 
@@ -154,6 +175,36 @@ def find_nodes(report: Report, node_name: str) -> list[dict[str, Any]]:
         return exact
     return [entry for entry in report.nodes
             if "graph" in entry and f"{entry['graph']}/{entry['name']}" == node_name]
+
+
+class _ReportShapeError(Exception):
+    """What of a report JSON is not as `convert --report` writes it."""
+
+
+def _check_report_shape(data: Any) -> None:
+    """The fields `explain` reads, with their types: a hand-edited or foreign JSON file is
+    refused in one line instead of failing half-way through the explanation."""
+    def need(mapping: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+        if not isinstance(mapping, dict) or not isinstance(mapping.get(key), kind):
+            raise _ReportShapeError(f"{where} has no {key!r} of the right type")
+        return mapping[key]
+
+    need(data, "target", str, "the report")
+    need(data, "backend", str, "the report")
+    need(data, "summary", dict, "the report")
+    for index, node in enumerate(need(data, "nodes", list, "the report")):
+        for key in ("name", "op", "class", "precision", "reason"):
+            need(node, key, str, f"node {index}")
+        groups = node.get("groups", [])
+        if not isinstance(groups, list):
+            raise _ReportShapeError(f"node {index} has no list of type groups")
+        for group in groups:
+            for key in ("group", "precision", "reason"):
+                need(group, key, str, f"a type group of node {index}")
+            via = group.get("via")
+            if via is not None and not (isinstance(via, dict) and isinstance(via.get("node"), str)
+                                        and isinstance(via.get("group"), str)):
+                raise _ReportShapeError(f"a type group of node {index} has a malformed 'via'")
 
 
 def explain_text(report: Report, node_name: str) -> str:

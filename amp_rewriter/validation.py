@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import io
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -11,8 +13,12 @@ from typing import Any
 import numpy as np
 
 from .errors import AmpError
+from .fileio import read_input_bytes
 from .ir import LOW_PRECISION_DTYPES, LazyTensor
 from .ir.dtypes import NUMPY_DTYPES
+
+#: OutputComparison.computed for an output that some emulated op fed.
+EMULATED = "emulated"
 
 
 @dataclass
@@ -23,10 +29,28 @@ class OutputComparison:
     max_abs: float
     relative: float
     nonfinite_new: bool
+    #: How the converted model computed this output: "emulated" (some op on its path had no
+    #: low-precision kernel where it ran and computed in fp32 with rounding), "low-precision
+    #: kernels", "fp32" (no low-precision tensor on its path), or the device's provider.
+    computed: str = ""
+    #: With "emulated": the ops on the output's path that ran emulated.
+    emulated_ops: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "max_abs_error": self.max_abs, "relative_error": self.relative,
-                "new_nan_or_inf": self.nonfinite_new}
+        data: dict[str, Any] = {"name": self.name, "max_abs_error": self.max_abs,
+                                "relative_error": self.relative,
+                                "new_nan_or_inf": self.nonfinite_new}
+        if self.computed:
+            data["computed"] = self.computed
+        if self.emulated_ops:
+            data["emulated_ops"] = self.emulated_ops
+        return data
+
+    def how(self) -> str:
+        """A short note for the CLI: which ops ran emulated on the way to this output."""
+        if self.computed != EMULATED:
+            return ""
+        return f" [emulated: {', '.join(self.emulated_ops)}]"
 
 
 @dataclass
@@ -46,8 +70,11 @@ class Validation:
         return not any(self.failed(c) for c in self.comparisons)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rtol": self.rtol, "passed": self.passed,
-                "outputs": [c.to_dict() for c in self.comparisons]}
+        data: dict[str, Any] = {"rtol": self.rtol, "passed": self.passed,
+                                "outputs": [c.to_dict() for c in self.comparisons]}
+        if self.notes:
+            data["notes"] = list(self.notes)
+        return data
 
 
 def compare_outputs(name: str, ref: Any, new: Any) -> OutputComparison:
@@ -77,6 +104,19 @@ def _as_float(array: Any) -> np.ndarray:
     return array
 
 
+#: Most elements one random input may have (256 MiB of float32): a declared shape is memory the
+#: model file never paid for; a bigger input comes from --inputs.
+MAX_RANDOM_ELEMENTS = 1 << 26
+
+
+def check_random_shape(name: str, shape: list[int]) -> None:
+    """Refuse to make random data for an input whose declared shape is too big."""
+    elements = math.prod(shape)
+    if elements > MAX_RANDOM_ELEMENTS:
+        raise AmpError(f"input {name!r}: its declared shape {shape} has {elements} elements, too "
+                       f"many to make random data for; give --inputs")
+
+
 def default_rtol(target: str) -> float:
     """Tolerance on the relative error: fp16 keeps ~3 decimal digits, bf16 ~2."""
     return 2e-2 if target == "fp16" else 1e-1
@@ -84,11 +124,12 @@ def default_rtol(target: str) -> float:
 
 def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Inputs from an .npz file, keyed by input name."""
+    if not os.path.exists(path):
+        raise AmpError(f"{path}: inputs file not found")
+    raw = read_input_bytes(path, "expected an .npz file of inputs", "inputs file")
     try:
-        with np.load(path) as data:
+        with np.load(io.BytesIO(raw)) as data:
             return {k: data[k] for k in data.files}
-    except FileNotFoundError:
-        raise AmpError(f"{path}: inputs file not found") from None
     except Exception as exc:  # numpy raises several types for a bad file
         raise AmpError(f"{path}: not an .npz file of inputs ({type(exc).__name__})") from None
 

@@ -90,9 +90,14 @@ def test_explain_from_report_and_from_model_follows_the_chain(tmp_path: Path) ->
     for source_arg in (str(report), str(source)):
         result = run_cli("explain", source_arg, softmax)
         assert result.returncode == 0, result.stderr
-        assert "precision: fp32" in result.stdout
-        # The chain leads back to the Mul by the fp32-min mask constant.
-        assert "because" in result.stdout and "beyond fp16's finite range" in result.stdout
+        assert "precision: fp16" in result.stdout
+        # The chain leads to the allow op after it (the Softmax is between allow ops).
+        assert "because" in result.stdout and "allow list" in result.stdout
+        # The mask's construction (the Mul by the fp32-min constant) stays fp32, by structure.
+        result = run_cli("explain", source_arg, "mask/additive")
+        assert result.returncode == 0, result.stderr
+        assert "precision: fp32" in result.stdout and "decided by: structure" in result.stdout
+        assert "attention mask from constant 'mask.min_value'" in result.stdout
 
 
 def test_explain_unknown_node_is_one_line_exit_2(tmp_path: Path) -> None:

@@ -36,15 +36,16 @@ class Format(ABC):
 
     @abstractmethod
     def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
-                 inputs: str | None, rtol: float) -> Validation:
-        """Run the fp32 and converted models on the same inputs and compare their outputs."""
+                 inputs: str | None, rtol: float, device: str = "cpu") -> Validation:
+        """Run the fp32 and converted models on the same inputs and compare their outputs
+        (the converted one on `device`: "cpu", or "cuda" where the format supports it)."""
 
     @abstractmethod
     def check(self, path: Path, target: str | None, backend: str | None,
-              reference: Path | None, rtol: float | None, inputs: str | None = None
-              ) -> CheckResult:
+              reference: Path | None, rtol: float | None, inputs: str | None = None,
+              device: str = "cpu") -> CheckResult:
         """Lint a converted model for CI; with `reference`, also compare outputs (on `inputs`,
-        an .npz, or seeded random ones)."""
+        an .npz, or seeded random ones), running them on `device`."""
 
     @abstractmethod
     def explain(self, source: Path, options: Options) -> Report:

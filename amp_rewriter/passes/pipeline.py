@@ -18,6 +18,9 @@ from .base import REGISTRY, Pass, PassContext, PassResult
 #: rewrite. Fetch nodes and ref-variable reads are pinned by the TF loader.
 _TF_PASSES = [
     "classify_ops",
+    "recognize_tanh_gelu",
+    "apply_pattern_rules",
+    "keep_index_math_fp32",
     "guard_constant_ranges",
     "propagate_precision",
     "match_recurrent_edges",
@@ -31,9 +34,14 @@ PIPELINES: dict[str, list[str]] = {
     "onnx": [
         "pin_nodes",
         "classify_ops",
+        "recognize_tanh_gelu",
+        "apply_pattern_rules",
+        "find_attention_masks",
+        "keep_index_math_fp32",
         "guard_constant_ranges",
         "propagate_precision",
         "insert_casts",
+        "saturate_masked_sums",
         "fold_casts",
         "convert_constants",
     ],

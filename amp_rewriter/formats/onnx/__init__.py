@@ -22,7 +22,8 @@ from .convert import (
 )
 from .load import read_model_file
 from .rules import ONNX_RULES
-from .validate import compare_models, random_inputs, runnable_on_cpu
+from .shapes import activation_traffic
+from .validate import random_inputs, validate_conversion
 
 
 class OnnxFormat(Format):
@@ -41,18 +42,22 @@ class OnnxFormat(Format):
         return convert_model_file(input_path, output_path, options)[1]
 
     def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
-                 inputs: str | None, rtol: float) -> Validation:
+                 inputs: str | None, rtol: float, device: str = "cpu") -> Validation:
         feeds = load_inputs(inputs) if inputs else random_inputs(read_model_file(input_path))
-        # A bf16 model runs emulated; an emulation too big for memory goes beside the output.
-        with runnable_on_cpu(output_path, scratch=output_path.parent) as (candidate, notes):
-            comparisons = compare_models(str(input_path), candidate, feeds,
-                                         inputs_given=inputs is not None)
+        # An emulation too big for memory goes beside the (staged) output, removed with it.
+        comparisons, notes = validate_conversion(input_path, output_path, feeds, device,
+                                                 scratch=output_path.parent,
+                                                 inputs_given=inputs is not None)
+        if inputs and report is not None and report.cost is not None:  # at the sizes really run
+            report.cost["activation_bytes"] = activation_traffic(
+                read_model_file(output_path), {k: tuple(v.shape) for k, v in feeds.items()})
         return Validation(comparisons, rtol, notes)
 
     def check(self, path: Path, target: str | None, backend: str | None,
-              reference: Path | None, rtol: float | None, inputs: str | None = None
-              ) -> CheckResult:
-        return check_model(path, target, backend or DEFAULT_BACKEND, reference, rtol, inputs)
+              reference: Path | None, rtol: float | None, inputs: str | None = None,
+              device: str = "cpu") -> CheckResult:
+        return check_model(path, target, backend or DEFAULT_BACKEND, reference, rtol, inputs,
+                           device)
 
     def explain(self, source: Path, options: Options) -> Report:
         return convert_model(source, dataclasses.replace(options, check=False))[1]

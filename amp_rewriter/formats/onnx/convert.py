@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import difflib
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import onnx
+from onnx import external_data_helper
 
 from ...errors import AmpError
 from ...fileio import OutputTransaction
@@ -18,11 +20,16 @@ from ...passes import PassContext, run_pipeline
 from ...passes.analysis.pins import keep_node_match
 from ...report import Report, build_report
 from ..base import cyclic_gc_paused
+from . import ort_registry
 from .emit import emit_onnx, has_external_data, save_onnx
-from .load import PROTOBUF_LIMIT, all_tensors, load_onnx, read_model_file
+from .load import PROTOBUF_LIMIT, all_tensors, load_onnx, read_model_file, walk_graph_protos
+from .optimize import optimized_copy, options_after
 from .rules import ONNX_RULES
+from .shapes import activation_traffic, validation_input_shapes
 
 DEFAULT_BACKEND = "ort-cuda"
+#: onnxruntime's contrib domain.
+ORT_DOMAIN = "com.microsoft"
 
 
 def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "fp16",
@@ -38,8 +45,10 @@ def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "f
             (a path's own folder is used otherwise).
         **options: the other fields of `amp_rewriter.Options`: keep_io_types, clamp, allow,
             infer, deny, clear (op types moved to that class), keep_nodes (node names or regexes
-            pinned to fp32), config (a TOML file with the same overrides), check (run
-            onnx.checker with full check on the result, default True).
+            pinned to fp32), config (a TOML file with the same overrides), optimize (a model
+            type: onnxruntime's transformer optimizer fuses the model first), num_heads and
+            hidden_size (for optimize), check (run onnx.checker with full check on the result,
+            default True).
 
     Returns:
         The converted ModelProto and the Report of every decision.
@@ -53,6 +62,16 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
     """`convert` with the options as one object."""
     if options.outputs:
         raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its outputs")
+    if options.optimize:
+        source = (Path(model_or_path) if not isinstance(model_or_path, onnx.ModelProto)
+                  else model_or_path)
+        with optimized_copy(source, options, Path(base_dir) if base_dir is not None else None
+                            ) as (fused_path, summary):
+            model, report = convert_model(fused_path, options_after(options))
+            if has_external_data(model):  # the caller gets a model that outlives the folder
+                external_data_helper.load_external_data_for_model(model, str(fused_path.parent))
+        report.optimizer = summary
+        return model, report
     options = options.with_backend(DEFAULT_BACKEND)
     with cyclic_gc_paused():
         model, own_dir = _load(model_or_path)
@@ -67,8 +86,12 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
         results = run_pipeline(ctx, "onnx")
         converted = emit_onnx(ir_model)
         report = build_report(ctx, original_nodes, results)
+        if report.cost is not None:
+            report.cost["activation_bytes"] = activation_traffic(
+                converted, validation_input_shapes(converted))
         report.warnings = _override_warnings(options, [n for n, _ in original_nodes])
         report.warnings += bf16_advice(report, lists, opset)
+        report.warnings += _schema_warnings(ir_model)
     if options.check and not has_external_data(converted) \
             and converted.ByteSize() <= PROTOBUF_LIMIT:
         try:
@@ -151,7 +174,7 @@ def _override_warnings(options: Options, nodes: list[Node]) -> list[str]:
     warnings = []
     overrides = options.overrides
     for op in overrides.moves:
-        if "." not in op and not onnx.defs.has(op):
+        if "." not in op and not onnx.defs.has(op) and not ort_registry.has_op(op):
             known = sorted({schema.name for schema in onnx.defs.get_all_schemas()})
             close = difflib.get_close_matches(op, known, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
@@ -162,12 +185,24 @@ def _override_warnings(options: Options, nodes: list[Node]) -> list[str]:
     return warnings
 
 
+def _schema_warnings(ir_model: Any) -> list[str]:
+    """Contrib ops left without a schema because onnxruntime, which defines them, is missing."""
+    if ort_registry.available():
+        return []
+    ops = sorted({node.qualified_op for node in ir_model.graph.walk_nodes()
+                  if not node.has_schema and node.domain in ort_registry.ORT_DOMAINS})
+    if not ops:
+        return []
+    return [f"onnxruntime is not installed, so its ops ({', '.join(ops)}) have no schema and "
+            f"stay fp32 (pip install 'amp-rewriter[cpu]' or '[gpu]')"]
+
+
 def _blame_invalid_input(model_or_path: onnx.ModelProto | str | os.PathLike) -> None:
     """When the input itself fails the checker, say so rather than blame the conversion."""
     original = (model_or_path if isinstance(model_or_path, onnx.ModelProto)
                 else str(model_or_path))
     try:
-        onnx.checker.check_model(original, full_check=True)
+        onnx_full_check(original)
     except Exception as exc:  # the checker raises several exception types
         raise AmpError(f"the input model already fails the ONNX checker: "
                        f"{_first_line(exc)}") from None
@@ -183,9 +218,42 @@ def check_valid(model: onnx.ModelProto | str) -> None:
     A path is checked from disk, which is the only way for external data or models over 2 GB.
     """
     try:
-        onnx.checker.check_model(model, full_check=True)
+        onnx_full_check(model)
     except Exception as exc:  # the checker raises several exception types
         raise AmpError(f"the converted model fails the ONNX checker: {_first_line(exc)}") from None
+
+
+def onnx_full_check(model: onnx.ModelProto | str) -> None:
+    """`onnx.checker.check_model(full_check=True)`, with the default-domain ops that only
+    onnxruntime defines (SimplifiedLayerNormalization, which its transformer optimizer emits)
+    checked as the custom ops they are to onnx: it has no schema for them and would refuse every
+    model that holds one. Raises what the checker raises."""
+    proto = read_model_file(model) if isinstance(model, str) else model
+    ort_only = {node.op_type for g in walk_graph_protos(proto.graph) for node in g.node
+                if node.domain in ("", "ai.onnx") and not onnx.defs.has(node.op_type)
+                and ort_registry.has_op(node.op_type)}
+    if not ort_only:
+        onnx.checker.check_model(model, full_check=True)
+        return
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    for g in walk_graph_protos(copy.graph):
+        for node in g.node:
+            if node.domain in ("", "ai.onnx") and node.op_type in ort_only:
+                node.domain = ORT_DOMAIN
+    if not any(imp.domain == ORT_DOMAIN for imp in copy.opset_import):
+        copy.opset_import.append(onnx.helper.make_opsetid(ORT_DOMAIN, 1))
+    if not isinstance(model, str):
+        onnx.checker.check_model(copy, full_check=True)
+        return
+    # Beside the original, so its external data resolves; removed right after.
+    with tempfile.NamedTemporaryFile(dir=Path(model).resolve().parent, prefix=".amp-rewriter-",
+                                     suffix=".onnx", delete=False) as handle:
+        handle.write(copy.SerializeToString())
+    try:
+        onnx.checker.check_model(handle.name, full_check=True)
+    finally:
+        os.unlink(handle.name)
 
 
 def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
@@ -218,6 +286,19 @@ def convert_model_file(input_path: Path, output_path: Path, options: Options
                        ) -> tuple[onnx.ModelProto, Report]:
     """Convert `input_path` and write the model (and its .data) at `output_path`, which is a
     fresh path: the CLI and `convert_file` give the private path of an `OutputTransaction`."""
+    if options.optimize:
+        read_model_file(input_path)  # a file that is no model is refused before the optimizer
+        with optimized_copy(input_path, options) as (fused_path, summary):
+            model, report = _convert_and_save(fused_path, output_path,
+                                              options_after(options))
+        report.optimizer = summary
+    else:
+        model, report = _convert_and_save(input_path, output_path, options)
+    return model, report
+
+
+def _convert_and_save(input_path: Path, output_path: Path, options: Options
+                      ) -> tuple[onnx.ModelProto, Report]:
     source = read_model_file(input_path)
     external = has_external_data(source)
     model, report = convert_model(source, options, base_dir=input_path.resolve().parent)

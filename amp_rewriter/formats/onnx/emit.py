@@ -2,7 +2,8 @@
 
 Nodes the passes did not touch keep their original NodeProto (attributes, doc strings, metadata);
 only renamed inputs/outputs, retargeted casts and converted fill values are patched. Initializers
-keep their original TensorProto unless converted. New casts get fresh NodeProtos.
+keep their original TensorProto unless converted. Nodes a pass created (casts, the Clip that
+saturates a masked attention sum) get fresh NodeProtos.
 """
 
 from __future__ import annotations
@@ -38,13 +39,29 @@ def _data(initializer: Value) -> LazyTensor:
     return initializer.const
 
 
-def _patch_node(node: Node, cast_takes_string: bool = False) -> onnx.NodeProto:
-    proto = node.handle
-    if proto is None:  # a cast a pass created
+def _new_node(node: Node, opset: int) -> onnx.NodeProto:
+    """The NodeProto of a node a pass created: a cast, or the saturation of a masked sum."""
+    if node.op_type == "Cast":
         code = elem_type_code(node.attrs["to"])
-        to = onnx.TensorProto.DataType.Name(code) if cast_takes_string else code
+        to = onnx.TensorProto.DataType.Name(code) if opset < 6 else code  # Cast-1: a type name
         return helper.make_node("Cast", [present(node.inputs[0]).name],
                                 [present(node.outputs[0]).name], name=node.name, to=to)
+    if node.op_type == "Clip" and opset < 11:
+        # Clip before opset 11 takes its bounds as attributes; the pass gives them as constants.
+        low, high = (float(np.asarray(_data(present(v)).numpy()).reshape(-1)[0])
+                     for v in node.inputs[1:3])
+        return helper.make_node("Clip", [present(node.inputs[0]).name],
+                                [present(node.outputs[0]).name], name=node.name, min=low,
+                                max=high)
+    return helper.make_node(node.op_type, [v.name if v is not None else "" for v in node.inputs],
+                            [v.name if v is not None else "" for v in node.outputs],
+                            name=node.name, domain=node.domain or None)
+
+
+def _patch_node(node: Node, opset: int) -> onnx.NodeProto:
+    proto = node.handle
+    if proto is None:  # a node a pass created
+        return _new_node(node, opset)
     for slot, value in enumerate(node.inputs):
         name = value.name if value is not None else ""
         if proto.input[slot] != name:
@@ -77,9 +94,9 @@ def _set_elem_type(info: onnx.ValueInfoProto, dtype: str | None) -> None:
         info.type.tensor_type.elem_type = code
 
 
-def _emit_graph(graph: Graph, cast_takes_string: bool = False) -> None:
+def _emit_graph(graph: Graph, opset: int) -> None:
     proto: onnx.GraphProto = graph.handle
-    nodes = [_patch_node(node, cast_takes_string) for node in graph.nodes]
+    nodes = [_patch_node(node, opset) for node in graph.nodes]
     del proto.node[:]
     proto.node.extend(nodes)
 
@@ -132,7 +149,7 @@ def emit_onnx(model: Model) -> onnx.ModelProto:
     opset = next((imp.version for imp in model.handle.opset_import
                   if imp.domain in ("", "ai.onnx")), 0)
     for graph in reversed(list(model.graph.walk_graphs())):
-        _emit_graph(graph, cast_takes_string=opset < 6)  # Cast-1's `to` is a type name
+        _emit_graph(graph, opset)
     return model.handle
 
 

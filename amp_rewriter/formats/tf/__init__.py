@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from ...errors import AmpError
 from ...options import Options, TrainingOptions
 from ...report import CheckResult, Report
 from ...validation import Validation, load_inputs
@@ -52,7 +53,8 @@ class TfFormat(Format):
         return convert_file(input_path, output_path, options)
 
     def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
-                 inputs: str | None, rtol: float) -> Validation:
+                 inputs: str | None, rtol: float, device: str = "cpu") -> Validation:
+        _cpu_only(device)
         feeds = load_inputs(inputs) if inputs else None
         if is_saved_model_dir(input_path):
             comparisons = compare_saved_models(input_path, output_path, feeds)
@@ -66,8 +68,9 @@ class TfFormat(Format):
         return Validation(comparisons, rtol)
 
     def check(self, path: Path, target: str | None, backend: str | None,
-              reference: Path | None, rtol: float | None, inputs: str | None = None
-              ) -> CheckResult:
+              reference: Path | None, rtol: float | None, inputs: str | None = None,
+              device: str = "cpu") -> CheckResult:
+        _cpu_only(device)
         return check_tf_graph(path, target, backend, reference, rtol, inputs)
 
     def explain(self, source: Path, options: Options) -> Report:
@@ -89,6 +92,11 @@ class TfFormat(Format):
 
     def replaceable_output_dir(self, path: Path) -> bool:
         return is_saved_model_dir(path)
+
+
+def _cpu_only(device: str) -> None:
+    if device != "cpu":
+        raise AmpError(f"--device {device}: TensorFlow graphs are validated on the CPU only")
 
 
 FORMAT = TfFormat()

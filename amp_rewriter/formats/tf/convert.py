@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from tensorflow.python.framework import op_def_registry
 
 from ...errors import AmpError
 from ...fileio import OutputTransaction
-from ...ir import ALLOW, Model
+from ...ir import ALLOW, TARGET_DTYPES, Model, decisions, short_name
 from ...op_lists import OpLists
 from ...options import Options
 from ...passes import PassContext, run_pipeline
@@ -44,6 +44,7 @@ from .files import (
 from .lists import default_backend, load_tf_lists
 from .load import default_fetches, load_function, load_graphdef
 from .rules import TF_RULES
+from .weights import apply_low_precision_weights, plan_low_precision_weights, write_checkpoint
 
 #: Functions that save or restore checkpoints are copied as they are.
 _CHECKPOINT_OPS = frozenset({"SaveV2", "RestoreV2", "MergeV2Checkpoints", "Save", "Restore",
@@ -60,6 +61,9 @@ def _run(ir_model: Model, lists: OpLists, options: Options, graph_name: str,
 
 def _resolved(options: Options) -> tuple[Options, OpLists]:
     """The options with the target's default backend filled in, and their op lists."""
+    if options.optimize:
+        raise AmpError("--optimize runs onnxruntime's transformer optimizer: it is for ONNX "
+                       "models, not TensorFlow graphs")
     options = options.with_backend(default_backend(options.target))
     assert options.backend is not None
     return options, load_tf_lists(options.target, options.backend, options.overrides)
@@ -187,9 +191,11 @@ def convert_saved_model(input_dir: str | os.PathLike, output_dir: str | os.PathL
 
 
 def convert_saved_model_proto(input_dir: Path, options: Options
-                              ) -> tuple[saved_model_pb2.SavedModel, Report]:
-    """The converted saved_model.pb of a SavedModel directory (nothing written), and its
-    report."""
+                              ) -> tuple[saved_model_pb2.SavedModel, Report,
+                                         Callable[[Path], None] | None]:
+    """The converted saved_model.pb of a SavedModel directory (nothing written), its report,
+    and what writes the variables checkpoint with low-precision weights into a copy of the
+    directory (None: the checkpoint is copied as it is)."""
     if options.outputs:
         raise AmpError("--outputs is for GraphDefs: a SavedModel's signatures name its outputs")
     asked_keep_io_types = options.keep_io_types
@@ -218,20 +224,55 @@ def convert_saved_model_proto(input_dir: Path, options: Options
             served.extend(True for _ in main)
     report = merge_reports(reports, options, served)
     report.warnings = _warnings(options, report, unknown_ops)
+    write_variables = None
+    if not options.keep_fp32_weights:
+        write_variables = _lower_weights(saved, input_dir, options, report)
     if not asked_keep_io_types:
         report.summary["note"] = ("--no-keep-io-types has no effect on SavedModels: signatures "
                                   "keep their dtypes")
-    return saved, report
+    return saved, report, write_variables
 
 
 def convert_saved_model_dir(input_dir: Path, output_dir: Path, options: Options) -> Report:
     """Convert a SavedModel directory and write it at `output_dir`, a fresh path (the private
     path of an `OutputTransaction`), then load it back when `options.check`."""
-    saved, report = convert_saved_model_proto(input_dir, options)
-    write_saved_model(saved, input_dir, output_dir)
+    saved, report, write_variables = convert_saved_model_proto(input_dir, options)
+    write_saved_model(saved, input_dir, output_dir, write_variables)
     if options.check:
         check_saved_model(output_dir)
     return report
+
+
+def _lower_weights(saved: saved_model_pb2.SavedModel, input_dir: Path, options: Options,
+                   report: Report) -> Callable[[Path], None] | None:
+    """Plan and apply low-precision storage of the weights only read in low precision (TF2
+    SavedModels with one MetaGraph and a checkpoint); returns what writes the new checkpoint."""
+    prefix = input_dir / "variables" / "variables"
+    if len(saved.meta_graphs) != 1 or not (input_dir / "variables" / "variables.index").is_file():
+        return None
+    meta_graph = saved.meta_graphs[0]
+    if not meta_graph.object_graph_def.nodes:
+        return None  # a TF1 SavedModel: its variables live in the main graph only
+    checkpoint_functions = frozenset(f.signature.name for f in meta_graph.graph_def.library.function
+                                     if not _convertible(f))
+    plan = plan_low_precision_weights(meta_graph, prefix, TARGET_DTYPES[options.target],
+                                      checkpoint_functions)
+    if not plan.variables:
+        return None
+    apply_low_precision_weights(meta_graph, plan, checkpoint_functions)
+    for entry in report.nodes:
+        if (entry.get("graph", "main"), entry["name"]) in plan.read_nodes:
+            entry.update(precision=short_name(plan.dtype), kind=decisions.TYPE_GROUP,
+                         reason=f"reads a variable stored in {short_name(plan.dtype)}: every read "
+                                f"of it is cast to {short_name(plan.dtype)}, so the weight is "
+                                f"stored that way and the cast dropped")
+
+    def write_variables(staged: Path) -> None:
+        write_checkpoint(prefix, staged / "variables" / "variables", plan)
+        report.weights = plan.summary()
+        report.summary["weights_stored_low"] = len(plan.variables)
+        report.summary["casts_inserted"] -= plan.casts_removed
+    return write_variables
 
 
 def _convert_main_graph(meta_graph, lists: OpLists, options: Options) -> list[Report]:

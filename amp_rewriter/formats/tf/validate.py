@@ -10,7 +10,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 from ...errors import AmpError
-from ...validation import OutputComparison, compare_outputs
+from ...validation import OutputComparison, check_random_shape, compare_outputs
 
 SYMBOLIC_DIM_SIZE = 2
 
@@ -22,6 +22,7 @@ class ConvertedGraphFailed(AmpError):
 def _random_array(rng: np.random.Generator, dtype: tf.DType, dims: list[int | None], name: str
                   ) -> np.ndarray:
     shape = [SYMBOLIC_DIM_SIZE if d is None or d < 0 else d for d in dims]
+    check_random_shape(name, shape)
     if dtype.is_floating:
         return rng.standard_normal(shape).astype(np.float32).astype(dtype.as_numpy_dtype)
     if dtype.is_integer:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import re
+from typing import TYPE_CHECKING
 
 from ...ir import Node, decisions
 from ..base import PassContext, register_pass
 
+if TYPE_CHECKING:
+    from ...node_patterns import NodePattern
 
-def keep_node_match(pattern: re.Pattern[str], node: Node) -> str | None:
+
+def keep_node_match(pattern: NodePattern, node: Node) -> str | None:
     """What of `node` a --keep-node pattern matches whole: "" for its name, the module path for
     one of its scopes (a dynamo export's `model.encoder.layer.0`), None for nothing."""
     if pattern.fullmatch(node.name):
