@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
-from . import formats
+from . import formats, progress
 from .cost import summary_line
 from .errors import AmpError, CheckFailed
 from .fileio import OutputTransaction, check_input_path, write_atomically
@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="where --validate runs the converted model: cpu (default: ops "
                               "without a low-precision CPU kernel are emulated) or cuda "
                               "(onnxruntime-gpu and a GPU)")
-    convert.add_argument("--quiet", action="store_true", help="print only errors")
+    convert.add_argument("--quiet", action="store_true",
+                         help="print only errors (no summary, no progress bars)")
     training = convert.add_argument_group(
         "training graphs (TensorFlow .meta, or .pb/.pbtxt with --loss and --train-op)")
     training.add_argument("--training", action="store_true",
@@ -133,6 +134,15 @@ def _warnings_as_lines(into: list[str]) -> Iterator[None]:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
+    # Progress bars on stderr for the slow steps, when it is a terminal (progress.py).
+    progress.enable(not args.quiet)
+    try:
+        return _convert(args)
+    finally:
+        progress.enable(False)
+
+
+def _convert(args: argparse.Namespace) -> int:
     if args.inputs and not args.validate:
         raise AmpError("--inputs only makes sense with --validate")
     if args.rtol is not None and not args.validate:

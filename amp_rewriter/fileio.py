@@ -113,6 +113,29 @@ def _open_regular(path: Path, label: str, directory_hint: str) -> tuple[int, int
     return fd, info.st_size
 
 
+def open_input(path: str | os.PathLike, label: str) -> tuple[int, int]:
+    """(descriptor, size) of a regular input file opened for reading (the caller closes it);
+    anything else raises AmpError naming `label`."""
+    return _open_regular(Path(path), label, "expected a file")
+
+
+def pread_exact(fd: int, count: int, offset: int, label: str) -> bytes:
+    """`count` bytes of an open file from `offset`; AmpError when the file ends before."""
+    parts = []
+    while count > 0:
+        try:
+            part = os.pread(fd, min(count, _CHUNK << 2), offset)
+        except OSError as exc:
+            raise AmpError(f"{label}: cannot read ({exc.strerror})") from None
+        if not part:
+            raise AmpError(f"{label}: ends before offset {offset + count} (was it changed "
+                           f"during the run?)")
+        parts.append(part)
+        count -= len(part)
+        offset += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 def _chunks(fd: int, size: int, label: str) -> Iterator[bytes]:
     """The file's bytes in chunks, never more than `size` in all."""
     left = size

@@ -20,6 +20,9 @@ from .op_lists import TARGETS, Overrides
 
 T = TypeVar("T")
 
+#: `--external-data` layouts (ONNX outputs): see formats/onnx/emit.py.
+EXTERNAL_LAYOUTS = ("single", "per-tensor", "inline")
+
 
 def _flag(default: Any, flag: str, help: str, *, metavar: str | None = None,
           kind: str = "value", type: Any = str, negation: str | None = None) -> Any:
@@ -76,6 +79,16 @@ class Options:
     keep_fp32_weights: bool = _flag(
         False, "--keep-fp32-weights", "TensorFlow SavedModels: keep every variable fp32 (by "
         "default variables read only in low precision are stored in it)", kind="switch")
+    #: ONNX files: where the output's initializers go (formats/onnx/emit.py `save_onnx`).
+    external_data: str | None = _flag(
+        None, "--external-data", "ONNX: where the output's weights go: single (one OUT.data "
+        "beside the model; the default when the input has external data or the output passes "
+        "2 GiB), per-tensor (one OUT.N.data file each) or inline (all in the .onnx, at most "
+        "2 GiB)", metavar="single|per-tensor|inline")
+    external_data_threshold: int | None = _flag(
+        None, "--external-data-threshold", "ONNX, with external data: tensors of at least this "
+        "many bytes go external, counted as onnx.save_model counts them (default 1024)",
+        metavar="BYTES", type=int)
     #: Python API only: run the format's validity check (onnx.checker, TF import) on the result.
     check: bool = True
     _overrides: Overrides = field(init=False, repr=False, compare=False)
@@ -96,6 +109,14 @@ class Options:
                 raise AmpError(f"{flag} only applies with --optimize")
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise AmpError(f"{flag} must be a positive integer, got {value!r}")
+        if self.external_data is not None and self.external_data not in EXTERNAL_LAYOUTS:
+            raise AmpError(f"--external-data must be one of {', '.join(EXTERNAL_LAYOUTS)}, got "
+                           f"{self.external_data!r}")
+        threshold = self.external_data_threshold
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int)
+                                      or threshold < 0):
+            raise AmpError(f"--external-data-threshold must be an integer >= 0, got "
+                           f"{threshold!r}")
         self._overrides = self._build_overrides()
         self._patterns = self._overrides.keep_node_patterns()
 

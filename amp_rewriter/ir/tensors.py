@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .dtypes import FINITE_MAX, NUMPY_DTYPES, SMALLEST_SUBNORMAL
+from .. import progress
+from .dtypes import FINITE_MAX, FLOAT32, NUMPY_DTYPES, SMALLEST_SUBNORMAL
+
+#: Bytes of a streaming tensor (one whose values stay in a file, see `LazyTensor.chunks`) read,
+#: checked or converted at a time: its memory cost, whatever the tensor's size.
+CHUNK_BYTES = 64 << 20
+#: Elements handled per numpy call inside a chunk: small enough that the several passes of a
+#: range check find the block in the CPU cache.
+_BLOCK = 1 << 18
+
+#: Reads a tensor's values from where they are stored, flat, a slice of at most `CHUNK_BYTES`
+#: at a time (read when called, so a test may lower it).
+ChunkReader = Callable[[], Iterator[np.ndarray]]
 
 
 class LazyTensor:
@@ -18,12 +30,17 @@ class LazyTensor:
     fill the shape (TensorFlow's compressed TensorProto, where one value can stand for a
     40000x30000 fill). Such a tensor has `stored`; range checks and conversions work on the
     stored values, so a few bytes of input never become gigabytes of memory.
+
+    A tensor may also stream (`reader`): its values are then read a chunk at a time
+    (`chunks`), so range checks and conversions of a weight stored in a file of several
+    gigabytes never hold more than a chunk of it (`numpy` still reads it whole when asked).
     """
 
-    __slots__ = ("dtype", "shape", "_load", "_array", "handle", "_stored")
+    __slots__ = ("dtype", "shape", "_load", "_array", "handle", "_stored", "_reader")
 
     def __init__(self, dtype: str, shape: tuple[int, ...], load: Callable[[], np.ndarray],
-                 handle: Any = None, stored: Callable[[], np.ndarray] | None = None):
+                 handle: Any = None, stored: Callable[[], np.ndarray] | None = None,
+                 reader: ChunkReader | None = None):
         self.dtype = dtype
         self.shape = shape
         self._load = load
@@ -31,6 +48,7 @@ class LazyTensor:
         #: The loader's original tensor proto; None for tensors a pass created.
         self.handle = handle
         self._stored = stored
+        self._reader = reader
 
     @classmethod
     def repeating_last(cls, dtype: str, shape: tuple[int, ...], values: np.ndarray,
@@ -66,6 +84,41 @@ class LazyTensor:
             self._array = self._load()
         return self._array
 
+    @property
+    def streams(self) -> bool:
+        """Whether the values are read a chunk at a time (a file's tensor not read whole yet)."""
+        return self._reader is not None and self._array is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the values in their dtype, known without reading them."""
+        return self.size * NUMPY_DTYPES.get(self.dtype, np.dtype(np.uint8)).itemsize
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        """The values, flat, a slice of at most `CHUNK_BYTES` at a time: streamed from their
+        file when the tensor `streams`, else slices of `numpy()` (a compact tensor expanded)."""
+        if self.streams:
+            assert self._reader is not None
+            yield from self._reader()
+            return
+        flat = self.numpy().reshape(-1)
+        step = max(1, CHUNK_BYTES // max(1, flat.itemsize))
+        for start in range(0, flat.size, step):
+            yield flat[start:start + step]
+
+    def converted(self, dtype: str, clamp: bool) -> LazyTensor:
+        """This float32 tensor in `dtype` (see `convert_array`), converted when read: a
+        streaming tensor converts chunk by chunk as it is written out, never whole."""
+        source = self
+
+        def load() -> np.ndarray:
+            return convert_array(np.asarray(source.numpy(), np.float32), dtype, clamp)
+
+        def reader() -> Iterator[np.ndarray]:
+            for chunk in source.chunks():
+                yield convert_array(np.asarray(chunk, np.float32), dtype, clamp)
+        return LazyTensor(dtype, self.shape, load, reader=reader if self.streams else None)
+
 
 @dataclass
 class RangeCheck:
@@ -93,6 +146,57 @@ def check_range(array: np.ndarray, dtype: str, repeat_last: int = 0) -> RangeChe
                             result.flushed_to_zero + repeat_last * last.flushed_to_zero,
                             result.nonzero + repeat_last * last.nonzero)
     return result
+
+
+def check_range_chunks(chunks: Iterable[np.ndarray], dtype: str) -> RangeCheck:
+    """`check_range` of the concatenation of `chunks` (flat float32 slices of one tensor), one
+    chunk at a time: the counts of the slices add up."""
+    overflowed = flushed = nonzero = 0
+    for chunk in chunks:
+        flat = np.asarray(chunk, np.float32).reshape(-1)
+        for start in range(0, flat.size, _BLOCK):
+            part = _check_block(flat[start:start + _BLOCK], dtype)
+            overflowed += part.overflowed
+            flushed += part.flushed_to_zero
+            nonzero += part.nonzero
+    return RangeCheck(overflowed, flushed, nonzero)
+
+
+def _counted(chunks: Iterable[np.ndarray], drawn: Any) -> Iterator[np.ndarray]:
+    """The chunks, each counted on a progress bar as it is handed on."""
+    for chunk in chunks:
+        yield chunk
+        drawn.update(chunk.nbytes)
+
+
+def _bits(value: float) -> int:
+    return int(np.float32(value).view(np.uint32))
+
+
+def _check_block(block: np.ndarray, dtype: str) -> RangeCheck:
+    """`_check_range` of a float32 block, with the common case (every value finite, none
+    beyond the dtype's range or below its smallest subnormal) decided on the bit patterns:
+    the magnitudes of finite float32 values order as their bits do, and inf and NaN lie above
+    every finite value. Anything else goes to `_check_range`."""
+    magnitude = np.bitwise_and(block.view(np.uint32), np.uint32(0x7FFFFFFF))
+    if not magnitude.size or int(magnitude.max()) > _bits(FINITE_MAX[dtype]):
+        return _check_range(block, dtype) if magnitude.size else RangeCheck(0, 0, 0)
+    nonzero = int(np.count_nonzero(magnitude))
+    if nonzero:
+        np.subtract(magnitude, np.uint32(1), out=magnitude)  # zeros wrap to the largest value
+        if int(magnitude.min()) + 1 < _bits(SMALLEST_SUBNORMAL[dtype]):
+            return _check_range(block, dtype)
+    return RangeCheck(0, 0, nonzero)
+
+
+def tensor_range(tensor: LazyTensor, dtype: str) -> RangeCheck:
+    """`check_range` of a float32 constant in `dtype`: a compact tensor on its stored values,
+    a streaming one a chunk at a time."""
+    if tensor.streams and tensor.dtype == FLOAT32:
+        with progress.bar("checking weights", tensor.nbytes, "B") as drawn:
+            return check_range_chunks(_counted(tensor.chunks(), drawn), dtype)
+    values = np.asarray(tensor.stored(), dtype=np.float32)  # compact: not expanded
+    return check_range(values, dtype, tensor.size - values.size)
 
 
 def _check_range(array: np.ndarray, dtype: str) -> RangeCheck:

@@ -8,8 +8,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..ir import LazyTensor, Model, Node, RangeCheck, TypeGroup, check_range
+from ..ir import LazyTensor, Model, Node, RangeCheck, TypeGroup
 from ..ir.dtypes import TARGET_DTYPES
+from ..ir.tensors import tensor_range
 from ..op_lists import OpLists
 
 if TYPE_CHECKING:  # the passes read options, they never build them
@@ -135,13 +136,10 @@ class PassContext:
 
     def range_check(self, tensor: LazyTensor, dtype: str) -> RangeCheck:
         """`check_range` of a constant in `dtype`, computed once per conversion."""
-        import numpy as np
-
         key = (id(tensor), dtype)
         result = self.range_checks.get(key)
         if result is None:
-            values = np.asarray(tensor.stored(), dtype=np.float32)  # compact: not expanded
-            result = check_range(values, dtype, tensor.size - values.size)
+            result = tensor_range(tensor, dtype)  # a file's big tensor: a chunk at a time
             self.range_checks[key] = result
         return result
 

@@ -11,17 +11,25 @@ from typing import Any
 import onnx
 from onnx import external_data_helper
 
+from ... import progress
 from ...errors import AmpError
 from ...fileio import OutputTransaction
-from ...ir import Node
+from ...ir import LazyTensor, Node
 from ...op_lists import OpLists
 from ...options import Options
 from ...passes import PassContext, run_pipeline
 from ...passes.analysis.pins import keep_node_match
+from ...passes.pipeline import passes_of
 from ...report import Report, build_report
 from ..base import cyclic_gc_paused
 from . import ort_registry
-from .emit import emit_onnx, has_external_data, save_onnx
+from .emit import (
+    EXTERNAL_DATA_THRESHOLD,
+    deferred_bytes,
+    emit_onnx,
+    has_external_data,
+    save_onnx,
+)
 from .load import PROTOBUF_LIMIT, all_tensors, load_onnx, read_model_file, walk_graph_protos
 from .optimize import optimized_copy, options_after
 from .rules import ONNX_RULES
@@ -58,8 +66,15 @@ def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "f
 
 
 def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: Options,
-                  base_dir: str | os.PathLike | None = None) -> tuple[onnx.ModelProto, Report]:
-    """`convert` with the options as one object."""
+                  base_dir: str | os.PathLike | None = None, *,
+                  deferred: dict[str, LazyTensor] | None = None
+                  ) -> tuple[onnx.ModelProto, Report]:
+    """`convert` with the options as one object.
+
+    `deferred`: a dict to fill with the weights that stream from the input's external data
+    (see `emit_onnx`); their protos stay without data until `save_onnx` writes them. Without
+    it the returned model holds every converted weight.
+    """
     if options.outputs:
         raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its outputs")
     if options.optimize:
@@ -73,7 +88,10 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
         report.optimizer = summary
         return model, report
     options = options.with_backend(DEFAULT_BACKEND)
-    with cyclic_gc_paused():
+    with cyclic_gc_paused(), progress.bar("converting", len(passes_of("onnx")) + 2,
+                                          "step") as drawn:
+        steps = progress.Steps(drawn)
+        steps.start("loading")
         model, own_dir = _load(model_or_path)
         base = Path(base_dir) if base_dir is not None else own_dir
         opset = default_opset(model)
@@ -83,8 +101,9 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
         original_nodes = [(node, graph.name) for graph in ir_model.graph.walk_graphs()
                           for node in graph.nodes]
         ctx = PassContext(ir_model, lists, options, ONNX_RULES)
-        results = run_pipeline(ctx, "onnx")
-        converted = emit_onnx(ir_model)
+        results = run_pipeline(ctx, "onnx", on_pass=steps.start)
+        steps.start("emitting")
+        converted = emit_onnx(ir_model, deferred)
         report = build_report(ctx, original_nodes, results)
         if report.cost is not None:
             report.cost["activation_bytes"] = activation_traffic(
@@ -92,6 +111,7 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
         report.warnings = _override_warnings(options, [n for n, _ in original_nodes])
         report.warnings += bf16_advice(report, lists, opset)
         report.warnings += _schema_warnings(ir_model)
+        steps.finish()
     if options.check and not has_external_data(converted) \
             and converted.ByteSize() <= PROTOBUF_LIMIT:
         try:
@@ -301,10 +321,32 @@ def _convert_and_save(input_path: Path, output_path: Path, options: Options
                       ) -> tuple[onnx.ModelProto, Report]:
     source = read_model_file(input_path)
     external = has_external_data(source)
-    model, report = convert_model(source, options, base_dir=input_path.resolve().parent)
+    # Weights in the input's external data are read, range checked and converted a chunk at a
+    # time, and written the same way: never the whole weight set in memory.
+    deferred: dict[str, LazyTensor] = {}
+    model, report = convert_model(source, options, base_dir=input_path.resolve().parent,
+                                  deferred=deferred)
     del source  # convert worked on its own copy
-    external = external or model.ByteSize() > PROTOBUF_LIMIT
-    save_onnx(model, output_path, source_dir=input_path.resolve().parent, external=external)
-    if options.check and external:
-        check_valid(str(output_path))
+    checked = not has_external_data(model) and model.ByteSize() <= PROTOBUF_LIMIT
+    layout = options.external_data
+    if layout is None:
+        external = external or model.ByteSize() + deferred_bytes(deferred) > PROTOBUF_LIMIT
+        layout = "single" if external else "inline"
+    with progress.bar("writing", unit="B", total=_bytes_to_write(model, deferred)) as bar:
+        save_onnx(model, output_path, source_dir=input_path.resolve().parent, layout=layout,
+                  threshold=(EXTERNAL_DATA_THRESHOLD if options.external_data_threshold is None
+                             else options.external_data_threshold),
+                  deferred=deferred, progress=bar.update)
+    if options.check and not (checked and layout == "inline"):
+        check_valid(str(output_path))  # the file: its external data is never loaded whole
     return model, report
+
+
+def _bytes_to_write(model: onnx.ModelProto, deferred: dict[str, LazyTensor]) -> int:
+    """About how many bytes of data `save_onnx` writes (for the progress bar)."""
+    external = 0
+    for tensor in all_tensors(model.graph):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            length = next((e.value for e in tensor.external_data if e.key == "length"), "")
+            external += int(length) if length.isdigit() else 0
+    return external + deferred_bytes(deferred) + model.ByteSize()

@@ -8,21 +8,47 @@ saturates a masked attention sum) get fresh NodeProtos.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
-from ...fileio import default_file_mode
-from ...ir import Graph, IRError, LazyTensor, Model, Node, Value, present
+from ...errors import AmpError
+from ...fileio import default_file_mode, open_input, pread_exact
+from ...ir import Graph, IRError, LazyTensor, Model, Node, Value, present, tensors
 from ...ir.dtypes import NUMPY_DTYPES
-from .load import PROTOBUF_LIMIT, all_tensors, elem_type_code, walk_graph_protos
+from ...options import EXTERNAL_LAYOUTS
+from .load import (
+    PROTOBUF_LIMIT,
+    all_tensors,
+    elem_type_code,
+    external_range,
+    walk_graph_protos,
+)
+
+#: The location a deferred tensor's proto carries until `save_onnx` writes its data: no input
+#: location can be one (the loader refuses NUL in a location), and the token after it finds
+#: the tensor in `deferred`.
+_DEFERRED = "\0amp-rewriter-deferred:"
 
 
-def _tensor_proto(name: str, tensor: LazyTensor) -> onnx.TensorProto:
+def _tensor_proto(name: str, tensor: LazyTensor,
+                  deferred: dict[str, LazyTensor] | None = None) -> onnx.TensorProto:
+    """The TensorProto of a constant. With `deferred`, a streaming tensor (a file's weight,
+    converted as it is read) gets a proto without data, marked for `save_onnx` to fill."""
+    if deferred is not None and tensor.streams:
+        token = str(len(deferred))
+        deferred[token] = tensor
+        proto = _header(name, tensor)
+        proto.data_location = onnx.TensorProto.EXTERNAL
+        entry = proto.external_data.add()
+        entry.key, entry.value = "location", _DEFERRED + token
+        return proto
     array = np.asarray(tensor.numpy())
     if array.dtype != NUMPY_DTYPES.get(tensor.dtype, array.dtype):
         array = array.astype(NUMPY_DTYPES[tensor.dtype])
@@ -31,6 +57,12 @@ def _tensor_proto(name: str, tensor: LazyTensor) -> onnx.TensorProto:
                                    array.view(np.uint16).tobytes(), raw=True)
         return proto
     return numpy_helper.from_array(array, name)
+
+
+def _header(name: str, tensor: LazyTensor) -> onnx.TensorProto:
+    """A tensor's proto without its data: the fields `_tensor_proto` sets but `raw_data`."""
+    return onnx.TensorProto(name=name, data_type=elem_type_code(tensor.dtype),
+                            dims=list(tensor.shape))
 
 
 def _data(initializer: Value) -> LazyTensor:
@@ -94,7 +126,7 @@ def _set_elem_type(info: onnx.ValueInfoProto, dtype: str | None) -> None:
         info.type.tensor_type.elem_type = code
 
 
-def _emit_graph(graph: Graph, opset: int) -> None:
+def _emit_graph(graph: Graph, opset: int, deferred: dict[str, LazyTensor] | None) -> None:
     proto: onnx.GraphProto = graph.handle
     nodes = [_patch_node(node, opset) for node in graph.nodes]
     del proto.node[:]
@@ -107,12 +139,14 @@ def _emit_graph(graph: Graph, opset: int) -> None:
         if value is None:
             continue
         const = _data(value)
-        kept.append(tensor if const.handle is tensor else _tensor_proto(value.name, const))
+        kept.append(tensor if const.handle is tensor
+                    else _tensor_proto(value.name, const, deferred))
         emitted.add(tensor.name)
     for name, value in graph.initializers.items():
         if name not in emitted:
             const = _data(value)
-            kept.append(const.handle if const.handle is not None else _tensor_proto(name, const))
+            kept.append(const.handle if const.handle is not None
+                        else _tensor_proto(name, const, deferred))
     del proto.initializer[:]
     proto.initializer.extend(kept)
 
@@ -144,12 +178,17 @@ def _emit_graph(graph: Graph, opset: int) -> None:
         proto.value_info.extend(kept_info)
 
 
-def emit_onnx(model: Model) -> onnx.ModelProto:
-    """Write the IR back into its ModelProto (inner graphs first, so copies see final bodies)."""
+def emit_onnx(model: Model, deferred: dict[str, LazyTensor] | None = None) -> onnx.ModelProto:
+    """Write the IR back into its ModelProto (inner graphs first, so copies see final bodies).
+
+    With `deferred` (a dict to fill), initializers that stream from the input's external data
+    (weights converted as they are read) are left without data for `save_onnx` to write a
+    chunk at a time; without it, every initializer holds its data.
+    """
     opset = next((imp.version for imp in model.handle.opset_import
                   if imp.domain in ("", "ai.onnx")), 0)
     for graph in reversed(list(model.graph.walk_graphs())):
-        _emit_graph(graph, opset)
+        _emit_graph(graph, opset, deferred)
     return model.handle
 
 
@@ -163,33 +202,239 @@ def has_external_data(model: onnx.ModelProto) -> bool:
 EXTERNAL_DATA_THRESHOLD = 1024
 
 
-def save_onnx(model: onnx.ModelProto, path: str | os.PathLike,
-              source_dir: str | os.PathLike | None = None, external: bool | None = None) -> None:
-    """Write `model` to `path`, and with external data its tensors to `<name>.data` beside it.
+def deferred_bytes(deferred: dict[str, LazyTensor] | None) -> int:
+    """Bytes the deferred tensors will write."""
+    return sum(tensor.nbytes for tensor in (deferred or {}).values())
 
-    Tensors stored externally in the input (relative to `source_dir`) are read first; then every
-    initializer of 1 KiB or more goes to the data file (none when every tensor is smaller: the model
-    is then self-contained). `path` is written in place: callers write into the private folder
-    of an `OutputTransaction`, which moves the model and its data file into place together.
+
+def save_onnx(model: onnx.ModelProto, path: str | os.PathLike,
+              source_dir: str | os.PathLike | None = None, external: bool | None = None, *,
+              layout: str | None = None, threshold: int = EXTERNAL_DATA_THRESHOLD,
+              deferred: dict[str, LazyTensor] | None = None,
+              progress: Callable[[int], None] | None = None) -> None:
+    """Write `model` to `path`, and with external data its tensors beside it.
+
+    `layout` (`EXTERNAL_LAYOUTS`; by default `single` when `external` is true: the model has
+    external data or is over 2 GiB, else `inline`): with `single` every initializer of
+    `threshold` bytes or more (as onnx counts them) goes to `<name>.data`, with `per-tensor` each
+    to its own `<name>.<n>.data`; the others (and tensors in attributes) stay in the model. Data
+    the input keeps in external files (relative to `source_dir`) is copied a byte range at a
+    time, and the `deferred` tensors (`emit_onnx`) are converted and written a chunk at a time,
+    so no more than a chunk of the weights is ever in memory. `inline` puts everything in the
+    model, which protobuf limits to 2 GiB. `progress` is told the bytes of each data write.
+
+    `path` is written in place: callers write into the private folder of an
+    `OutputTransaction`, which moves the model and its data files into place together.
     """
     path = Path(path)
-    if external is None:
-        external = has_external_data(model) or model.ByteSize() > PROTOBUF_LIMIT
-    if external:
-        if source_dir is not None:
-            external_data_helper.load_external_data_for_model(model, str(source_dir))
-        data_name = path.name + ".data"
-        data_path = path.parent / data_name
-        data_path.unlink(missing_ok=True)  # the helpers append; start from an empty file
-        initializers = (t for g in walk_graph_protos(model.graph) for t in g.initializer)
-        for tensor in initializers:
-            if (tensor.HasField("raw_data")
-                    and sys.getsizeof(tensor.raw_data) >= EXTERNAL_DATA_THRESHOLD):
-                external_data_helper.set_external_data(tensor, data_name)
-        external_data_helper.write_external_data_tensors(model, str(path.parent))
-        if data_path.exists():
-            os.chmod(data_path, default_file_mode())  # onnx creates it 0600
-    data = model.SerializeToString(deterministic=True)
-    with open(path, "wb") as handle:
-        handle.write(data)
+    base = Path(source_dir) if source_dir is not None else None
+    deferred = deferred or {}
+    if layout is None:
+        if external is None:
+            external = (has_external_data(model)
+                        or model.ByteSize() + deferred_bytes(deferred) > PROTOBUF_LIMIT)
+        layout = "single" if external else "inline"
+    if layout not in EXTERNAL_LAYOUTS:
+        raise AmpError(f"unknown external-data layout {layout!r} (expected "
+                       f"{', '.join(EXTERNAL_LAYOUTS)})")
+    try:
+        for tensor in _attribute_tensors(model):  # onnx keeps these in the model
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                _load_inline(tensor, base, deferred)
+        if layout == "inline":
+            for tensor in _initializers(model.graph):
+                if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                    _load_inline(tensor, base, deferred)
+            size = model.ByteSize()
+            if size > PROTOBUF_LIMIT:
+                raise AmpError(f"--external-data inline: the model would be {size} bytes, over "
+                               f"protobuf's 2 GiB limit; use single or per-tensor")
+        else:
+            with _DataFiles(path, layout, progress) as files:
+                for tensor in _initializers(model.graph):
+                    _place(tensor, files, base, threshold, deferred)
+        data = model.SerializeToString(deterministic=True)
+        with open(path, "wb") as handle:
+            handle.write(data)
+    except OSError as exc:
+        raise AmpError(f"cannot write the output {path.name} ({exc.strerror or exc})") from None
     os.chmod(path, default_file_mode())
+
+
+def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every initializer, in the order onnx's external-data helpers write them: a graph's own,
+    then its nodes' subgraphs' depth first."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _initializers(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    yield from _initializers(sub)
+
+
+def _attribute_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """The tensors in node attributes (Constant values, ...), local functions' included."""
+    bodies = [g for g in walk_graph_protos(model.graph)]
+    for nodes in [g.node for g in bodies] + [f.node for f in model.functions]:
+        for node in nodes:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+
+
+def _deferred_tensor(tensor: onnx.TensorProto, deferred: dict[str, LazyTensor]
+                     ) -> LazyTensor | None:
+    location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+    if not location.startswith(_DEFERRED):
+        return None
+    return deferred[location[len(_DEFERRED):]]
+
+
+def _load_inline(tensor: onnx.TensorProto, base: Path | None,
+                 deferred: dict[str, LazyTensor]) -> None:
+    """Put an external (or deferred) tensor's data into the proto, as onnx's loader does."""
+    lazy = _deferred_tensor(tensor, deferred)
+    if lazy is not None:
+        tensor.CopyFrom(_tensor_proto(tensor.name, lazy))
+        return
+    if base is None:
+        raise AmpError(f"tensor {tensor.name!r} has external data, but the model was not given "
+                       f"as a file path")
+    external_data_helper.load_external_data_for_tensor(tensor, str(base))
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    del tensor.external_data[:]
+
+
+def _goes_external(nbytes: int, threshold: int) -> bool:
+    """Whether a tensor of `nbytes` bytes goes to the data file (onnx counts `sys.getsizeof`
+    of the bytes object: the bytes and Python's object header)."""
+    return sys.getsizeof(b"") + nbytes >= threshold
+
+
+def _place(tensor: onnx.TensorProto, files: _DataFiles, base: Path | None, threshold: int,
+           deferred: dict[str, LazyTensor]) -> None:
+    """Write one initializer's data to its data file (or keep it in the model when small)."""
+    lazy = _deferred_tensor(tensor, deferred)
+    if lazy is not None:
+        if not _goes_external(lazy.nbytes, threshold):
+            tensor.CopyFrom(_tensor_proto(tensor.name, lazy))
+            return
+        tensor.CopyFrom(_header(tensor.name, lazy))
+        location, offset = files.open_for(tensor)
+        for chunk in lazy.chunks():
+            files.write(np.ascontiguousarray(chunk).view(np.uint8).data)
+        _set_location(tensor, location, offset, files.end() - offset)
+    elif tensor.data_location == onnx.TensorProto.EXTERNAL:
+        assert base is not None  # the loader refused external data without a folder
+        source, source_offset, length = external_range(tensor, base)
+        if not _goes_external(length, threshold):
+            _load_inline(tensor, base, deferred)
+            return
+        location, offset = files.open_for(tensor)
+        files.copy_range(source, source_offset, length)
+        _set_location(tensor, location, offset, length)
+    elif tensor.HasField("raw_data") and _goes_external(len(tensor.raw_data), threshold):
+        location, offset = files.open_for(tensor)
+        files.write(memoryview(tensor.raw_data))
+        length = len(tensor.raw_data)
+        tensor.ClearField("raw_data")
+        _set_location(tensor, location, offset, length)
+
+
+def _set_location(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """The entries onnx's `set_external_data` writes, in its order."""
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+class _DataFiles:
+    """The data file(s) beside an output model, written sequentially (no alignment padding,
+    as onnx's helpers write them)."""
+
+    def __init__(self, model_path: Path, layout: str,
+                 progress: Callable[[int], None] | None):
+        self.folder = model_path.parent
+        self.name = model_path.name
+        self.layout = layout
+        self.progress = progress
+        self.count = 0
+        self.fd: int | None = None
+        self.location = ""
+        self.offset = 0
+
+    def __enter__(self) -> _DataFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+
+    def open_for(self, tensor: onnx.TensorProto) -> tuple[str, int]:
+        """(location, offset) where `tensor`'s data starts."""
+        if self.fd is None or self.layout == "per-tensor":
+            self._close()
+            self.location = (f"{self.name}.data" if self.layout == "single"
+                             else f"{self.name}.{self.count}.data")
+            path = self.folder / self.location
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                              default_file_mode())
+            self.offset = 0
+        self.count += 1
+        return self.location, self.offset
+
+    def end(self) -> int:
+        """The offset the next write goes to."""
+        return self.offset
+
+    def write(self, data: memoryview) -> None:
+        assert self.fd is not None
+        view = data.cast("B")
+        while view:
+            written = os.write(self.fd, view)
+            view = view[written:]
+            self.offset += written
+            if self.progress is not None:
+                self.progress(written)
+
+    def copy_range(self, source: Path, offset: int, length: int) -> None:
+        """Append `length` bytes of `source` from `offset`, in the kernel where it can
+        (`os.copy_file_range`), else through a buffer a chunk at a time."""
+        assert self.fd is not None
+        label = f"external data file {source.name!r}"
+        fd, _ = open_input(source, label)
+        try:
+            left = length
+            while left > 0:
+                step = min(left, tensors.CHUNK_BYTES)
+                try:
+                    copied = os.copy_file_range(fd, self.fd, step, offset)
+                except OSError as exc:
+                    if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL,
+                                         errno.EOPNOTSUPP):
+                        raise
+                    copied = -1
+                if copied < 0:  # no in-kernel copy here: read and write
+                    data = pread_exact(fd, step, offset, label)
+                    self.write(memoryview(data))
+                    copied = len(data)
+                elif copied == 0:
+                    raise AmpError(f"{label}: ends before offset {offset + left} (was it changed "
+                                   f"during the run?)")
+                else:
+                    self.offset += copied
+                    if self.progress is not None:
+                        self.progress(copied)
+                offset += copied
+                left -= copied
+        finally:
+            os.close(fd)

@@ -23,8 +23,9 @@ import onnx
 from onnx import external_data_helper, numpy_helper
 
 from ...errors import AmpError
-from ...fileio import non_regular_kind, read_input_bytes
-from ...ir import FLOAT32, Graph, LazyTensor, Model, Node, TypeGroup, Value
+from ...fileio import non_regular_kind, open_input, pread_exact, read_input_bytes
+from ...ir import FLOAT32, Graph, LazyTensor, Model, Node, TypeGroup, Value, tensors
+from ...ir.tensors import ChunkReader
 from . import ort_registry
 from .rules import ATTRIBUTE_TYPED_OUTPUTS, CONTROL_FLOW_OPS, FIXED_TYPE_PARAMS, TIED_TYPE_PARAMS
 
@@ -283,6 +284,33 @@ def load_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
         raise AmpError(f"cannot read the model's external data: {detail}") from None
 
 
+def external_range(tensor: onnx.TensorProto, base_dir: Path) -> tuple[Path, int, int]:
+    """(file, offset, length) of an external tensor's bytes, checked as `check_tensor_data`
+    checks them (a file inside the model's folder, the range within it)."""
+    path = _external_path(tensor, base_dir)
+    offset = _external_int(tensor, "offset") or 0
+    length = _external_int(tensor, "length")
+    if length is None:
+        length = path.stat().st_size - offset
+    return path, offset, length
+
+
+def _chunk_reader(tensor: onnx.TensorProto, base_dir: Path) -> ChunkReader:
+    """Reads an external float32 tensor a chunk (`tensors.CHUNK_BYTES`) at a time."""
+    def read() -> Iterator[np.ndarray]:
+        path, offset, length = external_range(tensor, base_dir)
+        label = f"tensor {readable(tensor.name)!r}: external data file {path.name!r}"
+        fd, _size = open_input(path, label)
+        try:
+            step = max(4, tensors.CHUNK_BYTES // 4 * 4)
+            for start in range(0, length, step):
+                data = pread_exact(fd, min(step, length - start), offset + start, label)
+                yield np.frombuffer(data, dtype="<f4")
+        finally:
+            os.close(fd)
+    return read
+
+
 def _tensor_loader(tensor: onnx.TensorProto, base_dir: Path | None):
     def load() -> np.ndarray:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
@@ -292,9 +320,14 @@ def _tensor_loader(tensor: onnx.TensorProto, base_dir: Path | None):
 
 
 def lazy_tensor(tensor: onnx.TensorProto, base_dir: Path | None) -> LazyTensor:
-    """Wrap a TensorProto without reading its (possibly external) data."""
+    """Wrap a TensorProto without reading its (possibly external) data; an external float32
+    tensor streams (range checks and conversion read it a chunk at a time)."""
+    streams = (tensor.data_type == onnx.TensorProto.FLOAT
+               and tensor.data_location == onnx.TensorProto.EXTERNAL)
     return LazyTensor(dtype_name(tensor.data_type) or "undefined", tuple(tensor.dims),
-                      _tensor_loader(tensor, base_dir), handle=tensor)
+                      _tensor_loader(tensor, base_dir), handle=tensor,
+                      reader=(_chunk_reader(tensor, base_dir)
+                              if streams and base_dir is not None else None))
 
 
 def readable(name: str | bytes) -> str:

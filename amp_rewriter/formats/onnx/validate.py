@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from ... import progress
 from ...errors import AmpError
 from ...ir import Graph, Node, TypeGroup, Value
 from ...validation import EMULATED, OutputComparison, check_random_shape, compare_outputs
@@ -201,13 +202,31 @@ def compare_models(reference: onnx.ModelProto | str | bytes,
     input a key, each of its dtype), and errors do not suggest --inputs. A failure of the
     converted model raises `ConvertedModelFailed`.
     """
-    ref_session = _session(reference, "fp32")
-    if inputs_given:
-        _check_given_inputs(ref_session, feeds)
-    names = [o.name for o in ref_session.get_outputs()]
-    wanted = {i.name for i in ref_session.get_inputs()}
-    ref_outputs = _run(ref_session, names, {k: v for k, v in feeds.items() if k in wanted},
-                       "the fp32 model", inputs_given, AmpError)
+    with progress.bar("validating", 4, "step") as drawn:
+        steps = progress.Steps(drawn)
+        steps.start("loading the fp32 model")
+        ref_session = _session(reference, "fp32")
+        if inputs_given:
+            _check_given_inputs(ref_session, feeds)
+        names = [o.name for o in ref_session.get_outputs()]
+        wanted = {i.name for i in ref_session.get_inputs()}
+        steps.start("running the fp32 model")
+        ref_outputs = _run(ref_session, names, {k: v for k, v in feeds.items() if k in wanted},
+                           "the fp32 model", inputs_given, AmpError)
+        del ref_session
+        steps.start("loading the converted model")
+        comparisons = _compare_with(candidate, names, ref_outputs, feeds, device,
+                                    inputs_given, steps)
+        steps.finish()
+    for c in comparisons:
+        c.computed, c.emulated_ops = (computed or {}).get(c.name, ("", []))
+    return comparisons
+
+
+def _compare_with(candidate: onnx.ModelProto | str | bytes, names: list[str],
+                  ref_outputs: list, feeds: dict[str, np.ndarray], device: str,
+                  inputs_given: bool, steps: progress.Steps) -> list[OutputComparison]:
+    """Run the converted model and compare its outputs with the fp32 model's."""
     try:
         new_session = _session(candidate, "converted", device)
     except AmpError as exc:
@@ -228,13 +247,11 @@ def compare_models(reference: onnx.ModelProto | str | bytes,
         if info.type == "tensor(float16)" and value.dtype == np.float32:
             value = value.astype(np.float16)
         new_feeds[info.name] = value
+    steps.start("running the converted model")
     new_outputs = _run(new_session, names, new_feeds, "the converted model", inputs_given,
                        ConvertedModelFailed)
-    comparisons = [compare_outputs(name, ref, new)
-                   for name, ref, new in zip(names, ref_outputs, new_outputs)]
-    for c in comparisons:
-        c.computed, c.emulated_ops = (computed or {}).get(c.name, ("", []))
-    return comparisons
+    return [compare_outputs(name, ref, new)
+            for name, ref, new in zip(names, ref_outputs, new_outputs)]
 
 
 def _run(session, names: list[str], feeds: dict[str, np.ndarray], label: str,

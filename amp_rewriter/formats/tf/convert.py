@@ -64,6 +64,9 @@ def _resolved(options: Options) -> tuple[Options, OpLists]:
     if options.optimize:
         raise AmpError("--optimize runs onnxruntime's transformer optimizer: it is for ONNX "
                        "models, not TensorFlow graphs")
+    if options.external_data is not None or options.external_data_threshold is not None:
+        raise AmpError("--external-data and --external-data-threshold are for ONNX outputs, not "
+                       "TensorFlow graphs")
     options = options.with_backend(default_backend(options.target))
     assert options.backend is not None
     return options, load_tf_lists(options.target, options.backend, options.overrides)

@@ -19,8 +19,6 @@ from .insert_casts import CAST
 def _converted_tensor(tensor: LazyTensor, dtype: str, clamp: bool, name: str,
                       ctx: PassContext) -> LazyTensor | None:
     """The converted constant, or None when it overflows and clamping is off."""
-    # A compact tensor (its last value repeating) converts as its stored values, and stays so.
-    array = np.asarray(tensor.stored() if tensor.compact else tensor.numpy(), dtype=np.float32)
     result = ctx.range_check(tensor, dtype)
     if result.overflowed and not clamp:
         if not any(r.name == name and r.action == "kept_fp32" for r in ctx.constants):
@@ -28,10 +26,14 @@ def _converted_tensor(tensor: LazyTensor, dtype: str, clamp: bool, name: str,
                                                 result.overflowed, result.flushed_to_zero,
                                                 "overflows; cast kept"))
         return None
-    converted = convert_array(array, dtype, clamp)
     action = "clamped" if result.overflowed else "converted"
     ctx.constants.append(ConstantRecord(name, action, tensor.size, result.overflowed,
                                         result.flushed_to_zero))
+    if tensor.streams:  # a weight in a file: converted chunk by chunk when the output is written
+        return tensor.converted(dtype, clamp)
+    # A compact tensor (its last value repeating) converts as its stored values, and stays so.
+    array = np.asarray(tensor.stored() if tensor.compact else tensor.numpy(), dtype=np.float32)
+    converted = convert_array(array, dtype, clamp)
     if tensor.compact:
         return LazyTensor.repeating_last(dtype, tensor.shape, converted)
     return LazyTensor(dtype, tuple(converted.shape), lambda: converted)
