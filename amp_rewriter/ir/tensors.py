@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,8 @@ class LazyTensor:
     gigabytes never hold more than a chunk of it (`numpy` still reads it whole when asked).
     """
 
-    __slots__ = ("dtype", "shape", "_load", "_array", "handle", "_stored", "_reader")
+    __slots__ = ("dtype", "shape", "_load", "_array", "handle", "_stored", "_reader",
+                 "conversion")
 
     def __init__(self, dtype: str, shape: tuple[int, ...], load: Callable[[], np.ndarray],
                  handle: Any = None, stored: Callable[[], np.ndarray] | None = None,
@@ -49,6 +51,9 @@ class LazyTensor:
         self.handle = handle
         self._stored = stored
         self._reader = reader
+        #: (source tensor, clamp) of a tensor `converted` from a streaming one: a writer may
+        #: convert the source's chunks itself, with a faster cast of the same result.
+        self.conversion: tuple[LazyTensor, bool] | None = None
 
     @classmethod
     def repeating_last(cls, dtype: str, shape: tuple[int, ...], values: np.ndarray,
@@ -96,7 +101,8 @@ class LazyTensor:
 
     def chunks(self) -> Iterator[np.ndarray]:
         """The values, flat, a slice of at most `CHUNK_BYTES` at a time: streamed from their
-        file when the tensor `streams`, else slices of `numpy()` (a compact tensor expanded)."""
+        file when the tensor `streams`, else slices of `numpy()` (a compact tensor expanded).
+        A chunk may be a view of a buffer the next one reuses: use it before asking for more."""
         if self.streams:
             assert self._reader is not None
             yield from self._reader()
@@ -117,7 +123,11 @@ class LazyTensor:
         def reader() -> Iterator[np.ndarray]:
             for chunk in source.chunks():
                 yield convert_array(np.asarray(chunk, np.float32), dtype, clamp)
-        return LazyTensor(dtype, self.shape, load, reader=reader if self.streams else None)
+        if not self.streams:
+            return LazyTensor(dtype, self.shape, load)
+        result = LazyTensor(dtype, self.shape, load, reader=reader)
+        result.conversion = (self, clamp)
+        return result
 
 
 @dataclass
@@ -169,24 +179,55 @@ def _counted(chunks: Iterable[np.ndarray], drawn: Any) -> Iterator[np.ndarray]:
         drawn.update(chunk.nbytes)
 
 
-def _bits(value: float) -> int:
-    return int(np.float32(value).view(np.uint32))
+#: Bit pattern of float32 infinity; magnitudes at or above it are inf or NaN.
+_INF_BITS = 0x7F800000
+
+
+@cache
+def _rounding_limits(dtype: str) -> tuple[int, int]:
+    """(the smallest float32 magnitude, as bits, that becomes inf in `dtype`; the largest that
+    becomes zero), found by converting with numpy, so they agree with `_check_range` exactly.
+    Conversion rounds monotonically, so a binary search over the bit patterns finds them."""
+    target = NUMPY_DTYPES[dtype]
+
+    def converted(bits: int) -> float:
+        value = np.array([bits], np.uint32).view(np.float32)
+        with np.errstate(over="ignore"):
+            return float(value.astype(target)[0])
+
+    low, high = 0, _INF_BITS  # the first overflowing pattern lies in (low, high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if np.isinf(converted(middle)) else (middle, high)
+    overflow_from = high
+    low, high = 0, _INF_BITS  # the last pattern that becomes zero lies in [low, high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if converted(middle) == 0 else (low, middle)
+    return overflow_from, low
 
 
 def _check_block(block: np.ndarray, dtype: str) -> RangeCheck:
-    """`_check_range` of a float32 block, with the common case (every value finite, none
-    beyond the dtype's range or below its smallest subnormal) decided on the bit patterns:
-    the magnitudes of finite float32 values order as their bits do, and inf and NaN lie above
-    every finite value. Anything else goes to `_check_range`."""
+    """`_check_range` of a flat float32 block, counted on the bit patterns (magnitudes of
+    float32 values order as their bits do; inf and NaN lie above every finite value): a few
+    cheap passes instead of a conversion."""
+    overflow_from, zero_up_to = _rounding_limits(dtype)
     magnitude = np.bitwise_and(block.view(np.uint32), np.uint32(0x7FFFFFFF))
-    if not magnitude.size or int(magnitude.max()) > _bits(FINITE_MAX[dtype]):
-        return _check_range(block, dtype) if magnitude.size else RangeCheck(0, 0, 0)
+    if not magnitude.size:
+        return RangeCheck(0, 0, 0)
     nonzero = int(np.count_nonzero(magnitude))
-    if nonzero:
-        np.subtract(magnitude, np.uint32(1), out=magnitude)  # zeros wrap to the largest value
-        if int(magnitude.min()) + 1 < _bits(SMALLEST_SUBNORMAL[dtype]):
-            return _check_range(block, dtype)
-    return RangeCheck(0, 0, nonzero)
+    highest = int(magnitude.max())
+    nonfinite = overflowed = flushed = 0
+    if highest >= _INF_BITS:
+        nonfinite = int(np.count_nonzero(magnitude >= np.uint32(_INF_BITS)))
+    if highest >= overflow_from and overflow_from < _INF_BITS:
+        overflowed = int(np.count_nonzero((magnitude >= np.uint32(overflow_from))
+                                          & (magnitude < np.uint32(_INF_BITS))))
+    if nonzero and zero_up_to:
+        np.subtract(magnitude, np.uint32(1), out=magnitude)  # zero wraps to the largest value
+        if int(magnitude.min()) < zero_up_to:
+            flushed = int(np.count_nonzero(magnitude < np.uint32(zero_up_to)))
+    return RangeCheck(overflowed, flushed, nonzero - nonfinite)
 
 
 def tensor_range(tensor: LazyTensor, dtype: str) -> RangeCheck:

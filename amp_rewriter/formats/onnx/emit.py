@@ -12,6 +12,7 @@ import errno
 import os
 import sys
 from collections.abc import Callable, Iterator
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from onnx import external_data_helper, helper, numpy_helper
 from ...errors import AmpError
 from ...fileio import default_file_mode, open_input, pread_exact
 from ...ir import Graph, IRError, LazyTensor, Model, Node, Value, present, tensors
-from ...ir.dtypes import NUMPY_DTYPES
+from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES
 from ...options import EXTERNAL_LAYOUTS
 from .load import (
     PROTOBUF_LIMIT,
@@ -324,7 +325,7 @@ def _place(tensor: onnx.TensorProto, files: _DataFiles, base: Path | None, thres
             return
         tensor.CopyFrom(_header(tensor.name, lazy))
         location, offset = files.open_for(tensor)
-        for chunk in lazy.chunks():
+        for chunk in _converted_chunks(lazy):
             files.write(np.ascontiguousarray(chunk).view(np.uint8).data)
         _set_location(tensor, location, offset, files.end() - offset)
     elif tensor.data_location == onnx.TensorProto.EXTERNAL:
@@ -342,6 +343,59 @@ def _place(tensor: onnx.TensorProto, files: _DataFiles, base: Path | None, thres
         length = len(tensor.raw_data)
         tensor.ClearField("raw_data")
         _set_location(tensor, location, offset, length)
+
+
+def _converted_chunks(lazy: LazyTensor) -> Iterator[np.ndarray]:
+    """A deferred tensor's values a chunk at a time; an fp16 conversion goes through
+    onnxruntime's Cast (a vectorized cast, many times numpy's scalar one), with the same bits as
+    numpy's (`_fp16_chunk`)."""
+    cast = _ort_fp16_cast() if lazy.conversion is not None and lazy.dtype == "float16" else None
+    if cast is None or lazy.conversion is None:
+        yield from lazy.chunks()
+        return
+    source, clamp = lazy.conversion
+    for chunk in source.chunks():
+        yield _fp16_chunk(np.asarray(chunk, np.float32), clamp, cast)
+
+
+def _fp16_chunk(chunk: np.ndarray, clamp: bool,
+                cast: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """`convert_array(chunk, "float16", clamp)` through `cast`. Finite values and infinities
+    round the same in both (IEEE round to nearest even); NaNs, whose payload bits a hardware
+    cast may change, are converted by numpy."""
+    if clamp:
+        limit = FINITE_MAX["float16"]
+        chunk = np.where(np.isfinite(chunk), np.clip(chunk, -limit, limit), chunk)
+    result = cast(chunk)
+    nans = np.isnan(chunk)
+    if nans.any():
+        result[nans] = chunk[nans].astype(np.float16)
+    return result
+
+
+@cache
+def _ort_fp16_cast() -> Callable[[np.ndarray], np.ndarray] | None:
+    """onnxruntime's Cast to float16 on one thread, as a function of a flat float32 array;
+    None without onnxruntime."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["y"], to=onnx.TensorProto.FLOAT16)], "cast",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT16, ["n"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 7
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+
+    def cast(values: np.ndarray) -> np.ndarray:
+        return session.run(None, {"x": values.reshape(-1)})[0]
+    return cast
 
 
 def _set_location(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:

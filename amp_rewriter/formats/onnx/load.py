@@ -23,7 +23,7 @@ import onnx
 from onnx import external_data_helper, numpy_helper
 
 from ...errors import AmpError
-from ...fileio import non_regular_kind, open_input, pread_exact, read_input_bytes
+from ...fileio import non_regular_kind, open_input, read_input_bytes, read_into
 from ...ir import FLOAT32, Graph, LazyTensor, Model, Node, TypeGroup, Value, tensors
 from ...ir.tensors import ChunkReader
 from . import ort_registry
@@ -302,10 +302,13 @@ def _chunk_reader(tensor: onnx.TensorProto, base_dir: Path) -> ChunkReader:
         label = f"tensor {readable(tensor.name)!r}: external data file {path.name!r}"
         fd, _size = open_input(path, label)
         try:
-            step = max(4, tensors.CHUNK_BYTES // 4 * 4)
+            # One buffer for every chunk: no fresh pages to fault in per read.
+            buffer = np.empty(max(1, min(length, tensors.CHUNK_BYTES) // 4), "<f4")
+            step = buffer.nbytes
             for start in range(0, length, step):
-                data = pread_exact(fd, min(step, length - start), offset + start, label)
-                yield np.frombuffer(data, dtype="<f4")
+                view = buffer[:min(step, length - start) // 4]
+                read_into(fd, view.view(np.uint8).data, offset + start, label)
+                yield view
         finally:
             os.close(fd)
     return read
