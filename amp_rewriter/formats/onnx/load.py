@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import math
+import mmap
 import os
 import stat
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ import onnx
 from onnx import external_data_helper, numpy_helper
 
 from ...errors import AmpError
-from ...fileio import non_regular_kind, open_input, read_input_bytes, read_into
+from ...fileio import non_regular_kind, open_input, read_input_bytes
 from ...ir import FLOAT32, Graph, LazyTensor, Model, Node, TypeGroup, Value, tensors
 from ...ir.tensors import ChunkReader
 from . import ort_registry
@@ -300,18 +301,31 @@ def _chunk_reader(tensor: onnx.TensorProto, base_dir: Path) -> ChunkReader:
     def read() -> Iterator[np.ndarray]:
         path, offset, length = external_range(tensor, base_dir)
         label = f"tensor {readable(tensor.name)!r}: external data file {path.name!r}"
-        fd, _size = open_input(path, label)
+        fd, size = open_input(path, label)
         try:
-            # One buffer for every chunk: no fresh pages to fault in per read.
-            buffer = np.empty(max(1, min(length, tensors.CHUNK_BYTES) // 4), "<f4")
-            step = buffer.nbytes
+            if offset + length > size:
+                raise AmpError(f"{label}: ends before offset {offset + length} (was it changed "
+                               f"during the run?)")
+            step = max(4, tensors.CHUNK_BYTES // 4 * 4)
             for start in range(0, length, step):
-                view = buffer[:min(step, length - start) // 4]
-                read_into(fd, view.view(np.uint8).data, offset + start, label)
-                yield view
+                yield _mapped_floats(fd, offset + start, min(step, length - start))
         finally:
             os.close(fd)
     return read
+
+
+def _mapped_floats(fd: int, offset: int, count: int) -> np.ndarray:
+    """`count` bytes of an open file from `offset` as float32 values, mapped rather than copied
+    (the page cache's pages themselves); unmapped when the array is dropped, so only the chunks
+    in use count in the process's memory."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(fd, offset + count - start, flags=mmap.MAP_SHARED | _POPULATE,
+                       prot=mmap.PROT_READ, offset=start)
+    return np.frombuffer(mapped, dtype="<f4", count=count // 4, offset=offset - start)
+
+
+#: Map pages in at once (Linux): one call instead of a fault per page.
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _tensor_loader(tensor: onnx.TensorProto, base_dir: Path | None):
