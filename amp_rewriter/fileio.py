@@ -136,21 +136,6 @@ def pread_exact(fd: int, count: int, offset: int, label: str) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def read_into(fd: int, buffer: memoryview, offset: int, label: str) -> None:
-    """Fill `buffer` with an open file's bytes from `offset`; AmpError when the file ends
-    before."""
-    done = 0
-    while done < len(buffer):
-        try:
-            count = os.preadv(fd, [buffer[done:]], offset + done)
-        except OSError as exc:
-            raise AmpError(f"{label}: cannot read ({exc.strerror})") from None
-        if not count:
-            raise AmpError(f"{label}: ends before offset {offset + len(buffer)} (was it "
-                           f"changed during the run?)")
-        done += count
-
-
 def _chunks(fd: int, size: int, label: str) -> Iterator[bytes]:
     """The file's bytes in chunks, never more than `size` in all."""
     left = size

@@ -251,3 +251,24 @@ def test_progress_bars_show_on_a_terminal_only(tmp_path: Path) -> None:
     assert "converting" not in piped and "\r" not in piped
     quiet = _convert_with_stderr(source, tmp_path / "c.onnx", True, "--quiet")
     assert "converting" not in quiet and "\r" not in quiet
+
+
+def test_weights_left_fp32_are_copied_by_byte_range(tmp_path: Path, small_chunks: None) -> None:
+    rng = np.random.default_rng(3)
+    kept = rng.standard_normal((4, 256)).astype(np.float32)
+    converted = rng.standard_normal((256, 256)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "kept"], ["s"], name="pinned"),
+         helper.make_node("MatMul", ["s", "converted"], ["y"], name="matmul")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 256])],
+        [numpy_helper.from_array(kept, "kept"), numpy_helper.from_array(converted, "converted")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    source = save_external(model, tmp_path / "in" / "m.onnx")
+    out = tmp_path / "out" / "m.onnx"
+    out.parent.mkdir()
+    amp_rewriter.convert_file(source, out, keep_nodes=["pinned"])
+    result = {t.name: t for t in onnx.load(str(out)).graph.initializer}
+    assert result["kept"].data_type == TensorProto.FLOAT
+    assert np.array_equal(numpy_helper.to_array(result["kept"]), kept)
+    assert np.array_equal(numpy_helper.to_array(result["converted"]), converted.astype(np.float16))

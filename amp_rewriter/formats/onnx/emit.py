@@ -466,17 +466,20 @@ class _DataFiles:
         assert self.fd is not None
         label = f"external data file {source.name!r}"
         fd, _ = open_input(source, label)
+        in_kernel = getattr(os, "copy_file_range", None)  # Linux only
         try:
             left = length
             while left > 0:
                 step = min(left, tensors.CHUNK_BYTES)
+                copied = -1
                 try:
-                    copied = os.copy_file_range(fd, self.fd, step, offset)
+                    if in_kernel is not None:
+                        copied = in_kernel(fd, self.fd, step, offset)
                 except OSError as exc:
                     if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL,
                                          errno.EOPNOTSUPP):
                         raise
-                    copied = -1
+                    in_kernel = None
                 if copied < 0:  # no in-kernel copy here: read and write
                     data = pread_exact(fd, step, offset, label)
                     self.write(memoryview(data))

@@ -24,7 +24,7 @@ import onnx
 from onnx import external_data_helper, numpy_helper
 
 from ...errors import AmpError
-from ...fileio import non_regular_kind, open_input, read_input_bytes
+from ...fileio import non_regular_kind, open_input, pread_exact, read_input_bytes
 from ...ir import FLOAT32, Graph, LazyTensor, Model, Node, TypeGroup, Value, tensors
 from ...ir.tensors import ChunkReader
 from . import ort_registry
@@ -308,7 +308,11 @@ def _chunk_reader(tensor: onnx.TensorProto, base_dir: Path) -> ChunkReader:
                                f"during the run?)")
             step = max(4, tensors.CHUNK_BYTES // 4 * 4)
             for start in range(0, length, step):
-                yield _mapped_floats(fd, offset + start, min(step, length - start))
+                count = min(step, length - start)
+                if hasattr(mmap, "MAP_SHARED"):
+                    yield _mapped_floats(fd, offset + start, count)
+                else:  # no POSIX mmap flags (Windows): read a copy
+                    yield np.frombuffer(pread_exact(fd, count, offset + start, label), "<f4")
         finally:
             os.close(fd)
     return read
