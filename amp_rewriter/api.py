@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import formats
+from .fileio import OutputTransaction
 from .options import Options
 from .report import Report
 
@@ -60,14 +61,24 @@ def convert(model_or_path: Any, target: str = "fp16", backend: str | None = None
 
 def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                  **options: Any) -> tuple[Any, Report]:
-    """Convert a model file (or SavedModel directory) and write the result atomically.
+    """Convert a model file (or SavedModel directory) and write the result: all of it (external
+    data, a whole directory) or, on failure, nothing; an existing output is replaced only on
+    success, and an output that is, or would overwrite, an input file is refused.
 
     Returns the converted ModelProto for ONNX (None for TensorFlow: read `output_path`) and
     the Report. Keyword arguments are the fields of `Options`.
     """
     input_path, output_path = Path(input_path), Path(output_path)
-    if formats.detect(input_path) == "onnx":
-        from .formats.onnx import convert_model_file
-        return convert_model_file(input_path, output_path, Options(**options))
-    report = formats.get("tf").convert_file(input_path, output_path, Options(**options))
-    return None, report
+    fmt = formats.for_path(input_path)
+    parsed = Options(**options)
+    with OutputTransaction([(input_path, "the input model")],
+                           lambda: fmt.input_files(input_path)) as outputs:
+        staged = outputs.stage(output_path, "output", fmt.output_kind(input_path),
+                               replace_dir=fmt.replaceable_output_dir)
+        if fmt.name == "onnx":
+            from .formats.onnx import convert_model_file
+            model, report = convert_model_file(input_path, staged, parsed)
+        else:
+            model, report = None, fmt.convert_file(input_path, staged, parsed)
+        outputs.commit()
+    return model, report

@@ -8,20 +8,22 @@ AMP_REWRITER_LINT=1 to check the IR's invariants after every pass.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import json
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
 from . import formats
 from .cost import summary_line
 from .errors import AmpError, CheckFailed
-from .fileio import check_input_path, check_output_path, write_atomically
+from .fileio import OutputTransaction, check_input_path, write_atomically
 from .ir import short_name
 from .options import Options, TrainingOptions, cli_flags, cli_given, from_cli
-from .report import Report
+from .report import Report, to_json
 from .validation import default_rtol, load_inputs
 
 PROG = "amp-rewriter"
@@ -69,13 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     cli_flags(training, TrainingOptions)
 
     check = commands.add_parser("check", help="check a converted model (for CI)")
-    check.add_argument("model", help="the mixed-precision model: .onnx, or a TensorFlow graph "
-                                     "(.meta, .pb, .pbtxt; training graphs included)")
+    check.add_argument("model", help="the mixed-precision model: .onnx, a TensorFlow graph "
+                                     "(.meta, .pb, .pbtxt; training graphs included) or a "
+                                     "SavedModel directory")
     check.add_argument("--target", default=None, help="fp16 or bf16 (default: detected)")
     check.add_argument("--backend", default=None,
                        help="ONNX ort-cuda (default) or ort-cpu; TensorFlow tf-gpu or tf-cpu")
-    check.add_argument("--reference", metavar="FP32_ONNX", help="the fp32 model to compare with")
-    check.add_argument("--rtol", type=float, default=None, help="tolerance with --reference")
+    check.add_argument("--reference", metavar="FP32_MODEL",
+                       help="the fp32 model (same format) to compare constants and outputs with")
+    check.add_argument("--inputs", metavar="NPZ",
+                       help="inputs for --reference (.npz keyed by input / placeholder name; "
+                            "default: seeded random ones)")
+    check.add_argument("--rtol", type=float, default=None,
+                       help="largest relative error --reference accepts (fp16 2e-2, bf16 1e-1)")
     check.add_argument("--device", choices=DEVICES, default="cpu",
                        help="where --reference runs the model: cpu (default) or cuda")
     check.add_argument("--report", metavar="JSON", help="write the findings as JSON")
@@ -87,40 +95,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _refuse_report_over_model(args: argparse.Namespace) -> None:
-    if args.report and os.path.realpath(args.report) in (os.path.realpath(args.input),
-                                                           os.path.realpath(args.output)):
-        raise AmpError("--report must not be the input or output model path")
-    if args.report:  # before converting: a report that cannot be written fails the run late
-        check_output_path(args.report)
-    _refuse_writing_inputs(args)
+def _check_rtol(rtol: float | None) -> None:
+    if rtol is not None and not rtol >= 0:  # also refuses nan
+        raise AmpError(f"--rtol must be a number >= 0, got {rtol}")
 
 
-def _input_files(args: argparse.Namespace) -> list[Path]:
-    """Every file or folder the run reads: the model (a SavedModel folder whole), an ONNX
-    model's external data files, --inputs and --config."""
-    found = [Path(args.input)]
-    if Path(args.input).is_file() and not formats.detect(args.input) == "tf":
-        from .formats.onnx.load import external_locations
-
-        found += external_locations(Path(args.input))
-    found += [Path(p) for p in (args.inputs, getattr(args, "config", None)) if p]
-    return found
+def _input_entry(path: Path, what: str = "input") -> tuple[Path, str]:
+    """A model path as an input file the outputs must not overwrite (found without parsing)."""
+    kind = "SavedModel" if formats.is_saved_model_dir(path) else "model"
+    return path, f"the {what} {kind}"
 
 
-def _refuse_writing_inputs(args: argparse.Namespace) -> None:
-    """Refuse an output, its .data or a report that is (or lies inside) a file the run reads."""
-    inputs = [Path(os.path.realpath(path)) for path in _input_files(args)]
-    destinations = [("the output", Path(args.output)),
-                    ("the output's data file", Path(f"{args.output}.data"))]
-    if args.report:
-        destinations.append(("--report", Path(args.report)))
-    for what, destination in destinations:
-        target = Path(os.path.realpath(destination))  # a symlink loop does not raise here
-        for source in inputs:
-            if target == source or target.is_relative_to(source):
-                raise AmpError(f"{what} {destination} is {'inside ' if target != source else ''}"
-                               f"an input ({source.name}); refusing to overwrite it")
+def _extra_inputs(args: argparse.Namespace) -> list[tuple[Path, str]]:
+    """The files a run reads besides its model(s): --inputs and --config."""
+    files = []
+    if getattr(args, "inputs", None):
+        files.append((Path(args.inputs), "the --inputs file"))
+    if getattr(args, "config", None):
+        files.append((Path(args.config), "the --config file"))
+    return files
+
+
+@contextlib.contextmanager
+def _warnings_as_lines(into: list[str]) -> Iterator[None]:
+    """Collect the Python warnings libraries raise (onnx's notes on a model, say) as one line
+    each, so they print as ours after a successful run, and not at all before an error."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        try:
+            yield
+        finally:
+            for warning in caught:
+                text = str(warning.message).strip()
+                line = text.splitlines()[0] if text else type(warning.message).__name__
+                if line not in into:
+                    into.append(line)
 
 
 def _run_convert(args: argparse.Namespace) -> int:
@@ -130,10 +139,10 @@ def _run_convert(args: argparse.Namespace) -> int:
         raise AmpError("--rtol only makes sense with --validate")
     if args.device is not None and not args.validate:
         raise AmpError("--device only makes sense with --validate")
-    if args.rtol is not None and not args.rtol >= 0:  # also refuses nan
-        raise AmpError(f"--rtol must be a number >= 0, got {args.rtol}")
+    _check_rtol(args.rtol)
     check_input_path(args.input)
-    fmt = formats.for_path(args.input)
+    input_path, output_path = Path(args.input), Path(args.output)
+    fmt = formats.for_path(input_path)
     training_given = cli_given(args, TrainingOptions)
     training = None
     if args.training:
@@ -145,23 +154,29 @@ def _run_convert(args: argparse.Namespace) -> int:
         flags = TrainingOptions(**training_given).given_flags()
         raise AmpError(f"{', '.join(flags)} only apply with --training")
     options = from_cli(args, Options)
-    _refuse_report_over_model(args)
     if args.inputs:
-        load_inputs(args.inputs)  # a bad inputs file is refused before anything is written
-    report = fmt.convert_file(Path(args.input), Path(args.output), options, training)
-    status = 0
-    for warning in report.warnings:
-        print(f"{PROG}: warning: {warning}", file=sys.stderr)
-    if args.validate:
-        try:
-            status = _validate(args, fmt, report, options)
-        except AmpError:
-            fmt.discard_output(Path(args.output))  # leave no unvalidated model for a build
-            raise
+        load_inputs(args.inputs)  # a bad inputs file is refused before anything is converted
+    library_warnings: list[str] = []
+    # Everything the run writes is staged beside its destination and moved into place only
+    # when the whole run succeeded (validation included): a failed run changes nothing.
+    with OutputTransaction([_input_entry(input_path), *_extra_inputs(args)],
+                           lambda: fmt.input_files(input_path)) as outputs:
+        staged = outputs.stage(output_path, "output", fmt.output_kind(input_path),
+                               replace_dir=fmt.replaceable_output_dir)
+        staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
+        with _warnings_as_lines(library_warnings):
+            report = fmt.convert_file(input_path, staged, options, training)
+        report.warnings.extend(library_warnings)
+        status = _validate(args, fmt, report, options, staged) if args.validate else 0
         if status:
-            fmt.discard_output(Path(args.output))  # nor one that failed validation
-    if args.report:
-        write_atomically(args.report, report.to_json().encode())
+            _print_warnings(report)  # a typo in an override may be why
+            raise CheckFailed(f"validation failed: relative error above rtol; nothing was "
+                              f"written ({args.output} is as it was)")
+        if staged_report is not None:
+            write_atomically(staged_report, report.to_json().encode())
+        outputs.commit()
+    # Warnings only once the run is through: an error (exit 2) prints that one line alone.
+    _print_warnings(report)
     if not args.quiet:
         if report.optimizer is not None:
             print(_optimizer_line(report.optimizer))
@@ -175,17 +190,21 @@ def _run_convert(args: argparse.Namespace) -> int:
             print(f"weights: {len(w['variables'])} variables stored in {short_name(w['dtype'])} "
                   f"({w['bytes_before'] / 1e6:.1f} MB -> {w['bytes_after'] / 1e6:.1f} MB), read "
                   f"without a cast (--keep-fp32-weights keeps them fp32)")
-    if status:
-        print(f"{PROG}: validation failed: relative error above rtol", file=sys.stderr)
-    return status
+    return 0
+
+
+def _print_warnings(report: Report) -> None:
+    for warning in report.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
 
 
 def _validate(args: argparse.Namespace, fmt: formats.base.Format, report: Report,
-              options: Options) -> int:
-    """Run fp32 and converted models on the same inputs; 1 when an output is off."""
+              options: Options, converted: Path) -> int:
+    """Run the fp32 model and the converted one (still at its staged path) on the same inputs;
+    1 when an output is off."""
     rtol = default_rtol(options.target) if args.rtol is None else args.rtol
-    validation = fmt.validate(Path(args.input), Path(args.output), report, options, args.inputs,
-                              rtol, args.device or "cpu")
+    validation = fmt.validate(Path(args.input), converted, report, options, args.inputs, rtol,
+                              args.device or "cpu")
     report.validation = validation.to_dict()
     if not args.quiet:
         for note in validation.notes:
@@ -198,13 +217,24 @@ def _validate(args: argparse.Namespace, fmt: formats.base.Format, report: Report
 
 
 def _summary_line(report: Report, output: str) -> str:
+    """One line: the compute ops (what decides the speed-up) in low precision, per op type, then
+    all nodes (shape arithmetic included), casts and constants."""
     s = report.summary
+    by_type = s.get("compute_ops_by_type", {})
+    if by_type:
+        types = ", ".join(f"{op} {low}/{total}" for op, (low, total) in by_type.items())
+        compute = f"compute ops {s['low_precision_compute_ops']}/{s['compute_ops']} ({types})"
+    else:
+        compute = "no compute ops (matrix products, convolutions) on float data"
+    unserved = s.get("graphs_not_served", 0)
+    scope = (f" in the functions the signatures run ({unserved} other function"
+             f"{'s' if unserved != 1 else ''} converted, not counted)" if unserved else "")
     flushed = (f", {s['values_flushed_to_zero']} values flushed to zero"
                if s["values_flushed_to_zero"] else "")
-    return (f"converted {s['low_precision_nodes']}/{s['nodes']} nodes to {report.target} "
-            f"(backend {report.backend}): casts {s['casts_inserted']} inserted, "
-            f"{s['casts_removed']} removed; constants {s['constants_converted']} converted, "
-            f"{s['constants_kept_fp32']} kept fp32 for range{flushed} -> {output}")
+    return (f"converted to {report.target} (backend {report.backend}): {compute}, nodes "
+            f"{s['low_precision_nodes']}/{s['nodes']}{scope}; casts {s['casts_inserted']} "
+            f"inserted, {s['casts_removed']} removed; constants {s['constants_converted']} "
+            f"converted, {s['constants_kept_fp32']} kept fp32 for range{flushed} -> {output}")
 
 
 def _optimizer_line(optimizer: dict) -> str:
@@ -227,22 +257,44 @@ def _training_line(training: dict) -> str:
 
 
 def _run_check(args: argparse.Namespace) -> int:
+    if args.inputs and not args.reference:
+        raise AmpError("--inputs only makes sense with --reference (they feed both models)")
+    if args.rtol is not None and not args.reference:
+        raise AmpError("--rtol only makes sense with --reference")
+    _check_rtol(args.rtol)
     check_input_path(args.model)
     if args.reference:
         check_input_path(args.reference, "--reference")
-    fmt = formats.for_path(args.model)
-    result = fmt.check(Path(args.model), args.target, args.backend,
-                       Path(args.reference) if args.reference else None, args.rtol, args.device)
-    for note in result.notes:
-        print(f"note: {note}")
-    for problem in result.problems:
-        print(f"{problem['kind']}: {problem['message']}")
-    for output in result.outputs:
-        emulated = output.get("emulated_ops")
-        how = f" [emulated: {', '.join(emulated)}]" if emulated else ""
-        print(f"output {output['name']}: relative error {output['relative_error']:.3g}{how}")
-    if args.report:
-        write_atomically(args.report, (json.dumps(result.to_dict(), indent=2) + "\n").encode())
+    model = Path(args.model)
+    reference = Path(args.reference) if args.reference else None
+    fmt = formats.for_path(model)
+    if reference is not None and formats.detect(reference) != fmt.name:
+        raise AmpError(f"--reference {reference} is not a {fmt.name} model like {model}")
+    reads = [_input_entry(model, "checked"), *_extra_inputs(args)]
+    if reference is not None:
+        reads.append(_input_entry(reference, "reference"))
+
+    def every_file_read() -> list[tuple[Path, str]]:
+        files = fmt.input_files(model)
+        if reference is not None:
+            files += [(path, f"{what} (--reference)") for path, what in fmt.input_files(reference)]
+        return files
+
+    with OutputTransaction(reads, every_file_read) as outputs:
+        staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
+        result = fmt.check(model, args.target, args.backend, reference, args.rtol, args.inputs,
+                           args.device)
+        for note in result.notes:
+            print(f"note: {note}")
+        for problem in result.problems:
+            print(f"{problem['kind']}: {problem['message']}")
+        for output in result.outputs:
+            emulated = output.get("emulated_ops")
+            how = f" [emulated: {', '.join(emulated)}]" if emulated else ""
+            print(f"output {output['name']}: relative error {output['relative_error']:.3g}{how}")
+        if staged_report is not None:  # the findings are the report: written pass or fail
+            write_atomically(staged_report, to_json(result.to_dict()).encode())
+            outputs.commit()
     print(f"check: {'ok' if result.ok else f'{len(result.problems)} problem(s)'}")
     if not result.ok:
         raise CheckFailed(f"{len(result.problems)} problem(s) in {args.model}")
@@ -270,10 +322,17 @@ def _run_explain(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
+    library_warnings: list[str] = []
     try:
         args = build_parser().parse_args(argv)
         runner = {"convert": _run_convert, "check": _run_check, "explain": _run_explain}
-        return runner[args.command](args)
+        # A library's own warnings (onnx on a model's odd fields) print as one line each after
+        # the run, and not at all when the run ends in an error: that error is the one line.
+        with _warnings_as_lines(library_warnings):
+            status = runner[args.command](args)
+        for warning in library_warnings:
+            print(f"{PROG}: warning: {warning}", file=sys.stderr)
+        return status
     except AmpError as exc:
         print(f"{PROG}: error: {exc}" if exc.exit_code == 2 else f"{PROG}: {exc}",
               file=sys.stderr)

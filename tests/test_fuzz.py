@@ -101,7 +101,7 @@ REGRESSIONS = [
     (_recipe("output_over_external_data", "paths", op="output_is_data_file", k=0, kind="ext"),
      2, "refusing to overwrite"),
     (_recipe("report_inside_saved_model", "paths", op="report_in_saved_model", k=0,
-             kind="saved_model"), 2, "refusing to overwrite"),
+             kind="saved_model"), 2, "refusing to write into it"),
     (_recipe("output_is_a_fifo", "paths", op="output_is_fifo", k=0, kind="onnx"), 2, "FIFO"),
     (_recipe("report_in_missing_folder", "paths", op="report_missing_folder", k=0,
              kind="saved_model"), 2, "does not exist"),

@@ -180,7 +180,8 @@ class Node:
 
     __slots__ = ("name", "op_type", "domain", "inputs", "outputs", "attrs", "subgraphs",
                  "type_groups", "input_group", "output_group", "graph", "handle", "op_class",
-                 "class_reason", "class_kind", "order", "has_schema", "pin_reason", "pin_kind")
+                 "class_reason", "class_kind", "order", "has_schema", "pin_reason", "pin_kind",
+                 "scopes")
 
     def __init__(self, name: str, op_type: str, domain: str = "", graph: Graph | None = None):
         self.name = name
@@ -208,6 +209,10 @@ class Node:
         #: and the kind of that rule.
         self.pin_reason = ""
         self.pin_kind = ""
+        #: The source modules an exporter recorded for the node, outermost first (torch's
+        #: dynamo exporter: "model.encoder", "model.encoder.layer.0", ...); --keep-node
+        #: matches them as well as the name.
+        self.scopes: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"Node({self.name!r}, {self.op_type})"

@@ -197,8 +197,12 @@ class OpLists:
 
     @classmethod
     def load(cls, fmt: str, target: str, backend: str,
-             overrides: Overrides | None = None) -> OpLists:
-        """Merge generic lists, backend profile and overrides for `fmt`/`target`/`backend`."""
+             overrides: Overrides | None = None, opset: int | None = None) -> OpLists:
+        """Merge generic lists, backend profile and overrides for `fmt`/`target`/`backend`.
+
+        `opset` (ONNX: the model's default-domain opset) applies the profile's
+        `no_kernel_from_opset` table: ops whose kernel for the target is gone from that opset on.
+        """
         if target not in TARGETS:
             raise AmpError(f"unknown target {target!r} (expected fp16 or bf16)")
         data = _read_list_file(fmt)
@@ -223,8 +227,11 @@ class OpLists:
             if op in classes and op not in profile.get(classes[op], []):
                 reasons[op] = why
         kernels = frozenset(profile["kernels"]) if "kernels" in profile else None
-        lists = cls(fmt, target, backend, classes, reasons, frozenset(profile.get("no_kernel", [])),
-                    kernels)
+        no_kernel = set(profile.get("no_kernel", []))
+        if opset is not None:
+            no_kernel |= {op for op, since in profile.get("no_kernel_from_opset", {}).items()
+                          if opset >= since}
+        lists = cls(fmt, target, backend, classes, reasons, frozenset(no_kernel), kernels)
         if overrides is not None:
             lists.apply_overrides(overrides)
         return lists

@@ -28,8 +28,9 @@ class FormatRules:
         `value`), converted with the op's output.
     recurrent_edges: op carrying a loop value back (TF's NextIteration) -> the ops it feeds that
         must share its dtype (Merge).
-    compute_ops: the ops that carry a model's arithmetic (GEMMs, convolutions, fused
-        attention), as `Node.qualified_op`: the report's cost summary counts those left fp32.
+    compute_ops: the ops that carry a model's arithmetic (GEMMs, convolutions, recurrent cells,
+        fused attention), as `Node.qualified_op`: the report's summary counts how many of them run
+        in low precision (what decides the speed-up) and its cost summary those left fp32, and why.
 
     The structural rules (passes/analysis/structures.py, attention_masks.py) read:
 

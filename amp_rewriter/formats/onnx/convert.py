@@ -12,14 +12,17 @@ import onnx
 from onnx import external_data_helper
 
 from ...errors import AmpError
+from ...fileio import OutputTransaction
+from ...ir import Node
 from ...op_lists import OpLists
 from ...options import Options
 from ...passes import PassContext, run_pipeline
+from ...passes.analysis.pins import keep_node_match
 from ...report import Report, build_report
 from ..base import cyclic_gc_paused
 from . import ort_registry
 from .emit import emit_onnx, has_external_data, save_onnx
-from .load import PROTOBUF_LIMIT, load_onnx, read_model_file, walk_graph_protos
+from .load import PROTOBUF_LIMIT, all_tensors, load_onnx, read_model_file, walk_graph_protos
 from .optimize import optimized_copy, options_after
 from .rules import ONNX_RULES
 from .shapes import activation_traffic, validation_input_shapes
@@ -81,8 +84,9 @@ def _convert_owned(model: onnx.ModelProto, options: Options, base: Path | None,
     checker because the input already does."""
     options = options.with_backend(DEFAULT_BACKEND)
     with cyclic_gc_paused():
+        opset = default_opset(model)
         lists = OpLists.load("onnx", options.target, options.backend or DEFAULT_BACKEND,
-                             options.overrides)
+                             options.overrides, opset)
         ir_model = load_onnx(model, base)
         original_nodes = [(node, graph.name) for graph in ir_model.graph.walk_graphs()
                           for node in graph.nodes]
@@ -90,7 +94,7 @@ def _convert_owned(model: onnx.ModelProto, options: Options, base: Path | None,
         results = run_pipeline(ctx, "onnx")
         converted = emit_onnx(ir_model)
         report = build_report(ctx, original_nodes, results)
-        node_names = [n.name for n, _ in original_nodes]
+        override_warnings = _override_warnings(options, [n for n, _ in original_nodes])
         schema_warnings = _schema_warnings(ir_model)
         # The IR is done with: free it now (gigabytes at a million nodes), before shape
         # inference and the checker make their own copies of the model.
@@ -100,7 +104,8 @@ def _convert_owned(model: onnx.ModelProto, options: Options, base: Path | None,
         if report.cost is not None:
             report.cost["activation_bytes"] = activation_traffic(
                 converted, validation_input_shapes(converted))
-        report.warnings = _override_warnings(options, node_names)
+        report.warnings = override_warnings
+        report.warnings += bf16_advice(report, lists, opset)
         report.warnings += schema_warnings
         if options.check and not has_external_data(converted) \
                 and converted.ByteSize() <= PROTOBUF_LIMIT:
@@ -117,6 +122,63 @@ def _refuse_tf_options(options: Options) -> None:
         raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its outputs")
 
 
+def default_opset(model: onnx.ModelProto) -> int:
+    """The model's opset of the default (ai.onnx) domain; 0 when it imports none."""
+    return next((imp.version for imp in model.opset_import if imp.domain in ("", "ai.onnx")), 0)
+
+
+#: The newest opset whose schemas `bf16_advice` may suggest moving to.
+_NEWEST_OPSET = onnx.defs.onnx_opset_version()
+
+
+def _first_opset_allowing_bf16(op: str, after: int) -> int | None:
+    """The first opset above `after` at which `op`'s schema takes bfloat16 for its inputs."""
+    for opset in range(after + 1, _NEWEST_OPSET + 1):
+        try:
+            schema = onnx.defs.get_schema(op, opset, "")
+        except Exception:  # no such op at that opset
+            continue
+        if schema.since_version <= after:
+            continue  # the same schema as the model's: still no bf16
+        if any("tensor(bfloat16)" in c.allowed_type_strs for c in schema.type_constraints):
+            return schema.since_version
+    return None
+
+
+def bf16_advice(report: Report, lists: OpLists, opset: int) -> list[str]:
+    """Warnings for a bf16 conversion that left the compute ops (MatMul, Conv, ...) in fp32: one
+    line each saying why and what would help."""
+    if report.target != "bf16":
+        return []
+    summary = report.summary
+    warnings = []
+    if lists.backend == "ort-cpu" and summary["low_precision_compute_ops"] == 0:
+        converted = summary["low_precision_nodes"]
+        what = "nothing" if converted == 0 else f"only {converted} data-movement node(s)"
+        ops = ", ".join(summary["compute_ops_by_type"]) or "none in this model"
+        warnings.append(
+            f"bf16 for ort-cpu converted {what} and none of the compute ops ({ops}): "
+            f"onnxruntime's CPU provider has bf16 kernels for almost no ops (Einsum, "
+            f"LayerNormalization, data movement), so the rest stays fp32; for a CPU deployment "
+            f"try --target fp16 (the CPU provider runs fp16 models), for a GPU one --backend "
+            f"ort-cuda")
+    blocked: dict[str, int] = {}
+    for entry in report.nodes:
+        if entry["op"] in ONNX_RULES.compute_ops and entry["kind"] == "schema" \
+                and entry["precision"] == "fp32":
+            blocked[entry["op"]] = blocked.get(entry["op"], 0) + 1
+    for op, count in sorted(blocked.items()):
+        since = _first_opset_allowing_bf16(op, opset)
+        if since is None or not lists.has_kernel(op):
+            continue
+        warnings.append(
+            f"{count} of {summary['compute_ops_by_type'][op][1]} {op} node(s) stay fp32: the "
+            f"{op} schema takes bf16 only from opset {since} (this model: opset {opset}); "
+            f"convert the model to opset {since} (onnx.version_converter) to run them in bf16 "
+            f"on {lists.backend}")
+    return warnings
+
+
 def _load(model_or_path: onnx.ModelProto | str | os.PathLike
           ) -> tuple[onnx.ModelProto, Path | None]:
     if isinstance(model_or_path, onnx.ModelProto):
@@ -127,7 +189,7 @@ def _load(model_or_path: onnx.ModelProto | str | os.PathLike
     return read_model_file(path), path.resolve().parent
 
 
-def _override_warnings(options: Options, node_names: list[str]) -> list[str]:
+def _override_warnings(options: Options, nodes: list[Node]) -> list[str]:
     """Overrides that cannot have done anything: likely typos."""
     warnings = []
     overrides = options.overrides
@@ -138,8 +200,8 @@ def _override_warnings(options: Options, node_names: list[str]) -> list[str]:
             hint = f" (did you mean {close[0]}?)" if close else ""
             warnings.append(f"{overrides.source[op]} {op}: no such ONNX op{hint}")
     for pattern in options.keep_node_patterns:
-        if not any(pattern.fullmatch(name) for name in node_names):
-            warnings.append(f"--keep-node {pattern.pattern!r} matches no node")
+        if not any(keep_node_match(pattern, node) is not None for node in nodes):
+            warnings.append(f"--keep-node {pattern.pattern!r} matches no node name or module")
     return warnings
 
 
@@ -216,21 +278,34 @@ def onnx_full_check(model: onnx.ModelProto | str) -> None:
 
 def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                  **options: Any) -> tuple[onnx.ModelProto, Report]:
-    """Convert a model file and write the result atomically; the input is never touched."""
-    return convert_model_file(Path(input_path), Path(output_path), Options(**options))
+    """Convert a model file and write the result (and its external data) atomically: all of it
+    or, on failure, nothing; the input is never touched."""
+    input_path, output_path = Path(input_path), Path(output_path)
+    with OutputTransaction([(input_path, "the input model")],
+                           lambda: input_files(input_path)) as outputs:
+        staged = outputs.stage(output_path, "output")
+        result = convert_model_file(input_path, staged, Options(**options))
+        outputs.commit()
+    return result
+
+
+def input_files(model_path: Path) -> list[tuple[Path, str]]:
+    """The files a conversion of `model_path` reads: the model and its external data files."""
+    files = [(model_path, "the input model")]
+    model = read_model_file(model_path)
+    base = model_path.resolve().parent
+    locations = {entry.value for tensor in all_tensors(model.graph)
+                 if tensor.data_location == onnx.TensorProto.EXTERNAL
+                 for entry in tensor.external_data if entry.key == "location"}
+    files += [(base / location, f"the input model's external data {location!r}")
+              for location in sorted(locations)]
+    return files
 
 
 def convert_model_file(input_path: Path, output_path: Path, options: Options
                        ) -> tuple[onnx.ModelProto, Report]:
-    """`convert_file` with the options as one object."""
-    if output_path.exists() and input_path.exists() and os.path.samefile(input_path, output_path):
-        raise AmpError("the output path is the input file: refusing to overwrite the input")
-    if output_path.resolve() == input_path.resolve():
-        raise AmpError("the output path is the input file: refusing to overwrite the input")
-    if output_path.is_dir():
-        raise AmpError(f"{output_path}: is a directory, expected an output file name")
-    if not output_path.resolve().parent.is_dir():
-        raise AmpError(f"{output_path}: output folder does not exist")
+    """Convert `input_path` and write the model (and its .data) at `output_path`, which is a
+    fresh path: the CLI and `convert_file` give the private path of an `OutputTransaction`."""
     if options.optimize:
         read_model_file(input_path)  # a file that is no model is refused before the optimizer
         with optimized_copy(input_path, options) as (fused_path, summary):
@@ -255,15 +330,5 @@ def _convert_and_save(input_path: Path, output_path: Path, options: Options
     with cyclic_gc_paused():
         save_onnx(model, output_path, source_dir=input_path.resolve().parent, external=external)
     if options.check and external:
-        try:
-            check_valid(str(output_path))
-        except AmpError:
-            discard_output(output_path)
-            raise
+        check_valid(str(output_path))
     return model, report
-
-
-def discard_output(output_path: Path) -> None:
-    """Remove a written model and its external data file."""
-    output_path.unlink(missing_ok=True)
-    Path(str(output_path) + ".data").unlink(missing_ok=True)

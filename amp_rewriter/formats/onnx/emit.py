@@ -1,4 +1,4 @@
-"""IR -> ONNX: patch the loaded ModelProto in place and write it atomically.
+"""IR -> ONNX: patch the loaded ModelProto in place and write it (model and external data).
 
 Nodes the passes did not touch keep their original NodeProto (attributes, doc strings, metadata);
 only renamed inputs/outputs, retargeted casts and converted fill values are patched. Initializers
@@ -9,18 +9,17 @@ saturates a masked attention sum) get fresh NodeProtos.
 from __future__ import annotations
 
 import os
-import tempfile
+import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
-from ...errors import AmpError
-from ...fileio import check_output_path
+from ...fileio import default_file_mode
 from ...ir import Graph, IRError, LazyTensor, Model, Node, Value, present
 from ...ir.dtypes import NUMPY_DTYPES
-from .load import PROTOBUF_LIMIT, all_tensors, elem_type_code
+from .load import PROTOBUF_LIMIT, all_tensors, elem_type_code, walk_graph_protos
 
 
 def _tensor_proto(name: str, tensor: LazyTensor) -> onnx.TensorProto:
@@ -154,45 +153,43 @@ def emit_onnx(model: Model) -> onnx.ModelProto:
     return model.handle
 
 
-def _default_file_mode() -> int:
-    """The mode a plain new file gets under the current umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def has_external_data(model: onnx.ModelProto) -> bool:
     """Whether any tensor of the model (subgraphs included) lives in an external file."""
     return any(t.data_location == onnx.TensorProto.EXTERNAL for t in all_tensors(model.graph))
 
 
+#: Initializers of this size or more go to the external data file: onnx's own default, measured
+#: as onnx measures it (`sys.getsizeof` of the raw bytes), so outputs match `onnx.save_model`'s.
+EXTERNAL_DATA_THRESHOLD = 1024
+
+
 def save_onnx(model: onnx.ModelProto, path: str | os.PathLike,
               source_dir: str | os.PathLike | None = None, external: bool | None = None) -> None:
-    """Write `model` to `path` atomically (temporary file, then rename).
+    """Write `model` to `path`, and with external data its tensors to `<name>.data` beside it.
 
-    Tensors stored externally in the input (relative to `source_dir`) are read and written next to
-    the output as `<name>.data`; so is everything when the model is too big for one protobuf.
+    Tensors stored externally in the input (relative to `source_dir`) are read first; then every
+    initializer of 1 KiB or more goes to the data file (none when every tensor is smaller: the model
+    is then self-contained). `path` is written in place: callers write into the private folder
+    of an `OutputTransaction`, which moves the model and its data file into place together.
     """
     path = Path(path)
-    out_dir = path.parent if str(path.parent) else Path(".")
-    if not out_dir.is_dir():
-        raise AmpError(f"{path}: output folder {out_dir} does not exist")
     if external is None:
         external = has_external_data(model) or model.ByteSize() > PROTOBUF_LIMIT
-    check_output_path(path)
     if external:
-        check_output_path(out_dir / (path.name + ".data"))
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".amp-rewriter-") as tmp:
-        tmp_model = Path(tmp) / path.name
-        if external:
-            if source_dir is not None:
-                external_data_helper.load_external_data_for_model(model, str(source_dir))
-            data_name = path.name + ".data"
-            onnx.save_model(model, str(tmp_model), save_as_external_data=True,
-                            all_tensors_to_one_file=True, location=data_name,
-                            size_threshold=1024, convert_attribute=False)
-            os.chmod(Path(tmp) / data_name, _default_file_mode())  # onnx writes it 0600
-            os.replace(Path(tmp) / data_name, out_dir / data_name)
-        else:
-            tmp_model.write_bytes(model.SerializeToString(deterministic=True))
-        os.replace(tmp_model, path)
+        if source_dir is not None:
+            external_data_helper.load_external_data_for_model(model, str(source_dir))
+        data_name = path.name + ".data"
+        data_path = path.parent / data_name
+        data_path.unlink(missing_ok=True)  # the helpers append; start from an empty file
+        initializers = (t for g in walk_graph_protos(model.graph) for t in g.initializer)
+        for tensor in initializers:
+            if (tensor.HasField("raw_data")
+                    and sys.getsizeof(tensor.raw_data) >= EXTERNAL_DATA_THRESHOLD):
+                external_data_helper.set_external_data(tensor, data_name)
+        external_data_helper.write_external_data_tensors(model, str(path.parent))
+        if data_path.exists():
+            os.chmod(data_path, default_file_mode())  # onnx creates it 0600
+    data = model.SerializeToString(deterministic=True)
+    with open(path, "wb") as handle:
+        handle.write(data)
+    os.chmod(path, default_file_mode())

@@ -9,6 +9,7 @@ depends on them.
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 import stat
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import external_data_helper, numpy_helper
 
 from ...errors import AmpError
 from ...fileio import non_regular_kind, read_input_bytes
@@ -272,6 +273,20 @@ def check_tensor_data(tensor: onnx.TensorProto, base_dir: Path | None) -> None:
                        f"{elements} elements needs {elements * per_element}")
 
 
+def load_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
+    """Read every external tensor of `model` into the model (after the loader's own checks on
+    where the data lives), so the model can be copied, rewritten and run from memory."""
+    tensors = [t for t in all_tensors(model.graph)
+               if t.data_location == onnx.TensorProto.EXTERNAL]
+    for tensor in tensors:
+        check_tensor_data(tensor, base_dir)
+    try:
+        external_data_helper.load_external_data_for_model(model, str(base_dir))
+    except Exception as exc:  # onnx raises several types for data that does not fit its file
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AmpError(f"cannot read the model's external data: {detail}") from None
+
+
 def _tensor_loader(tensor: onnx.TensorProto, base_dir: Path | None):
     def load() -> np.ndarray:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
@@ -286,20 +301,39 @@ def lazy_tensor(tensor: onnx.TensorProto, base_dir: Path | None) -> LazyTensor:
                       _tensor_loader(tensor, base_dir), handle=tensor)
 
 
-def external_locations(path: Path) -> list[Path]:
-    """The external data files an .onnx file names (inside its folder; others are refused when
-    it loads); none for a file that does not parse."""
-    try:
-        model = read_model_file(path)
-    except AmpError:
-        return []
-    base = path.resolve().parent
-    found = []
-    for tensor in all_tensors(model.graph):
-        location = next((e.value for e in tensor.external_data if e.key == "location"), None)
-        if tensor.data_location == onnx.TensorProto.EXTERNAL and location and "\0" not in location:
-            found.append(base / location)
-    return sorted(set(found))
+def readable(name: str | bytes) -> str:
+    """A name as text: protobuf hands over a string that is not valid UTF-8 as bytes; its bad
+    bytes are shown as \\xNN escapes (the model itself keeps the original bytes)."""
+    return name.decode("utf-8", "backslashreplace") if isinstance(name, bytes) else name
+
+
+#: Node metadata where torch's dynamo exporter records the modules a node comes from: a Python
+#: list of scope names (`['', 'model', 'model.encoder', ..., 'view_1']`), and the same path as
+#: `: Cls/model: Cls/.../view_1: aten.view.default`.
+_NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+_NAMESPACE_KEY = "namespace"
+#: Longer metadata is not parsed (a real scope list is a few hundred characters).
+_MAX_SCOPE_METADATA = 1 << 16
+
+
+def module_scopes(proto: onnx.NodeProto) -> tuple[str, ...]:
+    """The module paths an exporter recorded for a node, outermost first, without the root ("")
+    and the node's own op entry: ("model", "model.encoder", "model.encoder.layer.0", ...)."""
+    props = {readable(p.key): readable(p.value) for p in proto.metadata_props}
+    scopes: list[str] = []
+    text = props.get(_NAME_SCOPES_KEY, "")
+    if text and len(text) <= _MAX_SCOPE_METADATA:
+        try:
+            parsed = ast.literal_eval(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            parsed = None
+        if isinstance(parsed, list) and all(isinstance(item, str) for item in parsed):
+            scopes = parsed[:-1]
+    if not scopes:
+        text = props.get(_NAMESPACE_KEY, "")
+        if text and len(text) <= _MAX_SCOPE_METADATA:
+            scopes = [part.split(": ", 1)[0] for part in text.split("/")][:-1]
+    return tuple(scope for scope in scopes if scope)
 
 
 def read_model_file(path: str | os.PathLike) -> onnx.ModelProto:
@@ -460,9 +494,11 @@ class OnnxLoader:
         # Interned: protobuf hands out a new string per read, and a million nodes share a few
         # dozen op types.
         op_type, domain = sys.intern(proto.op_type), sys.intern(proto.domain)
-        name = proto.name or self.ir_model.unique_name(f"{op_type}_{index}")
+        name = readable(proto.name) or self.ir_model.unique_name(f"{op_type}_{index}")
         node = Node(name, op_type, domain, graph)
         node.handle = proto
+        if proto.metadata_props:
+            node.scopes = module_scopes(proto)
         node.order = self.order
         self.order += 1
         self.ir_model.used_names.add(name)

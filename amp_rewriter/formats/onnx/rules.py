@@ -53,7 +53,7 @@ ONNX_RULES = FormatRules(
                             "IsInf": ("T1",), "CastLike": ("T1",)},
     constant_fill_attrs={"ConstantOfShape": "value"},
     compute_ops=frozenset({
-        "MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "LSTM", "GRU", "RNN",
+        "MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "LSTM", "GRU", "RNN", "Attention",
         # onnxruntime's fused ops that hold GEMMs (contrib domain)
         "com.microsoft.Attention", "com.microsoft.MultiHeadAttention",
         "com.microsoft.GroupQueryAttention", "com.microsoft.FusedMatMul",

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import external_data_helper
 
 from ...errors import AmpError
 from ...ir import Graph, Node, TypeGroup, Value
@@ -26,6 +25,7 @@ from . import ort_registry
 from .load import (
     PROTOBUF_LIMIT,
     all_tensors,
+    load_external_data,
     load_onnx,
     model_opsets,
     read_model_file,
@@ -115,7 +115,7 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray
 DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
-def _session(model: onnx.ModelProto | str, label: str, device: str = "cpu"):
+def _session(model: onnx.ModelProto | str | bytes, label: str, device: str = "cpu"):
     import onnxruntime as ort
 
     provider = DEVICES[device]
@@ -137,10 +137,10 @@ def _session(model: onnx.ModelProto | str, label: str, device: str = "cpu"):
 
 
 @contextlib.contextmanager
-def _model_source(model: onnx.ModelProto | str) -> Iterator[str | bytes]:
-    """What an InferenceSession opens: a path as is, a model as bytes, or (past protobuf's 2 GB)
-    as a temporary file with external data."""
-    if isinstance(model, str):
+def _model_source(model: onnx.ModelProto | str | bytes) -> Iterator[str | bytes]:
+    """What an InferenceSession opens: a path or bytes as they are, a model as bytes, or (past
+    protobuf's 2 GB) as a temporary file with external data."""
+    if isinstance(model, (str, bytes)):
         yield model
         return
     try:
@@ -157,40 +157,79 @@ def _model_source(model: onnx.ModelProto | str) -> Iterator[str | bytes]:
         yield str(path)
 
 
-def compare_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto | str,
-                   feeds: dict[str, np.ndarray], device: str = "cpu",
-                   computed: dict[str, tuple[str, list[str]]] | None = None
-                   ) -> list[OutputComparison]:
+#: onnxruntime's input type strings -> numpy dtypes (what --inputs arrays must be).
+_NUMPY_OF_ORT_TYPE = {
+    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16,
+    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16,
+    "tensor(uint32)": np.uint32, "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_,
+}
+
+
+def _check_given_inputs(session, feeds: dict[str, np.ndarray]) -> None:
+    """--inputs data that cannot be what the model takes: one line naming the key or input."""
+    inputs = {i.name: i for i in session.get_inputs()}
+    unknown = sorted(set(feeds) - set(inputs))
+    if unknown:
+        raise AmpError(f"--inputs: {', '.join(repr(k) for k in unknown)} "
+                       f"{'matches' if len(unknown) == 1 else 'match'} no input of the model "
+                       f"(its inputs: {', '.join(inputs) or 'none'})")
+    missing = [name for name in inputs if name not in feeds]
+    if missing:
+        raise AmpError(f"--inputs has no array for input(s) {', '.join(map(repr, missing))} "
+                       f"(it holds: {', '.join(sorted(feeds)) or 'nothing'})")
+    for name, info in inputs.items():
+        wanted = _NUMPY_OF_ORT_TYPE.get(info.type)
+        if wanted is not None and feeds[name].dtype != wanted:
+            raise AmpError(f"--inputs: {name!r} is {feeds[name].dtype}, the model takes "
+                           f"{np.dtype(wanted).name} ({info.type})")
+
+
+class ConvertedModelFailed(AmpError):
+    """The converted model (not the fp32 one, not the inputs) cannot be loaded or run."""
+
+
+def compare_models(reference: onnx.ModelProto | str | bytes,
+                   candidate: onnx.ModelProto | str | bytes, feeds: dict[str, np.ndarray],
+                   device: str = "cpu", computed: dict[str, tuple[str, list[str]]] | None = None,
+                   inputs_given: bool = False) -> list[OutputComparison]:
     """Run both models on `feeds`; per-output max-abs and relative (max-abs / max|ref|) errors.
 
     The fp32 reference always runs on the CPU; the candidate on `device`. `computed` says, per
-    output, how the candidate computed it (kept in each comparison).
+    output, how the candidate computed it (kept in each comparison). `inputs_given`: the feeds
+    are the user's (--inputs), checked against the model's inputs (every key an input, every
+    input a key, each of its dtype), and errors do not suggest --inputs. A failure of the
+    converted model raises `ConvertedModelFailed`.
     """
     ref_session = _session(reference, "fp32")
-    new_session = _session(candidate, "converted", device)
+    if inputs_given:
+        _check_given_inputs(ref_session, feeds)
     names = [o.name for o in ref_session.get_outputs()]
+    wanted = {i.name for i in ref_session.get_inputs()}
+    ref_outputs = _run(ref_session, names, {k: v for k, v in feeds.items() if k in wanted},
+                       "the fp32 model", inputs_given, AmpError)
+    try:
+        new_session = _session(candidate, "converted", device)
+    except AmpError as exc:
+        if device != "cpu" and str(exc).startswith("--device"):
+            raise  # the provider is missing, not the model at fault
+        raise ConvertedModelFailed(str(exc)) from None
     candidate_names = {o.name for o in new_session.get_outputs()}
     missing = [n for n in names if n not in candidate_names]
     if missing:
-        raise AmpError(f"the models have different outputs: {', '.join(missing)} missing from the "
-                       f"converted model")
-    wanted = {i.name for i in ref_session.get_inputs()}
-    ref_feeds = {k: v for k, v in feeds.items() if k in wanted}
+        raise ConvertedModelFailed(f"the models have different outputs: {', '.join(missing)} "
+                                   f"missing from the converted model")
     new_feeds = {}
     for info in new_session.get_inputs():
         if info.name not in feeds:
-            raise AmpError(f"no data for input {info.name!r}")
+            raise ConvertedModelFailed(f"the converted model has an input the fp32 model does "
+                                       f"not: {info.name!r}")
         value = feeds[info.name]
         if info.type == "tensor(float16)" and value.dtype == np.float32:
             value = value.astype(np.float16)
         new_feeds[info.name] = value
-    try:
-        ref_outputs = ref_session.run(names, ref_feeds)
-        new_outputs = new_session.run(names, new_feeds)
-    except Exception as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise AmpError(f"onnxruntime failed to run a model on these inputs: {message} (give "
-                       f"real inputs with --inputs x.npz)") from None
+    new_outputs = _run(new_session, names, new_feeds, "the converted model", inputs_given,
+                       ConvertedModelFailed)
     comparisons = [compare_outputs(name, ref, new)
                    for name, ref, new in zip(names, ref_outputs, new_outputs)]
     for c in comparisons:
@@ -198,14 +237,67 @@ def compare_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto 
     return comparisons
 
 
+def _run(session, names: list[str], feeds: dict[str, np.ndarray], label: str,
+         inputs_given: bool, error: type[AmpError]) -> list:
+    try:
+        return session.run(names, feeds)
+    except Exception as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        source = "the --inputs data" if inputs_given else "seeded random inputs"
+        hint = "" if inputs_given else " (give real inputs with --inputs x.npz)"
+        raise error(f"onnxruntime failed to run {label} on {source}: {message}{hint}") from None
+
+
+def _emulation_note(emulation: Emulation) -> str:
+    ops = Counter(entry.rsplit(" (", 1)[1].rstrip(")") for entry in emulation.emulated)
+    listed = ", ".join(f"{op} x{count}" for op, count in sorted(ops.items()))
+    return (f"{len(emulation.emulated)} node(s) have no low-precision kernel on onnxruntime's "
+            f"CPU provider and ran emulated (fp32 compute, each low-precision output rounded "
+            f"where it is produced): {listed}")
+
+
+@contextlib.contextmanager
+def runnable_on_cpu(path: Path, scratch: Path | None = None,
+                    model: onnx.ModelProto | None = None
+                    ) -> Iterator[tuple[str | bytes, list[str], dict[str, tuple[str, list[str]]]]]:
+    """What onnxruntime's CPU provider can run for the converted model at `path`: (the model, as
+    a path or bytes; notes; output name -> how it was computed).
+
+    Ops without a low-precision CPU kernel run emulated (`emulate_low_precision`, its external
+    data read from the model's folder); the emulated model goes to onnxruntime as bytes, or,
+    when over protobuf's 2 GiB, as a file with external data in a temporary folder inside
+    `scratch` (the system's temporary folder when None), removed afterwards. `model`: the model
+    at `path` already parsed (it is modified when emulated).
+    """
+    model = read_model_file(path) if model is None else model
+    emulation = emulate_low_precision(model, path.resolve().parent, copy=False)
+    if not emulation.emulated:
+        outputs = emulation.outputs
+        del model, emulation
+        yield str(path), [], outputs
+        return
+    notes, outputs, emulated = [_emulation_note(emulation)], emulation.outputs, emulation.model
+    del model, emulation
+    if emulated.ByteSize() <= PROTOBUF_LIMIT:
+        yield emulated.SerializeToString(), notes, outputs
+        return
+    with tempfile.TemporaryDirectory(dir=scratch, prefix=".amp-rewriter-emulated-") as folder:
+        target = Path(folder) / "emulated.onnx"
+        onnx.save_model(emulated, str(target), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location="emulated.onnx.data")
+        del emulated
+        yield str(target), notes, outputs
+
+
 def validate_conversion(reference: str | os.PathLike, converted: str | os.PathLike,
-                        feeds: dict[str, np.ndarray], device: str = "cpu"
+                        feeds: dict[str, np.ndarray], device: str = "cpu",
+                        scratch: Path | None = None, inputs_given: bool = False
                         ) -> tuple[list[OutputComparison], list[str]]:
     """Compare a converted model file with its fp32 reference; (comparisons, notes).
 
-    On the CPU the ops without a low-precision CPU kernel run emulated (`emulate_low_precision`)
-    and every comparison says how its output was computed; on `cuda` the converted model runs on
-    the CUDA provider as it is.
+    On the CPU the ops without a low-precision CPU kernel run emulated (`runnable_on_cpu`, a
+    model over 2 GiB staged in `scratch`) and every comparison says how its output was computed;
+    on `cuda` the converted model runs on the CUDA provider as it is.
     """
     converted_path = Path(converted)
     if device != "cpu":
@@ -214,20 +306,10 @@ def validate_conversion(reference: str | os.PathLike, converted: str | os.PathLi
         computed: dict[str, tuple[str, list[str]]] = {
             o.name: (DEVICES[device], []) for o in read_model_file(converted_path).graph.output}
         return compare_models(os.fspath(reference), str(converted_path), feeds, device,
-                              computed), []
-    emulation = emulate_low_precision(read_model_file(converted_path),
-                                      converted_path.resolve().parent)
-    notes = []
-    candidate: onnx.ModelProto | str = str(converted_path)
-    if emulation.emulated:
-        candidate = emulation.model
-        ops = Counter(entry.rsplit(" (", 1)[1].rstrip(")") for entry in emulation.emulated)
-        listed = ", ".join(f"{op} x{count}" for op, count in sorted(ops.items()))
-        notes.append(f"{len(emulation.emulated)} node(s) have no low-precision kernel on "
-                     f"onnxruntime's CPU provider and ran emulated (fp32 compute, each "
-                     f"low-precision output rounded where it is produced): {listed}")
-    return compare_models(os.fspath(reference), candidate, feeds, "cpu",
-                          emulation.outputs), notes
+                              computed, inputs_given), []
+    with runnable_on_cpu(converted_path, scratch) as (candidate, notes, computed):
+        return compare_models(os.fspath(reference), candidate, feeds, "cpu", computed,
+                              inputs_given), notes
 
 
 #: How an output was computed in a validation run (OutputComparison.computed, with EMULATED).
@@ -298,7 +380,7 @@ def _fill_body_dtypes(graph: Graph) -> None:
 
 
 def emulate_low_precision(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None,
-                          emulate_all: bool = False) -> Emulation:
+                          emulate_all: bool = False, copy: bool = True) -> Emulation:
     """A copy of `model` that onnxruntime's CPU provider runs like the target would.
 
     Every node with fp16/bf16 tensors that the CPU provider has no kernel for in those dtypes
@@ -307,12 +389,16 @@ def emulate_low_precision(model: onnx.ModelProto, base_dir: str | os.PathLike | 
     output is rounded to its dtype right where it is produced (Cast to fp16/bf16), which is what a
     low-precision kernel with fp32 accumulation gives. Nodes with a real kernel run as they are.
     bf16 graph inputs and outputs are fed and read as fp32 (numpy has no bf16), rounded at the
-    boundary. External data is read into the copy (from `base_dir`).
+    boundary. External data is read into the copy (from `base_dir`, with the loader's checks on
+    where it lies). `copy=False` rewrites `model` itself (a caller that owns it saves the memory).
     """
-    emulated = onnx.ModelProto()
-    emulated.CopyFrom(model)
+    if copy:
+        emulated = onnx.ModelProto()
+        emulated.CopyFrom(model)
+    else:
+        emulated = model
     if base_dir is not None and _has_external(emulated):
-        external_data_helper.load_external_data_for_model(emulated, os.fspath(base_dir))
+        load_external_data(emulated, Path(base_dir))
     ir_model = load_onnx(emulated)
     _fill_body_dtypes(ir_model.graph)
     opsets = model_opsets(emulated)

@@ -1,12 +1,13 @@
 """Reading and writing TensorFlow files: GraphDefs (.pb, .pbtxt), MetaGraphDefs (.meta) and
-SavedModel directories. Writes are atomic; bad files raise AmpError with one line."""
+SavedModel directories. Writers write in place, into the private folder of an
+`OutputTransaction`; bad files raise AmpError with one line."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -209,43 +210,38 @@ def write_graphdef(graph_def: graph_pb2.GraphDef | meta_graph_pb2.MetaGraphDef,
 
 def write_saved_model(saved: saved_model_pb2.SavedModel, input_dir: Path, output_dir: Path,
                       write_variables: Callable[[Path], None] | None = None) -> None:
-    """Copy the SavedModel directory with the new saved_model.pb, then swap it into place.
-
-    `write_variables(staged_dir)` rewrites the copied checkpoint (low-precision weights)."""
-    if output_dir.resolve() == input_dir.resolve():
-        raise AmpError("the output directory is the input SavedModel: refusing to overwrite it")
-    if output_dir.exists() and (not output_dir.is_dir() or (
-            any(output_dir.iterdir()) and not (output_dir / "saved_model.pb").exists())):
-        raise AmpError(f"{output_dir}: exists and is not a SavedModel directory; refusing to "
-                       f"replace it")
-    parent = output_dir.resolve().parent
-    if not parent.is_dir():
-        raise AmpError(f"{output_dir}: output folder {parent} does not exist")
-    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=".amp-rewriter-"))
-    try:
-        staged = tmp / "model"
-        check_saved_model_tree(input_dir)
-        shutil.copytree(input_dir, staged, copy_function=copy_regular_file)
-        (staged / "saved_model.pbtxt").unlink(missing_ok=True)
-        (staged / "saved_model.pb").write_bytes(saved.SerializeToString(deterministic=True))
-        if write_variables is not None:
-            write_variables(staged)
-        fingerprint = staged / "fingerprint.pb"
-        if fingerprint.exists():
-            fingerprint.unlink()
-            _write_fingerprint(staged)
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        os.replace(staged, output_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Write the SavedModel directory at `output_dir` (a fresh path: callers give the private
+    path of an `OutputTransaction`): the input's files with the new saved_model.pb and a
+    fingerprint.pb made for it. `write_variables(output_dir)` rewrites the copied checkpoint
+    (low-precision weights)."""
+    check_saved_model_tree(input_dir)
+    shutil.copytree(input_dir, output_dir, copy_function=copy_regular_file)
+    (output_dir / "saved_model.pbtxt").unlink(missing_ok=True)
+    (output_dir / "saved_model.pb").write_bytes(saved.SerializeToString(deterministic=True))
+    if write_variables is not None:
+        write_variables(output_dir)
+    fingerprint = output_dir / "fingerprint.pb"
+    if fingerprint.exists():
+        fingerprint.unlink()
+        _write_fingerprint(output_dir)
 
 
 def _write_fingerprint(export_dir: Path) -> None:
-    """A fresh fingerprint.pb for the new saved_model.pb (skipped if TF cannot make one)."""
+    """A fresh fingerprint.pb for the new saved_model.pb (skipped if TF cannot make one).
+
+    TensorFlow fills the fingerprint's `uuid` at random; it is derived from the hash of
+    saved_model.pb instead, in TF's own format (a decimal 128-bit number), so converting the
+    same SavedModel twice gives the same bytes and different models still get different uuids.
+    """
     try:
+        from tensorflow.core.protobuf import fingerprint_pb2
         from tensorflow.python.saved_model.pywrap_saved_model import fingerprinting
         data = fingerprinting.CreateFingerprintDef(str(export_dir))
+        fingerprint = fingerprint_pb2.FingerprintDef()
+        fingerprint.ParseFromString(data)
     except Exception:  # fingerprints are optional metadata
         return
-    (export_dir / "fingerprint.pb").write_bytes(data)
+    if "uuid" in fingerprint.DESCRIPTOR.fields_by_name:
+        digest = hashlib.sha256((export_dir / "saved_model.pb").read_bytes()).digest()
+        fingerprint.uuid = str(int.from_bytes(digest[:16], "big"))
+    (export_dir / "fingerprint.pb").write_bytes(fingerprint.SerializeToString(deterministic=True))
