@@ -60,8 +60,7 @@ def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "f
 def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: Options,
                   base_dir: str | os.PathLike | None = None) -> tuple[onnx.ModelProto, Report]:
     """`convert` with the options as one object."""
-    if options.outputs:
-        raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its outputs")
+    _refuse_tf_options(options)
     if options.optimize:
         source = (Path(model_or_path) if not isinstance(model_or_path, onnx.ModelProto)
                   else model_or_path)
@@ -72,10 +71,19 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
                 external_data_helper.load_external_data_for_model(model, str(fused_path.parent))
         report.optimizer = summary
         return model, report
+    model, own_dir = _load(model_or_path)
+    return _convert_owned(model, options, Path(base_dir) if base_dir is not None else own_dir,
+                          model_or_path)
+
+
+def _convert_owned(model: onnx.ModelProto, options: Options, base: Path | None,
+                   original: onnx.ModelProto | str | os.PathLike
+                   ) -> tuple[onnx.ModelProto, Report]:
+    """Convert `model`, which is ours to rewrite in place (a copy of the caller's model, or one
+    read from a file); `original` is what the caller gave, blamed when the result fails the
+    checker because the input already does."""
     options = options.with_backend(DEFAULT_BACKEND)
     with cyclic_gc_paused():
-        model, own_dir = _load(model_or_path)
-        base = Path(base_dir) if base_dir is not None else own_dir
         opset = default_opset(model)
         lists = OpLists.load("onnx", options.target, options.backend or DEFAULT_BACKEND,
                              options.overrides, opset)
@@ -86,20 +94,32 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
         results = run_pipeline(ctx, "onnx")
         converted = emit_onnx(ir_model)
         report = build_report(ctx, original_nodes, results)
+        override_warnings = _override_warnings(options, [n for n, _ in original_nodes])
+        schema_warnings = _schema_warnings(ir_model)
+        # The IR is done with: free it now (gigabytes at a million nodes), before shape
+        # inference and the checker make their own copies of the model.
+        del original_nodes, ctx
+        ir_model.release()
+        del ir_model
         if report.cost is not None:
             report.cost["activation_bytes"] = activation_traffic(
                 converted, validation_input_shapes(converted))
-        report.warnings = _override_warnings(options, [n for n, _ in original_nodes])
+        report.warnings = override_warnings
         report.warnings += bf16_advice(report, lists, opset)
-        report.warnings += _schema_warnings(ir_model)
-    if options.check and not has_external_data(converted) \
-            and converted.ByteSize() <= PROTOBUF_LIMIT:
-        try:
-            check_valid(converted)  # else convert_file checks the saved file
-        except AmpError:
-            _blame_invalid_input(model_or_path)
-            raise
+        report.warnings += schema_warnings
+        if options.check and not has_external_data(converted) \
+                and converted.ByteSize() <= PROTOBUF_LIMIT:
+            try:
+                check_valid(converted)  # else convert_file checks the saved file
+            except AmpError:
+                _blame_invalid_input(original)
+                raise
     return converted, report
+
+
+def _refuse_tf_options(options: Options) -> None:
+    if options.outputs:
+        raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its outputs")
 
 
 def default_opset(model: onnx.ModelProto) -> int:
@@ -299,12 +319,16 @@ def convert_model_file(input_path: Path, output_path: Path, options: Options
 
 def _convert_and_save(input_path: Path, output_path: Path, options: Options
                       ) -> tuple[onnx.ModelProto, Report]:
+    _refuse_tf_options(options)
     source = read_model_file(input_path)
     external = has_external_data(source)
-    model, report = convert_model(source, options, base_dir=input_path.resolve().parent)
-    del source  # convert worked on its own copy
+    # The model read here is converted in place: no copy of a model that may have a million
+    # nodes.
+    model, report = _convert_owned(source, options, input_path.resolve().parent, input_path)
+    del source
     external = external or model.ByteSize() > PROTOBUF_LIMIT
-    save_onnx(model, output_path, source_dir=input_path.resolve().parent, external=external)
+    with cyclic_gc_paused():
+        save_onnx(model, output_path, source_dir=input_path.resolve().parent, external=external)
     if options.check and external:
         check_valid(str(output_path))
     return model, report
