@@ -54,19 +54,57 @@ def compute_ops_left_fp32(model: Model, compute_ops: frozenset[str]) -> dict[str
             "fp32_nodes": fp32}
 
 
-def _why(group: TypeGroup | None, node: Node) -> str:
+#: How far `_why` follows propagation links back (a longer chain, or a cycle, reads as plain
+#: propagation).
+MAX_HOPS = 1000
+
+
+class _Roots:
+    """Each propagated decision's root (the rule the propagation started from), found once per
+    group: the casts of a long chain share its links, and walking them again per cast made
+    `casts_by_reason` quadratic in the chain length."""
+
+    def __init__(self) -> None:
+        #: id(group) -> (root group, hops to it); hops above MAX_HOPS for a cycle.
+        self._known: dict[int, tuple[TypeGroup, int]] = {}
+
+    def root(self, group: TypeGroup) -> tuple[TypeGroup, int]:
+        """The decision `group`'s propagation started from, and how many links away it is."""
+        known = self._known
+        path: list[TypeGroup] = []
+        on_path: set[int] = set()
+        current = group
+        while id(current) not in known:
+            if current.kind != decisions.PROPAGATION or current.via is None:
+                known[id(current)] = (current, 0)
+                break
+            if id(current) in on_path:  # a cycle: no root within reach
+                known[id(current)] = (current, MAX_HOPS + 1)
+                break
+            path.append(current)
+            on_path.add(id(current))
+            current = current.via
+        root, hops = known[id(current)]
+        for link in reversed(path):
+            if id(link) not in known:
+                hops = min(hops + 1, MAX_HOPS + 1)
+                known[id(link)] = (root, hops)
+            else:
+                root, hops = known[id(link)]
+        return known[id(group)]
+
+
+def _why(group: TypeGroup | None, node: Node, roots: _Roots | None = None) -> str:
     """A decision's kind, followed back through propagation to the rule that started it."""
     if group is None or not group.kind:
         return node.class_kind or "n/a"
-    root, hops = group, 0
-    while root.kind == decisions.PROPAGATION and root.via is not None and hops < 1000:
-        root, hops = root.via, hops + 1
-    if root is group or root.kind == group.kind:
+    root, hops = (roots or _Roots()).root(group)
+    if hops > MAX_HOPS or root is group or root.kind == group.kind:
         return group.kind
     return f"{group.kind} from {root.kind}"
 
 
-def _cast_reason(cast: Node) -> str:
+def _cast_reason(cast: Node, roots: _Roots | None = None) -> str:
     """Why one side of an inserted cast is fp32 (or, between two low dtypes, that it is)."""
     source = cast.inputs[0]
     output = cast.outputs[0]
@@ -76,7 +114,7 @@ def _cast_reason(cast: Node) -> str:
             return "graph output kept fp32"
         for consumer, slot in output.uses:
             group = consumer.input_group[slot] if slot < len(consumer.input_group) else None
-            return f"fp32 consumer ({_why(group, consumer)})"
+            return f"fp32 consumer ({_why(group, consumer, roots)})"
         return "fp32 consumer"
     if source.dtype == FLOAT32:  # fp32 -> low: the producer stays fp32
         if source.producer is None:
@@ -84,13 +122,14 @@ def _cast_reason(cast: Node) -> str:
         producer = source.producer
         group = producer.output_group[source.producer_slot] \
             if source.producer_slot < len(producer.output_group) else None
-        return f"fp32 producer ({_why(group, producer)})"
+        return f"fp32 producer ({_why(group, producer, roots)})"
     return f"{source.dtype} -> {output.dtype}"
 
 
 def casts_by_reason(model: Model) -> dict[str, int]:
     """The inserted casts counted by `_cast_reason`."""
-    counts = Counter(_cast_reason(cast) for cast in inserted_casts(model))
+    roots = _Roots()
+    counts = Counter(_cast_reason(cast, roots) for cast in inserted_casts(model))
     return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 

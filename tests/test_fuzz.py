@@ -79,6 +79,10 @@ REGRESSIONS = [
      "leaves the SavedModel"),
     (_recipe("saved_model_asset_fifo", "saved_model", seed="sm_nested", op="asset_fifo", k=0,
              ops=[["truncate", 0]], options=[]), 2, "FIFO"),
+    # found by the 2000-case run once low-precision weights read the checkpoint by default
+    (_recipe("saved_model_variables_data_truncated", "saved_model", seed="sm_nested",
+             op="data_truncated", k=65535, ops=[["truncate", 240]], options=[]), 2,
+     "variables checkpoint cannot be read"),
     (_recipe("saved_model_symlink_loop", "saved_model", seed="sm_nested",
              op="dir_symlink_loop", k=0, ops=[["truncate", 0]], options=[]), 2, "symlink"),
     (_recipe("saved_model_pb_fifo", "saved_model", seed="sm_nested", op="pb_is_fifo", k=0,

@@ -144,3 +144,39 @@ def test_check_range_counts_overflow_and_flush():
     from amp_rewriter.ir import check_range
     result = check_range(np.array([1e5, 1e-9, 1.0, 0.0], np.float32), "float16")
     assert (result.overflowed, result.flushed_to_zero, result.nonzero) == (1, 1, 3)
+
+
+def test_release_frees_the_ir_without_the_cyclic_collector():
+    """After emitting, a conversion releases its IR: every object must go by reference counting
+    alone (the collector is paused during conversions), or a million-node IR stays in memory."""
+    import gc
+
+    ctx = _context()
+    run_pipeline(ctx, "onnx")
+    model = ctx.model
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        gc.collect()
+        del ctx
+        model.release()
+        assert model.graph.nodes == [] and model.graph.values == {}
+        del model
+        assert gc.collect() == 0  # nothing was left in a reference cycle
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def test_attributes_and_subgraphs_are_set_through_the_node():
+    """Nodes share one read-only empty mapping until an attribute is set, so a direct write
+    cannot leak into every other node."""
+    graph, (a, b, _c), _x = chain_graph()
+    with pytest.raises(TypeError):
+        a.attrs["alpha"] = 0.5  # type: ignore[index]
+    a.set_attr("alpha", 0.5)
+    a.set_attr("beta", 1)
+    assert a.attrs == {"alpha": 0.5, "beta": 1} and b.attrs == {}
+    body = Graph("body", parent=graph, owner=a)
+    a.add_subgraph("body", body)
+    assert a.subgraphs == {"body": body} and b.subgraphs == {}

@@ -75,8 +75,7 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
     (see `emit_onnx`); their protos stay without data until `save_onnx` writes them. Without
     it the returned model holds every converted weight.
     """
-    if options.outputs:
-        raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its outputs")
+    _refuse_tf_options(options)
     if options.optimize:
         source = (Path(model_or_path) if not isinstance(model_or_path, onnx.ModelProto)
                   else model_or_path)
@@ -87,13 +86,23 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
                 external_data_helper.load_external_data_for_model(model, str(fused_path.parent))
         report.optimizer = summary
         return model, report
+    model, own_dir = _load(model_or_path)
+    return _convert_owned(model, options, Path(base_dir) if base_dir is not None else own_dir,
+                          model_or_path, deferred=deferred)
+
+
+def _convert_owned(model: onnx.ModelProto, options: Options, base: Path | None,
+                   original: onnx.ModelProto | str | os.PathLike, *,
+                   deferred: dict[str, LazyTensor] | None = None
+                   ) -> tuple[onnx.ModelProto, Report]:
+    """Convert `model`, which is ours to rewrite in place (a copy of the caller's model, or one
+    read from a file); `original` is what the caller gave, blamed when the result fails the
+    checker because the input already does."""
     options = options.with_backend(DEFAULT_BACKEND)
     with cyclic_gc_paused(), progress.bar("converting", len(passes_of("onnx")) + 2,
                                           "step") as drawn:
         steps = progress.Steps(drawn)
         steps.start("loading")
-        model, own_dir = _load(model_or_path)
-        base = Path(base_dir) if base_dir is not None else own_dir
         opset = default_opset(model)
         lists = OpLists.load("onnx", options.target, options.backend or DEFAULT_BACKEND,
                              options.overrides, opset)
@@ -105,21 +114,33 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
         steps.start("emitting")
         converted = emit_onnx(ir_model, deferred)
         report = build_report(ctx, original_nodes, results)
+        override_warnings = _override_warnings(options, [n for n, _ in original_nodes])
+        schema_warnings = _schema_warnings(ir_model)
+        # The IR is done with: free it now (gigabytes at a million nodes), before shape
+        # inference and the checker make their own copies of the model.
+        del original_nodes, ctx
+        ir_model.release()
+        del ir_model
         if report.cost is not None:
             report.cost["activation_bytes"] = activation_traffic(
                 converted, validation_input_shapes(converted))
-        report.warnings = _override_warnings(options, [n for n, _ in original_nodes])
+        report.warnings = override_warnings
         report.warnings += bf16_advice(report, lists, opset)
-        report.warnings += _schema_warnings(ir_model)
+        report.warnings += schema_warnings
         steps.finish()
-    if options.check and not has_external_data(converted) \
-            and converted.ByteSize() <= PROTOBUF_LIMIT:
-        try:
-            check_valid(converted)  # else convert_file checks the saved file
-        except AmpError:
-            _blame_invalid_input(model_or_path)
-            raise
+        if options.check and not has_external_data(converted) \
+                and converted.ByteSize() <= PROTOBUF_LIMIT:
+            try:
+                check_valid(converted)  # else convert_file checks the saved file
+            except AmpError:
+                _blame_invalid_input(original)
+                raise
     return converted, report
+
+
+def _refuse_tf_options(options: Options) -> None:
+    if options.outputs:
+        raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its outputs")
 
 
 def default_opset(model: onnx.ModelProto) -> int:
@@ -319,20 +340,23 @@ def convert_model_file(input_path: Path, output_path: Path, options: Options
 
 def _convert_and_save(input_path: Path, output_path: Path, options: Options
                       ) -> tuple[onnx.ModelProto, Report]:
+    _refuse_tf_options(options)
     source = read_model_file(input_path)
     external = has_external_data(source)
-    # Weights in the input's external data are read, range checked and converted a chunk at a
-    # time, and written the same way: never the whole weight set in memory.
+    # The model read here is converted in place (no copy of a model that may have a million
+    # nodes); weights in the input's external data are read, range checked and converted a
+    # chunk at a time, and written the same way: never the whole weight set in memory.
     deferred: dict[str, LazyTensor] = {}
-    model, report = convert_model(source, options, base_dir=input_path.resolve().parent,
-                                  deferred=deferred)
-    del source  # convert worked on its own copy
+    model, report = _convert_owned(source, options, input_path.resolve().parent, input_path,
+                                   deferred=deferred)
+    del source
     checked = not has_external_data(model) and model.ByteSize() <= PROTOBUF_LIMIT
     layout = options.external_data
     if layout is None:
         external = external or model.ByteSize() + deferred_bytes(deferred) > PROTOBUF_LIMIT
         layout = "single" if external else "inline"
-    with progress.bar("writing", unit="B", total=_bytes_to_write(model, deferred)) as bar:
+    with cyclic_gc_paused(), \
+            progress.bar("writing", unit="B", total=_bytes_to_write(model, deferred)) as bar:
         save_onnx(model, output_path, source_dir=input_path.resolve().parent, layout=layout,
                   threshold=(EXTERNAL_DATA_THRESHOLD if options.external_data_threshold is None
                              else options.external_data_threshold),

@@ -14,6 +14,7 @@ import math
 import mmap
 import os
 import stat
+import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -196,6 +197,9 @@ def _external_path(tensor: onnx.TensorProto, base_dir: Path) -> Path:
 
 
 _T = onnx.TensorProto
+_INT, _FLOAT, _TENSOR, _GRAPH, _GRAPHS = (onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT,
+                                          onnx.AttributeProto.TENSOR, onnx.AttributeProto.GRAPH,
+                                          onnx.AttributeProto.GRAPHS)
 #: Bits per element of each data type whose stored size we check.
 _BITS: dict[int, int] = {
     _T.FLOAT: 32, _T.UINT8: 8, _T.INT8: 8, _T.UINT16: 16, _T.INT16: 16, _T.INT32: 32,
@@ -541,8 +545,11 @@ class OnnxLoader:
             graph.add_output(value)
 
     def _load_node(self, proto: onnx.NodeProto, graph: Graph, index: int) -> Node:
-        name = readable(proto.name) or self.ir_model.unique_name(f"{proto.op_type}_{index}")
-        node = Node(name, proto.op_type, proto.domain, graph)
+        # Interned: protobuf hands out a new string per read, and a million nodes share a few
+        # dozen op types.
+        op_type, domain = sys.intern(proto.op_type), sys.intern(proto.domain)
+        name = readable(proto.name) or self.ir_model.unique_name(f"{op_type}_{index}")
+        node = Node(name, op_type, domain, graph)
         node.handle = proto
         if proto.metadata_props:
             node.scopes = module_scopes(proto)
@@ -560,25 +567,26 @@ class OnnxLoader:
                                f"missing graph input)")
             node.add_input(value)
         for attr in proto.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
+            kind = attr.type
+            if kind == _INT:
+                node.set_attr(attr.name, attr.i)
+            elif kind == _FLOAT:
+                node.set_attr(attr.name, attr.f)
+            elif kind == _TENSOR:
+                node.set_attr(attr.name, lazy_tensor(attr.t, self.base_dir))
+            elif kind == _GRAPH:
                 sub = Graph(f"{name}/{attr.name}", parent=graph, owner=node)
                 self._load_graph(attr.g, sub)
-                node.subgraphs[attr.name] = sub
-            elif attr.type == onnx.AttributeProto.GRAPHS:
+                node.add_subgraph(attr.name, sub)
+            elif kind == _GRAPHS:
                 raise AmpError(f"node {name!r}: graph-list attributes are not supported")
-            elif attr.type == onnx.AttributeProto.TENSOR:
-                node.attrs[attr.name] = lazy_tensor(attr.t, self.base_dir)
-            elif attr.type == onnx.AttributeProto.INT:
-                node.attrs[attr.name] = attr.i
-            elif attr.type == onnx.AttributeProto.FLOAT:
-                node.attrs[attr.name] = attr.f
         for output_name in proto.output:
             if not output_name:
                 node.add_output(None)
                 continue
             value = self._new_value(graph, output_name)
             node.add_output(value)
-            if proto.op_type == "Constant" and "value" in node.attrs:
+            if op_type == "Constant" and "value" in node.attrs:
                 value.const = node.attrs["value"]
         self._build_type_groups(node)
         self._infer_output_dtypes(node)
@@ -633,7 +641,7 @@ class OnnxLoader:
         def add(name: str, inputs: list[int], outputs: list[int], defs: list[Value],
                 uses: list[tuple[Graph, int]]) -> None:
             group = TypeGroup(node, name, list(inputs), list(outputs), allowed=castable,
-                              inner_defs=defs, inner_uses=uses)
+                              inner_defs=tuple(defs), inner_uses=tuple(uses))
             node.type_groups.append(group)
             for slot in inputs:
                 node.input_group[slot] = group

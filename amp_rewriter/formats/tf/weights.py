@@ -19,9 +19,11 @@ the checkpoint keys tie them together.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import tensorflow as tf
@@ -30,6 +32,25 @@ from tensorflow.core.protobuf import meta_graph_pb2, trackable_object_graph_pb2
 
 from ...errors import AmpError
 from .load import dtype_enum
+
+_Function_T = TypeVar("_Function_T", bound=Callable[..., Any])
+
+
+def _checkpoint_errors(function: _Function_T) -> _Function_T:
+    """TensorFlow's checkpoint reader fails on a damaged variables file with whatever it meets
+    (IndexError for a truncated data file, DataLossError, ValueError): one line instead."""
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except AmpError:
+            raise
+        except (IndexError, ValueError, tf.errors.OpError) as exc:
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise AmpError(f"the SavedModel's variables checkpoint cannot be read: {detail}") \
+                from None
+    return wrapper  # type: ignore[return-value]
+
 
 RESOURCE = types_pb2.DT_RESOURCE
 FLOAT = types_pb2.DT_FLOAT
@@ -125,6 +146,7 @@ class _Reads:
             c.op == "Cast" and c.attr["DstT"].type == self.target for c, _p, _r in consumers)
 
 
+@_checkpoint_errors
 def plan_low_precision_weights(meta_graph: meta_graph_pb2.MetaGraphDef, variables_prefix: Path,
                                dtype: str, skip: frozenset[str]) -> WeightsPlan:
     """Which variables of a converted MetaGraph can be stored in `dtype` (nothing is changed).
@@ -387,6 +409,7 @@ def _retype_main_graph(graph_def: graph_pb2.GraphDef, restored_args: dict[str, s
     graph_def.node.extend(added)
 
 
+@_checkpoint_errors
 def write_checkpoint(source_prefix: Path, target_prefix: Path, plan: WeightsPlan) -> None:
     """Copy a checkpoint, with the tensors under `plan.keys` converted to `plan.dtype`."""
     reader = tf.train.load_checkpoint(str(source_prefix))

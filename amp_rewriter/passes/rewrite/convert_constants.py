@@ -47,7 +47,8 @@ def _convert_fill_value(node: Node, attr: str, ctx: PassContext) -> bool:
     fill = node.attrs.get(attr)
     if fill is None:  # the default fill is a float32 zero
         fill = LazyTensor(FLOAT32, (1,), lambda: np.zeros(1, np.float32))
-    node.attrs[attr] = _converted_tensor(fill, value.dtype, True, f"{node.name}.{attr}", ctx)
+    node.set_attr(attr, _converted_tensor(fill, value.dtype, True, f"{node.name}.{attr}",
+                                          ctx))
     return True
 
 
