@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import formats
+from .fileio import OutputTransaction
 from .options import AutoOptions, Options, split_kwargs
 from .report import Report
 
@@ -61,24 +62,34 @@ def convert(model_or_path: Any, target: str = "fp16", backend: str | None = None
 
 def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                  **options: Any) -> tuple[Any, Report]:
-    """Convert a model file (or SavedModel directory) and write the result atomically.
+    """Convert a model file (or SavedModel directory) and write the result: all of it (external
+    data, a whole directory) or, on failure, nothing; an existing output is replaced only on
+    success, and an output that is, or would overwrite, an input file is refused.
 
     Returns the converted ModelProto for ONNX (None for TensorFlow: read `output_path`) and
     the Report. Keyword arguments are the fields of `Options`.
     """
     input_path, output_path = Path(input_path), Path(output_path)
-    if formats.detect(input_path) == "onnx":
-        from .formats.onnx import convert_model_file
-        return convert_model_file(input_path, output_path, Options(**options))
-    report = formats.get("tf").convert_file(input_path, output_path, Options(**options))
-    return None, report
+    fmt = formats.for_path(input_path)
+    parsed = Options(**options)
+    with OutputTransaction([(input_path, "the input model")],
+                           lambda: fmt.input_files(input_path)) as outputs:
+        staged = outputs.stage(output_path, "output", fmt.output_kind(input_path),
+                               replace_dir=fmt.replaceable_output_dir)
+        if fmt.name == "onnx":
+            from .formats.onnx import convert_model_file
+            model, report = convert_model_file(input_path, staged, parsed)
+        else:
+            model, report = None, fmt.convert_file(input_path, staged, parsed)
+        outputs.commit()
+    return model, report
 
 
 def convert_auto(input_path: str | os.PathLike, output_path: str | os.PathLike,
                  inputs: Sequence[str | os.PathLike] | None = None, *, max_error: float,
                  metric: str = "max-rel", **options: Any) -> Report:
     """`convert --auto`: convert as much as possible while `metric <= max_error` holds on the
-    calibration data, and write the result atomically.
+    calibration data, and write the result (all of it or nothing, as `convert_file` does).
 
     `inputs` are .npz files, folders of them or Polygraphy JSON input files (None: seeded random
     batches, with a warning in `report.warnings`). `metric` is "max-rel", "cosine" or
@@ -92,9 +103,16 @@ def convert_auto(input_path: str | os.PathLike, output_path: str | os.PathLike,
     auto, rest = split_kwargs(AutoOptions, {**options, "max_error": max_error, "metric": metric})
     conversion = Options(**rest)
     input_path = Path(input_path)
-    runner = formats.for_path(input_path).accuracy_runner(input_path, conversion)
-    report, _ = run_auto(runner, Path(output_path),
-                         [str(p) for p in inputs] if inputs else None, auto, conversion.target)
+    fmt = formats.for_path(input_path)
+    reads = [(input_path, "the input model"), *((Path(p), "a calibration input")
+                                               for p in (inputs or ()))]
+    with OutputTransaction(reads, lambda: fmt.input_files(input_path)) as outputs:
+        staged = outputs.stage(Path(output_path), "output", fmt.output_kind(input_path),
+                               replace_dir=fmt.replaceable_output_dir)
+        runner = fmt.accuracy_runner(input_path, conversion)
+        report, _ = run_auto(runner, staged, [str(p) for p in inputs] if inputs else None, auto,
+                             conversion.target)
+        outputs.commit()
     return report
 
 

@@ -8,21 +8,27 @@ AMP_REWRITER_LINT=1 to check the IR's invariants after every pass.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import json
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
-from . import formats
+from . import formats, progress
+from .cost import summary_line
 from .errors import AmpError, CheckFailed
-from .fileio import write_atomically
+from .fileio import OutputTransaction, check_input_path, write_atomically
+from .ir import short_name
 from .options import AutoOptions, Options, TrainingOptions, cli_flags, cli_given, from_cli
-from .report import Report
-from .validation import default_rtol
+from .report import Report, to_json
+from .validation import default_rtol, load_inputs
 
 PROG = "amp-rewriter"
+#: Where validation runs the converted model (ONNX: onnxruntime's CPU or CUDA provider).
+DEVICES = ("cpu", "cuda")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,14 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--report", metavar="JSON", help="write the decisions as JSON")
     convert.add_argument("--validate", action="store_true",
                          help="run both models on the CPU (onnxruntime or TensorFlow) and "
-                              "compare outputs")
+                              "compare outputs; ONNX ops without a low-precision CPU kernel "
+                              "are emulated (fp32 compute, low-precision outputs rounded)")
     convert.add_argument("--inputs", metavar="FILE|DIR", nargs="+",
                          help="--validate: one .npz keyed by input / placeholder name; --auto: "
                               "calibration batches: .npz files, folders of them, Polygraphy "
                               "JSON input files")
     convert.add_argument("--rtol", type=float, default=None,
                          help="largest relative error --validate accepts (fp16 2e-2, bf16 1e-1)")
-    convert.add_argument("--quiet", action="store_true", help="print only errors")
+    convert.add_argument("--device", choices=DEVICES, default=None,
+                         help="where --validate runs the converted model: cpu (default: ops "
+                              "without a low-precision CPU kernel are emulated) or cuda "
+                              "(onnxruntime-gpu and a GPU)")
+    convert.add_argument("--quiet", action="store_true",
+                         help="print only errors (no summary, no progress bars)")
     training = convert.add_argument_group(
         "training graphs (TensorFlow .meta, or .pb/.pbtxt with --loss and --train-op)")
     training.add_argument("--training", action="store_true",
@@ -83,13 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
         _add_auto_flag(rules, flag)
 
     check = commands.add_parser("check", help="check a converted model (for CI)")
-    check.add_argument("model", help="the mixed-precision model: .onnx, or a TensorFlow graph "
-                                     "(.meta, .pb, .pbtxt; training graphs included)")
+    check.add_argument("model", help="the mixed-precision model: .onnx, a TensorFlow graph "
+                                     "(.meta, .pb, .pbtxt; training graphs included) or a "
+                                     "SavedModel directory")
     check.add_argument("--target", default=None, help="fp16 or bf16 (default: detected)")
     check.add_argument("--backend", default=None,
                        help="ONNX ort-cuda (default) or ort-cpu; TensorFlow tf-gpu or tf-cpu")
-    check.add_argument("--reference", metavar="FP32_ONNX", help="the fp32 model to compare with")
-    check.add_argument("--rtol", type=float, default=None, help="tolerance with --reference")
+    check.add_argument("--reference", metavar="FP32_MODEL",
+                       help="the fp32 model (same format) to compare constants and outputs with")
+    check.add_argument("--inputs", metavar="NPZ",
+                       help="inputs for --reference (.npz keyed by input / placeholder name; "
+                            "default: seeded random ones)")
+    check.add_argument("--rtol", type=float, default=None,
+                       help="largest relative error --reference accepts (fp16 2e-2, bf16 1e-1)")
+    check.add_argument("--device", choices=DEVICES, default="cpu",
+                       help="where --reference runs the model: cpu (default) or cuda")
     check.add_argument("--report", metavar="JSON", help="write the findings as JSON")
 
     explain = commands.add_parser("explain", help="why does a node run in its precision?")
@@ -108,13 +128,54 @@ def _add_auto_flag(parser: argparse._ArgumentGroup, flag: str) -> None:
                                 metavar=cli["metavar"], help=cli["help"])
 
 
-def _refuse_report_over_model(args: argparse.Namespace) -> None:
-    if args.report and Path(args.report).resolve() in (Path(args.input).resolve(),
-                                                         Path(args.output).resolve()):
-        raise AmpError("--report must not be the input or output model path")
+def _check_rtol(rtol: float | None) -> None:
+    if rtol is not None and not rtol >= 0:  # also refuses nan
+        raise AmpError(f"--rtol must be a number >= 0, got {rtol}")
+
+
+def _input_entry(path: Path, what: str = "input") -> tuple[Path, str]:
+    """A model path as an input file the outputs must not overwrite (found without parsing)."""
+    kind = "SavedModel" if formats.is_saved_model_dir(path) else "model"
+    return path, f"the {what} {kind}"
+
+
+def _extra_inputs(args: argparse.Namespace) -> list[tuple[Path, str]]:
+    """The files a run reads besides its model(s): --inputs and --config."""
+    files = []
+    given = getattr(args, "inputs", None) or []
+    for path in [given] if isinstance(given, str) else given:
+        files.append((Path(path), "the --inputs file"))
+    if getattr(args, "config", None):
+        files.append((Path(args.config), "the --config file"))
+    return files
+
+
+@contextlib.contextmanager
+def _warnings_as_lines(into: list[str]) -> Iterator[None]:
+    """Collect the Python warnings libraries raise (onnx's notes on a model, say) as one line
+    each, so they print as ours after a successful run, and not at all before an error."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        try:
+            yield
+        finally:
+            for warning in caught:
+                text = str(warning.message).strip()
+                line = text.splitlines()[0] if text else type(warning.message).__name__
+                if line not in into:
+                    into.append(line)
 
 
 def _run_convert(args: argparse.Namespace) -> int:
+    # Progress bars on stderr for the slow steps, when it is a terminal (progress.py).
+    progress.enable(not args.quiet)
+    try:
+        return _convert(args)
+    finally:
+        progress.enable(False)
+
+
+def _convert(args: argparse.Namespace) -> int:
     auto_given = cli_given(args, AutoOptions)
     if args.auto:
         return _run_auto(args, AutoOptions(**auto_given))
@@ -128,9 +189,12 @@ def _run_convert(args: argparse.Namespace) -> int:
         raise AmpError("--validate takes one --inputs .npz file")
     if args.rtol is not None and not args.validate:
         raise AmpError("--rtol only makes sense with --validate")
-    if args.rtol is not None and not args.rtol >= 0:  # also refuses nan
-        raise AmpError(f"--rtol must be a number >= 0, got {args.rtol}")
-    fmt = formats.for_path(args.input)
+    if args.device is not None and not args.validate:
+        raise AmpError("--device only makes sense with --validate")
+    _check_rtol(args.rtol)
+    check_input_path(args.input)
+    input_path, output_path = Path(args.input), Path(args.output)
+    fmt = formats.for_path(input_path)
     training_given = cli_given(args, TrainingOptions)
     training = None
     if args.training:
@@ -142,38 +206,48 @@ def _run_convert(args: argparse.Namespace) -> int:
         flags = TrainingOptions(**training_given).given_flags()
         raise AmpError(f"{', '.join(flags)} only apply with --training")
     options = from_cli(args, Options)
-    _refuse_report_over_model(args)
-    report = fmt.convert_file(Path(args.input), Path(args.output), options, training)
-    status = 0
-    for warning in report.warnings:
-        print(f"{PROG}: warning: {warning}", file=sys.stderr)
-    if args.validate:
-        try:
-            status = _validate(args, fmt, report, options)
-        except AmpError:
-            fmt.discard_output(Path(args.output))  # leave no unvalidated model for a build
-            raise
-    if args.report:
-        write_atomically(args.report, report.to_json().encode())
+    if args.inputs:
+        load_inputs(args.inputs[0])  # a bad inputs file is refused before anything is converted
+    library_warnings: list[str] = []
+    # Everything the run writes is staged beside its destination and moved into place only
+    # when the whole run succeeded (validation included): a failed run changes nothing.
+    with OutputTransaction([_input_entry(input_path), *_extra_inputs(args)],
+                           lambda: fmt.input_files(input_path)) as outputs:
+        staged = outputs.stage(output_path, "output", fmt.output_kind(input_path),
+                               replace_dir=fmt.replaceable_output_dir)
+        staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
+        with _warnings_as_lines(library_warnings):
+            report = fmt.convert_file(input_path, staged, options, training)
+        report.warnings.extend(library_warnings)
+        status = _validate(args, fmt, report, options, staged) if args.validate else 0
+        if status:
+            _print_warnings(report)  # a typo in an override may be why
+            raise CheckFailed(f"validation failed: relative error above rtol; nothing was "
+                              f"written ({args.output} is as it was)")
+        if staged_report is not None:
+            write_atomically(staged_report, report.to_json().encode())
+        outputs.commit()
+    # Warnings only once the run is through: an error (exit 2) prints that one line alone.
+    _print_warnings(report)
     if not args.quiet:
+        if report.optimizer is not None:
+            print(_optimizer_line(report.optimizer))
         print(_summary_line(report, args.output))
+        if report.cost is not None:
+            print(summary_line(report.cost))
         if report.training is not None:
             print(_training_line(report.training))
-    if status:
-        print(f"{PROG}: validation failed: relative error above rtol", file=sys.stderr)
-    return status
+        if report.weights is not None:
+            w = report.weights
+            print(f"weights: {len(w['variables'])} variables stored in {short_name(w['dtype'])} "
+                  f"({w['bytes_before'] / 1e6:.1f} MB -> {w['bytes_after'] / 1e6:.1f} MB), read "
+                  f"without a cast (--keep-fp32-weights keeps them fp32)")
+    return 0
 
 
-def _check_output_path(input_path: Path, output_path: Path) -> None:
-    """Refuse, before any work, an output that would overwrite the input or cannot be written."""
-    if output_path.resolve() == input_path.resolve() or (
-            output_path.exists() and input_path.exists()
-            and os.path.samefile(input_path, output_path)):
-        raise AmpError("the output path is the input: refusing to overwrite the input")
-    if not output_path.resolve().parent.is_dir():
-        raise AmpError(f"{output_path}: output folder does not exist")
-    if output_path.is_dir() and not formats.is_saved_model_dir(input_path):
-        raise AmpError(f"{output_path}: is a directory, expected an output file name")
+def _print_warnings(report: Report) -> None:
+    for warning in report.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
 
 
 def _run_auto(args: argparse.Namespace, auto: AutoOptions) -> int:
@@ -188,18 +262,23 @@ def _run_auto(args: argparse.Namespace, auto: AutoOptions) -> int:
                            f"its calibration data)")
     if cli_given(args, TrainingOptions):
         raise AmpError("training options do not combine with --auto")
-    fmt = formats.for_path(args.input)
-    options = from_cli(args, Options)
+    check_input_path(args.input)
     input_path, output_path = Path(args.input), Path(args.output)
-    _check_output_path(input_path, output_path)
-    _refuse_report_over_model(args)
-    runner = fmt.accuracy_runner(input_path, options)
-    progress = None if args.quiet else (lambda line: print(line, flush=True))
-    report, result = run_auto(runner, output_path, args.inputs, auto, options.target, progress)
-    for warning in report.warnings:
-        print(f"{PROG}: warning: {warning}", file=sys.stderr)
-    if args.report:
-        write_atomically(args.report, report.to_json().encode())
+    fmt = formats.for_path(input_path)
+    options = from_cli(args, Options)
+    say = None if args.quiet else (lambda line: print(line, flush=True))
+    # Staged like a plain conversion: the model and the report appear together or not at all.
+    with OutputTransaction([_input_entry(input_path), *_extra_inputs(args)],
+                           lambda: fmt.input_files(input_path)) as outputs:
+        staged = outputs.stage(output_path, "output", fmt.output_kind(input_path),
+                               replace_dir=fmt.replaceable_output_dir)
+        staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
+        runner = fmt.accuracy_runner(input_path, options)
+        report, result = run_auto(runner, staged, args.inputs, auto, options.target, say)
+        if staged_report is not None:
+            write_atomically(staged_report, report.to_json().encode())
+        outputs.commit()
+    _print_warnings(report)
     if not args.quiet:
         summary = report.auto or {}
         runs = (f"{summary.get('reference_runs', 1)} reference run, "
@@ -242,29 +321,48 @@ def _run_diagnose(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace, fmt: formats.base.Format, report: Report,
-              options: Options) -> int:
-    """Run fp32 and converted models on the same inputs; 1 when an output is off."""
+              options: Options, converted: Path) -> int:
+    """Run the fp32 model and the converted one (still at its staged path) on the same inputs;
+    1 when an output is off."""
     rtol = default_rtol(options.target) if args.rtol is None else args.rtol
-    validation = fmt.validate(Path(args.input), Path(args.output), report, options,
-                              args.inputs[0] if args.inputs else None, rtol)
+    validation = fmt.validate(Path(args.input), converted, report, options,
+                              args.inputs[0] if args.inputs else None, rtol, args.device or "cpu")
     report.validation = validation.to_dict()
     if not args.quiet:
         for note in validation.notes:
             print(f"validate: {note}")
         for c in validation.comparisons:
             mark = "FAIL" if validation.failed(c) else "ok"
-            print(f"validate {c.name}: max_abs={c.max_abs:.3g} relative={c.relative:.3g} {mark}")
+            print(f"validate {c.name}: max_abs={c.max_abs:.3g} relative={c.relative:.3g} "
+                  f"{mark}{c.how()}")
     return 0 if validation.passed else 1
 
 
 def _summary_line(report: Report, output: str) -> str:
+    """One line: the compute ops (what decides the speed-up) in low precision, per op type, then
+    all nodes (shape arithmetic included), casts and constants."""
     s = report.summary
+    by_type = s.get("compute_ops_by_type", {})
+    if by_type:
+        types = ", ".join(f"{op} {low}/{total}" for op, (low, total) in by_type.items())
+        compute = f"compute ops {s['low_precision_compute_ops']}/{s['compute_ops']} ({types})"
+    else:
+        compute = "no compute ops (matrix products, convolutions) on float data"
+    unserved = s.get("graphs_not_served", 0)
+    scope = (f" in the functions the signatures run ({unserved} other function"
+             f"{'s' if unserved != 1 else ''} converted, not counted)" if unserved else "")
     flushed = (f", {s['values_flushed_to_zero']} values flushed to zero"
                if s["values_flushed_to_zero"] else "")
-    return (f"converted {s['low_precision_nodes']}/{s['nodes']} nodes to {report.target} "
-            f"(backend {report.backend}): casts {s['casts_inserted']} inserted, "
-            f"{s['casts_removed']} removed; constants {s['constants_converted']} converted, "
-            f"{s['constants_kept_fp32']} kept fp32 for range{flushed} -> {output}")
+    return (f"converted to {report.target} (backend {report.backend}): {compute}, nodes "
+            f"{s['low_precision_nodes']}/{s['nodes']}{scope}; casts {s['casts_inserted']} "
+            f"inserted, {s['casts_removed']} removed; constants {s['constants_converted']} "
+            f"converted, {s['constants_kept_fp32']} kept fp32 for range{flushed} -> {output}")
+
+
+def _optimizer_line(optimizer: dict) -> str:
+    added = ", ".join(f"{count} {op}" for op, count in optimizer["ops_added"].items())
+    return (f"optimized with onnxruntime {optimizer['onnxruntime']}'s {optimizer['model_type']} "
+            f"fusions: {added or 'nothing fused'}")
 
 
 def _training_line(training: dict) -> str:
@@ -281,17 +379,44 @@ def _training_line(training: dict) -> str:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    fmt = formats.for_path(args.model)
-    result = fmt.check(Path(args.model), args.target, args.backend,
-                       Path(args.reference) if args.reference else None, args.rtol)
-    for note in result.notes:
-        print(f"note: {note}")
-    for problem in result.problems:
-        print(f"{problem['kind']}: {problem['message']}")
-    for output in result.outputs:
-        print(f"output {output['name']}: relative error {output['relative_error']:.3g}")
-    if args.report:
-        write_atomically(args.report, (json.dumps(result.to_dict(), indent=2) + "\n").encode())
+    if args.inputs and not args.reference:
+        raise AmpError("--inputs only makes sense with --reference (they feed both models)")
+    if args.rtol is not None and not args.reference:
+        raise AmpError("--rtol only makes sense with --reference")
+    _check_rtol(args.rtol)
+    check_input_path(args.model)
+    if args.reference:
+        check_input_path(args.reference, "--reference")
+    model = Path(args.model)
+    reference = Path(args.reference) if args.reference else None
+    fmt = formats.for_path(model)
+    if reference is not None and formats.detect(reference) != fmt.name:
+        raise AmpError(f"--reference {reference} is not a {fmt.name} model like {model}")
+    reads = [_input_entry(model, "checked"), *_extra_inputs(args)]
+    if reference is not None:
+        reads.append(_input_entry(reference, "reference"))
+
+    def every_file_read() -> list[tuple[Path, str]]:
+        files = fmt.input_files(model)
+        if reference is not None:
+            files += [(path, f"{what} (--reference)") for path, what in fmt.input_files(reference)]
+        return files
+
+    with OutputTransaction(reads, every_file_read) as outputs:
+        staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
+        result = fmt.check(model, args.target, args.backend, reference, args.rtol, args.inputs,
+                           args.device)
+        for note in result.notes:
+            print(f"note: {note}")
+        for problem in result.problems:
+            print(f"{problem['kind']}: {problem['message']}")
+        for output in result.outputs:
+            emulated = output.get("emulated_ops")
+            how = f" [emulated: {', '.join(emulated)}]" if emulated else ""
+            print(f"output {output['name']}: relative error {output['relative_error']:.3g}{how}")
+        if staged_report is not None:  # the findings are the report: written pass or fail
+            write_atomically(staged_report, to_json(result.to_dict()).encode())
+            outputs.commit()
     print(f"check: {'ok' if result.ok else f'{len(result.problems)} problem(s)'}")
     if not result.ok:
         raise CheckFailed(f"{len(result.problems)} problem(s) in {args.model}")
@@ -302,6 +427,7 @@ def _run_explain(args: argparse.Namespace) -> int:
     from .report import explain_text, load_report
 
     source = Path(args.source)
+    check_input_path(source)
     if formats.detect(source) == "tf" or source.suffix == ".onnx":
         report = formats.for_path(source).explain(source, from_cli(args, Options))
     else:
@@ -318,11 +444,18 @@ def _run_explain(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
+    library_warnings: list[str] = []
     try:
         args = build_parser().parse_args(argv)
         runner = {"convert": _run_convert, "check": _run_check, "explain": _run_explain,
                   "diagnose": _run_diagnose}
-        return runner[args.command](args)
+        # A library's own warnings (onnx on a model's odd fields) print as one line each after
+        # the run, and not at all when the run ends in an error: that error is the one line.
+        with _warnings_as_lines(library_warnings):
+            status = runner[args.command](args)
+        for warning in library_warnings:
+            print(f"{PROG}: warning: {warning}", file=sys.stderr)
+        return status
     except AmpError as exc:
         print(f"{PROG}: error: {exc}" if exc.exit_code == 2 else f"{PROG}: {exc}",
               file=sys.stderr)

@@ -1,47 +1,402 @@
-"""Writing output files atomically: a temporary file in the same folder, then a rename."""
+"""Reading input files (regular files only, never past their size), and writing every output of
+a run as one transaction.
+
+A run stages each output (the model, its external data, a SavedModel directory, the report) in a
+temporary folder beside its destination and moves all of them into place only at `commit`, after
+validation passed; a run that fails, or is interrupted, removes its temporary folders and leaves
+every destination as it was. No destination may be, or replace, a file the run reads.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from types import TracebackType
 
 from .errors import AmpError
+
+#: Prefix of every temporary file and folder a run makes (beside its destinations).
+TEMP_PREFIX = ".amp-rewriter-"
+
+#: (path, what it is to the run) for each file or folder the run reads.
+InputFiles = Iterable[tuple[Path, str]]
+
+#: Read size: large enough for speed, small enough not to matter for memory.
+_CHUNK = 1 << 24
+
+
+def check_output_path(path: str | os.PathLike) -> None:
+    """Refuse an output file path that cannot or must not be written: its folder is missing,
+    or it is a directory, a FIFO, a device or a socket (the rename would replace the node)."""
+    target = Path(path)
+    parent = Path(os.path.realpath(target)).parent  # realpath: a symlink loop does not raise
+    if not parent.is_dir():
+        raise AmpError(f"{path}: output folder {parent} does not exist")
+    if target.is_dir():
+        raise AmpError(f"{path}: is a directory, expected an output file name")
+    try:
+        kind = non_regular_kind(os.stat(target).st_mode)
+    except OSError:
+        kind = None
+    if kind is not None:
+        raise AmpError(f"{path}: is {kind}; refusing to replace it with the output")
 
 
 def write_atomically(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` so that a failure never leaves a partial file behind."""
     target = Path(path)
-    parent = target.resolve().parent
-    if not parent.is_dir():
-        raise AmpError(f"{path}: output folder {parent} does not exist")
-    if target.is_dir():
-        raise AmpError(f"{path}: is a directory, expected an output file name")
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=".amp-rewriter-")
+    check_output_path(target)
+    parent = Path(os.path.realpath(target)).parent
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=TEMP_PREFIX)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600
+        os.chmod(tmp, default_file_mode())  # mkstemp makes it 0600
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def read_input_bytes(path: str | os.PathLike, directory_hint: str) -> bytes:
-    """The bytes of an input file; a missing, unreadable or directory path raises AmpError."""
-    path = Path(path)
-    if not path.exists():
-        raise AmpError(f"{path}: no such file")
-    if path.is_dir():
-        raise AmpError(f"{path}: is a directory, {directory_hint}")
+def non_regular_kind(mode: int) -> str | None:
+    """What a non-regular file is ("a FIFO", "a character device", ...); None for a regular file
+    or a directory."""
+    for test, kind in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return None
+
+
+def check_input_path(path: str | os.PathLike, what: str = "") -> None:
+    """Refuse an input path that leads nowhere (missing, a symlink loop, no permission) before
+    anything resolves or compares it; what it leads to is checked where it is read."""
+    label = f"{what} {path}" if what else str(path)
     try:
-        return path.read_bytes()
+        os.stat(path)
+    except FileNotFoundError:
+        raise AmpError(f"{label}: no such file") from None
+    except (OSError, ValueError) as exc:  # ELOOP, EACCES, ENAMETOOLONG; NUL in the path
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise AmpError(f"{label}: cannot read ({reason})") from None
+
+
+def _open_regular(path: Path, label: str, directory_hint: str) -> tuple[int, int]:
+    """(descriptor, size) of a regular file opened for reading; AmpError for anything else.
+
+    The kind is checked before opening (opening a FIFO blocks, opening a device may act) and
+    again on the descriptor (the path may have been replaced in between).
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise AmpError(f"{label}: no such file") from None
     except OSError as exc:
-        raise AmpError(f"{path}: cannot read ({exc.strerror})") from None
+        raise AmpError(f"{label}: cannot read ({exc.strerror})") from None
+    if stat.S_ISDIR(mode):
+        raise AmpError(f"{label}: is a directory, {directory_hint}")
+    kind = non_regular_kind(mode)
+    if kind is not None:
+        raise AmpError(f"{label}: is {kind}, not a regular file")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise AmpError(f"{label}: cannot read ({exc.strerror})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise AmpError(f"{label}: is not a regular file")
+    return fd, info.st_size
 
 
-def _umask() -> int:
+def open_input(path: str | os.PathLike, label: str) -> tuple[int, int]:
+    """(descriptor, size) of a regular input file opened for reading (the caller closes it);
+    anything else raises AmpError naming `label`."""
+    return _open_regular(Path(path), label, "expected a file")
+
+
+def pread_exact(fd: int, count: int, offset: int, label: str) -> bytes:
+    """`count` bytes of an open file from `offset`; AmpError when the file ends before."""
+    parts = []
+    while count > 0:
+        try:
+            part = os.pread(fd, min(count, _CHUNK << 2), offset)
+        except OSError as exc:
+            raise AmpError(f"{label}: cannot read ({exc.strerror})") from None
+        if not part:
+            raise AmpError(f"{label}: ends before offset {offset + count} (was it changed "
+                           f"during the run?)")
+        parts.append(part)
+        count -= len(part)
+        offset += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _chunks(fd: int, size: int, label: str) -> Iterator[bytes]:
+    """The file's bytes in chunks, never more than `size` in all."""
+    left = size
+    while left > 0:
+        try:
+            chunk = os.read(fd, min(left, _CHUNK))
+        except OSError as exc:
+            raise AmpError(f"{label}: cannot read ({exc.strerror})") from None
+        if not chunk:
+            return
+        left -= len(chunk)
+        yield chunk
+
+
+def read_input_bytes(path: str | os.PathLike, directory_hint: str, what: str = "") -> bytes:
+    """The bytes of an input file; a missing, unreadable, directory or non-regular path raises
+    AmpError.
+
+    Only regular files are read (a FIFO would block forever, /dev/zero never ends), and never
+    past the size the file had when it was opened. `what` names the file in messages ("inputs
+    file", "config file"); a model is named by its path alone.
+    """
+    path = Path(path)
+    label = f"{what} {path}" if what else str(path)
+    fd, size = _open_regular(path, label, directory_hint)
+    try:
+        return b"".join(_chunks(fd, size, label))
+    finally:
+        os.close(fd)
+
+
+def read_input_text(path: str | os.PathLike, what: str) -> str:
+    """An input text file (UTF-8), read as `read_input_bytes` reads one."""
+    data = read_input_bytes(path, f"expected a {what}", what)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise AmpError(f"{what} {path}: not UTF-8 text") from None
+
+
+def copy_regular_file(source: str | os.PathLike, destination: str | os.PathLike) -> None:
+    """Copy a regular file's bytes (up to the size it had when opened) and its mode: a copy
+    function for `shutil.copytree` that refuses FIFOs and devices, which would block the copy
+    or fill the disk."""
+    label = str(source)
+    fd, size = _open_regular(Path(source), label, "expected a file")
+    try:
+        with open(destination, "wb") as handle:
+            for chunk in _chunks(fd, size, label):
+                handle.write(chunk)
+    finally:
+        os.close(fd)
+    shutil.copymode(source, destination)
+
+
+def default_file_mode() -> int:
+    """The mode a plain new file gets under the current umask."""
     mask = os.umask(0)
     os.umask(mask)
-    return mask
+    return 0o666 & ~mask
+
+
+def _same(a: Path, b: Path) -> bool:
+    """Whether two paths name one file: the same inode (hard and symbolic links) or, for paths
+    that do not exist yet, the same resolved path."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether `path` is `folder` or lies under it (resolved, so links count where they lead)."""
+    try:
+        path.resolve().relative_to(folder.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def _kind_of(path: Path) -> str | None:
+    """"file", "dir", "other" (device, FIFO, socket) or None (missing) where `path` leads."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "link" if os.path.islink(path) else None
+    except OSError as exc:
+        raise AmpError(f"{path}: cannot inspect it ({exc.strerror})") from None
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    return "other"
+
+
+class _Stage:
+    """One destination and the private folder beside it where its files are written first."""
+
+    __slots__ = ("destination", "folder", "label")
+
+    def __init__(self, destination: Path, folder: Path, label: str):
+        self.destination = destination
+        self.folder = folder
+        self.label = label
+
+
+class OutputTransaction:
+    """Every output of one run, written all together or not at all.
+
+        with OutputTransaction([(model_path, "the input model")]) as outputs:
+            staged = outputs.stage(Path("out.onnx"), "output")
+            write_model(staged)                 # and staged.name + ".data" beside it
+            outputs.commit()                    # only now do out.onnx (and its .data) change
+
+    `stage` checks a destination at once and returns a path in a fresh private folder beside
+    it; whatever the writer puts in that folder (a model and its `.data`, a SavedModel
+    directory) replaces the entries of the same names beside the destination at `commit`.
+    Leaving the `with` block without committing (an error, a failed validation, Ctrl-C) removes
+    the private folders, so no destination changes.
+
+    A destination is refused when its folder is missing, when it is a device, FIFO or socket,
+    when it is (by inode or by resolved path, so links count) or holds an input file, or lies
+    inside an input folder (a SavedModel), and when two outputs share it. `inputs` lists what
+    the run reads; `more_inputs` (called only when a destination already exists, since only an
+    existing file can be overwritten) adds what costs a parse to find, such as external data.
+    """
+
+    def __init__(self, inputs: InputFiles = (),
+                 more_inputs: Callable[[], InputFiles] | None = None):
+        self._inputs = [(Path(p), what) for p, what in inputs]
+        self._more_inputs = more_inputs
+        self._stages: list[_Stage] = []
+        self._done = False
+
+    # -- checks ---------------------------------------------------------------------------------
+    def _all_inputs(self) -> list[tuple[Path, str]]:
+        if self._more_inputs is not None:
+            more = self._more_inputs
+            self._more_inputs = None
+            self._inputs.extend((Path(p), what) for p, what in more())
+        return self._inputs
+
+    def _check(self, destination: Path, label: str, kind: str,
+               replace_dir: Callable[[Path], bool] | None, staged: list[Path]) -> None:
+        """Refuse a destination that may not be written (see the class docstring)."""
+        parent = destination.parent
+        if not parent.is_dir():
+            raise AmpError(f"{destination}: output folder {parent} does not exist")
+        found = _kind_of(destination)
+        if found == "other":
+            raise AmpError(f"{label} {destination} is not a regular file (a device, FIFO or "
+                           f"socket): refusing to replace it")
+        if found == "dir" and kind == "file":
+            raise AmpError(f"{label} {destination}: is a directory, expected an output file "
+                           f"name")
+        if found == "file" and kind == "dir":
+            raise AmpError(f"{label} {destination}: exists and is a file, expected a directory")
+        if found == "dir" and kind == "dir" and any(destination.iterdir()) and not (
+                replace_dir is not None and replace_dir(destination)):
+            raise AmpError(f"{label} {destination}: exists and is neither empty nor a model "
+                           f"directory; refusing to replace it")
+        inputs = self._all_inputs() if found is not None else self._inputs
+        for path, what in inputs:
+            if found is not None and _same(destination, path):
+                raise AmpError(f"{label} {destination} is {what}: refusing to overwrite it")
+            if path.is_dir() and _inside(destination, path):
+                raise AmpError(f"{label} {destination} is inside {what}: refusing to write "
+                               f"into it")
+            if kind == "dir" and found is not None and _inside(path, destination):
+                raise AmpError(f"{label} {destination} holds {what}: refusing to replace it")
+        for other in staged:
+            if _same(destination, other):
+                raise AmpError(f"{label} {destination} is also written as another output: "
+                               f"give each output its own path")
+
+    # -- staging and committing ---------------------------------------------------------------
+    def stage(self, destination: str | os.PathLike, label: str = "output", kind: str = "file",
+              replace_dir: Callable[[Path], bool] | None = None) -> Path:
+        """A path to write `destination`'s content to (see the class docstring). `kind` is
+        "file" or "dir"; `replace_dir` says whether an existing non-empty folder may go."""
+        if self._done:
+            raise RuntimeError("the transaction is over")
+        destination = Path(destination)
+        self._check(destination, label, kind, replace_dir,
+                    [stage.destination for stage in self._stages])
+        try:
+            folder = Path(tempfile.mkdtemp(dir=destination.parent, prefix=TEMP_PREFIX))
+        except OSError as exc:
+            raise AmpError(f"{destination}: cannot write in {destination.parent} "
+                           f"({exc.strerror})") from None
+        self._stages.append(_Stage(destination, folder, label))
+        return folder / destination.name
+
+    def commit(self) -> None:
+        """Move every staged entry into place; if one move fails, undo the others."""
+        if self._done:
+            raise RuntimeError("the transaction is over")
+        moves: list[tuple[Path, Path, Path]] = []  # (staged, destination, backup folder)
+        placed: list[Path] = []
+        for stage in self._stages:
+            entries = sorted(os.listdir(stage.folder))
+            # Created after listing, so its random name cannot be one of the entries.
+            backups = Path(tempfile.mkdtemp(dir=stage.folder, prefix=".old-"))
+            for entry in entries:
+                source, destination = stage.folder / entry, stage.destination.parent / entry
+                if destination != stage.destination:  # a companion (.data) is checked only now
+                    kind = "dir" if source.is_dir() else "file"
+                    self._check(destination, f"{stage.label}'s {entry}", kind, None, placed)
+                elif os.path.lexists(destination):
+                    self._check(destination, stage.label, "dir" if source.is_dir() else "file",
+                                lambda _: True, placed)
+                placed.append(destination)
+                moves.append((source, destination, backups))
+        done: list[tuple[Path, Path | None]] = []
+        try:
+            for source, destination, backups in moves:
+                backup = None
+                if os.path.lexists(destination):
+                    backup = backups / destination.name
+                    os.replace(destination, backup)
+                done.append((destination, backup))
+                os.replace(source, destination)
+        except BaseException as exc:
+            self._undo(done)
+            self.rollback()
+            if isinstance(exc, OSError):
+                raise AmpError(f"cannot move the output into place ({exc.strerror}): nothing "
+                               f"was changed") from None
+            raise
+        self._done = True
+        self._remove_stages()
+
+    @staticmethod
+    def _undo(done: list[tuple[Path, Path | None]]) -> None:
+        """Put back what a failed commit moved: new entries out, old ones back in."""
+        for destination, backup in reversed(done):
+            if backup is None or os.path.lexists(backup):
+                _remove(destination)
+            if backup is not None and os.path.lexists(backup):
+                os.replace(backup, destination)
+
+    def rollback(self) -> None:
+        """Remove every staged entry; the destinations stay as they were."""
+        self._done = True
+        self._remove_stages()
+
+    def _remove_stages(self) -> None:
+        for stage in self._stages:
+            shutil.rmtree(stage.folder, ignore_errors=True)
+
+    def __enter__(self) -> OutputTransaction:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if not self._done:
+            self.rollback()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -10,15 +10,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .errors import AmpError
+from .node_patterns import NodePattern
 from .op_lists import TARGETS, Overrides
 
 T = TypeVar("T")
+
+#: `--external-data` layouts (ONNX outputs): see formats/onnx/emit.py.
+EXTERNAL_LAYOUTS = ("single", "per-tensor", "inline")
 
 
 def _flag(default: Any, flag: str, help: str, *, metavar: str | None = None,
@@ -64,10 +67,32 @@ class Options:
                                 negation="--no-keep-io-types")
     clamp: bool = _flag(False, "--clamp", "saturate constants beyond the target's range instead "
                                           "of keeping them fp32", kind="switch")
+    #: ONNX: onnxruntime's transformer optimizer (its fusions) runs first (formats/onnx/optimize).
+    optimize: str | None = _flag(
+        None, "--optimize", "ONNX: run onnxruntime's transformer optimizer for this model type "
+        "first (bert, gpt2, ...: its Attention, SkipLayerNormalization, ... fusions), then convert",
+        metavar="MODEL_TYPE")
+    num_heads: int | None = _flag(None, "--num-heads", "with --optimize: the attention heads "
+                                                       "(default: detected)", type=int)
+    hidden_size: int | None = _flag(None, "--hidden-size", "with --optimize: the hidden size "
+                                                           "(default: detected)", type=int)
+    keep_fp32_weights: bool = _flag(
+        False, "--keep-fp32-weights", "TensorFlow SavedModels: keep every variable fp32 (by "
+        "default variables read only in low precision are stored in it)", kind="switch")
+    #: ONNX files: where the output's initializers go (formats/onnx/emit.py `save_onnx`).
+    external_data: str | None = _flag(
+        None, "--external-data", "ONNX: where the output's weights go: single (one OUT.data "
+        "beside the model; the default when the input has external data or the output passes "
+        "2 GiB), per-tensor (one OUT.N.data file each) or inline (all in the .onnx, at most "
+        "2 GiB)", metavar="single|per-tensor|inline")
+    external_data_threshold: int | None = _flag(
+        None, "--external-data-threshold", "ONNX, with external data: tensors of at least this "
+        "many bytes go external, counted as onnx.save_model counts them (default 1024)",
+        metavar="BYTES", type=int)
     #: Python API only: run the format's validity check (onnx.checker, TF import) on the result.
     check: bool = True
     _overrides: Overrides = field(init=False, repr=False, compare=False)
-    _patterns: list[re.Pattern[str]] = field(init=False, repr=False, compare=False)
+    _patterns: list[NodePattern] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -76,6 +101,22 @@ class Options:
             setattr(self, name, _names(getattr(self, name)))
         if self.outputs is not None:
             self.outputs = _names(self.outputs) or None
+        for name, flag in (("num_heads", "--num-heads"), ("hidden_size", "--hidden-size")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if self.optimize is None:
+                raise AmpError(f"{flag} only applies with --optimize")
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise AmpError(f"{flag} must be a positive integer, got {value!r}")
+        if self.external_data is not None and self.external_data not in EXTERNAL_LAYOUTS:
+            raise AmpError(f"--external-data must be one of {', '.join(EXTERNAL_LAYOUTS)}, got "
+                           f"{self.external_data!r}")
+        threshold = self.external_data_threshold
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int)
+                                      or threshold < 0):
+            raise AmpError(f"--external-data-threshold must be an integer >= 0, got "
+                           f"{threshold!r}")
         self._overrides = self._build_overrides()
         self._patterns = self._overrides.keep_node_patterns()
 
@@ -100,8 +141,9 @@ class Options:
         return self._overrides
 
     @property
-    def keep_node_patterns(self) -> list[re.Pattern[str]]:
-        """--keep-node entries (and the config's keep_nodes) as regexes, matched whole."""
+    def keep_node_patterns(self) -> list[NodePattern]:
+        """--keep-node entries (and the config's keep_nodes) as regexes, matched whole (RE2:
+        linear time, whatever the pattern)."""
         return self._patterns
 
     def with_backend(self, default: str) -> Options:

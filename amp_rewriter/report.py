@@ -7,9 +7,27 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .cost import casts_by_reason, compute_ops_left_fp32
 from .errors import AmpError
+from .fileio import read_input_text
 from .ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, Node, short_name
 from .passes.base import PassContext, PassResult
+
+#: Report precisions that count as low precision (a node with several groups may be "mixed").
+LOW_PRECISION_NAMES = ("fp16", "bf16", "mixed", "low")
+
+
+def _as_text(value: Any) -> str:
+    """JSON for what json cannot write: names that are not valid UTF-8 (protobuf hands them over
+    as bytes) are shown with \\xNN escapes for their bad bytes."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+def to_json(data: Any) -> str:
+    """A report or check result as JSON text (indented, one trailing newline)."""
+    return json.dumps(data, indent=2, sort_keys=False, default=_as_text) + "\n"
 
 
 def node_entry(node: Node, graph_name: str) -> dict[str, Any]:
@@ -61,20 +79,30 @@ class Report:
     validation: dict[str, Any] | None = None
     #: The training rewrite's names and loss-scaling rule (TF training graphs only).
     training: dict[str, Any] | None = None
+    #: Variables stored in low precision (TF SavedModels).
+    weights: dict[str, Any] | None = None
     #: Things the user likely did not mean (an override naming no op), shown by the CLI.
     warnings: list[str] = field(default_factory=list)
+    #: `--optimize`: the model type, onnxruntime's version and the ops its fusions added.
+    optimizer: dict[str, Any] | None = None
+    #: What the conversion buys and costs (`amp_rewriter.cost`): activation bytes moved in low
+    #: precision vs fp32, compute ops left fp32 and why, casts by reason.
+    cost: dict[str, Any] | None = None
+    #: Structural rules applied: attention masks (with the saturation added), tanh-GELU cubes,
+    #: index math kept fp32, the user's pattern rules; each with its nodes and reason.
+    structures: list[dict[str, Any]] = field(default_factory=list)
     #: `convert --auto`'s search: calibration, runs, pinned nodes and what each contributed.
     auto: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        for key in ("validation", "training", "auto"):
+        for key in ("validation", "training", "optimizer", "cost", "weights", "auto"):
             if data[key] is None:
                 del data[key]
         return data
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+        return to_json(self.to_dict())
 
     def node(self, name: str) -> dict[str, Any] | None:
         return next((n for n in self.nodes if n["name"] == name), None)
@@ -84,15 +112,27 @@ def build_report(ctx: PassContext, original_nodes: list[tuple[Node, str]],
                  results: list[PassResult]) -> Report:
     """Summarise a conversion: every original node's decision plus the counts users ask for."""
     entries = [node_entry(node, graph) for node, graph in original_nodes]
-    low = sum(1 for e in entries if e["precision"] in ("fp16", "bf16", "mixed", "low"))
+    low = sum(1 for e in entries if e["precision"] in LOW_PRECISION_NAMES)
     kept = sum(1 for c in ctx.constants if c.action == "kept_fp32")
     final_ids = {id(n) for n in ctx.model.graph.walk_nodes()}
     original_casts = [n for n, _ in original_nodes if n.op_type == "Cast"]
     new_casts = sum(1 for n in ctx.model.graph.walk_nodes()
                     if n.op_type == "Cast" and n.handle is None)
+    compute: dict[str, list[int]] = {}
+    for entry in entries:
+        # Float compute only: a MatMul of integers (precision n/a) is not what the count is for.
+        if entry["op"] in ctx.rules.compute_ops and entry["precision"] != "n/a":
+            counts = compute.setdefault(entry["op"], [0, 0])
+            counts[0] += entry["precision"] in LOW_PRECISION_NAMES
+            counts[1] += 1
     summary = {
         "nodes": len(entries),
         "low_precision_nodes": low,
+        # What decides the speed-up: the float matrix products, convolutions, ... (the format's
+        # compute ops) in low precision, per op type as [low precision, all].
+        "compute_ops": sum(total for _, total in compute.values()),
+        "low_precision_compute_ops": sum(low for low, _ in compute.values()),
+        "compute_ops_by_type": dict(sorted(compute.items())),
         "casts_inserted": new_casts,
         "casts_removed": sum(1 for n in original_casts if id(n) not in final_ids),
         "constants_converted": sum(1 for c in ctx.constants
@@ -102,60 +142,135 @@ def build_report(ctx: PassContext, original_nodes: list[tuple[Node, str]],
         "values_flushed_to_zero": sum(c.flushed_to_zero for c in ctx.constants
                                       if c.action in ("converted", "clamped")),
     }
+    cost = {"compute_ops": compute_ops_left_fp32(ctx.model, ctx.rules.compute_ops),
+            "casts_by_reason": casts_by_reason(ctx.model)}
     return Report(ctx.options.target, ctx.options.backend or "", summary, entries,
                   [asdict(c) for c in ctx.constants],
-                  [{"name": r.name, "changed": r.changed, "notes": r.notes} for r in results])
+                  [{"name": r.name, "changed": r.changed, "notes": r.notes} for r in results],
+                  cost=cost, structures=[asdict(s) for s in ctx.structures])
 
 
 def load_report(path: str | Path) -> Report:
     """Read a report written by `convert --report`."""
+    if not Path(path).exists():
+        raise AmpError(f"{path}: no such report")
+    text = read_input_text(path, "report")
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(text)
+        _check_report_shape(data)
         return Report(data["target"], data["backend"], data["summary"], data["nodes"],
                       data.get("constants", []), data.get("passes", []), data.get("validation"),
-                      training=data.get("training"), warnings=data.get("warnings", []),
-                      auto=data.get("auto"))
-    except FileNotFoundError:
-        raise AmpError(f"{path}: no such report") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+                      training=data.get("training"), optimizer=data.get("optimizer"),
+                      cost=data.get("cost"), weights=data.get("weights"),
+                      structures=data.get("structures", []), auto=data.get("auto"),
+                      warnings=data.get("warnings", []))
+    except _ReportShapeError as exc:
+        raise AmpError(f"{path}: not an amp-rewriter report ({exc})") from None
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise AmpError(f"{path}: not an amp-rewriter report ({exc.__class__.__name__})") from None
 
 
+def find_nodes(report: Report, node_name: str) -> list[dict[str, Any]]:
+    """The report entries named `node_name`, or `GRAPH/NODE` (a node of one function or body:
+    the same name may stand in several)."""
+    exact = [entry for entry in report.nodes if entry["name"] == node_name]
+    if exact:
+        return exact
+    return [entry for entry in report.nodes
+            if "graph" in entry and f"{entry['graph']}/{entry['name']}" == node_name]
+
+
+class _ReportShapeError(Exception):
+    """What of a report JSON is not as `convert --report` writes it."""
+
+
+def _check_report_shape(data: Any) -> None:
+    """The fields `explain` reads, with their types: a hand-edited or foreign JSON file is
+    refused in one line instead of failing half-way through the explanation."""
+    def need(mapping: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+        if not isinstance(mapping, dict) or not isinstance(mapping.get(key), kind):
+            raise _ReportShapeError(f"{where} has no {key!r} of the right type")
+        return mapping[key]
+
+    need(data, "target", str, "the report")
+    need(data, "backend", str, "the report")
+    need(data, "summary", dict, "the report")
+    for index, node in enumerate(need(data, "nodes", list, "the report")):
+        for key in ("name", "op", "class", "precision", "reason"):
+            need(node, key, str, f"node {index}")
+        groups = node.get("groups", [])
+        if not isinstance(groups, list):
+            raise _ReportShapeError(f"node {index} has no list of type groups")
+        for group in groups:
+            for key in ("group", "precision", "reason"):
+                need(group, key, str, f"a type group of node {index}")
+            via = group.get("via")
+            if via is not None and not (isinstance(via, dict) and isinstance(via.get("node"), str)
+                                        and isinstance(via.get("group"), str)):
+                raise _ReportShapeError(f"a type group of node {index} has a malformed 'via'")
+
+
 def explain_text(report: Report, node_name: str) -> str:
-    """Human-readable answer to "why does this node run in this precision?"."""
-    entry = report.node(node_name)
-    if entry is None:
+    """Human-readable answer to "why does this node run in this precision?".
+
+    A name that several graphs use (a SavedModel's functions often share `Identity`, `NoOp`)
+    gets every match, each under its graph, and the `GRAPH/NODE` form that picks one.
+    """
+    entries = find_nodes(report, node_name)
+    if not entries:
         close = [n["name"] for n in report.nodes if node_name.lower() in n["name"].lower()][:5]
         hint = f" (did you mean: {', '.join(close)})" if close else ""
         raise AmpError(f"no node named {node_name!r} in the report{hint}")
-    lines = [f"{entry['name']} ({entry['op']})",
-             f"  class:     {entry['class']}",
-             f"  precision: {entry['precision']}  [target {report.target}, "
-             f"backend {report.backend}]",
-             f"  decided by: {entry.get('kind') or 'n/a'}",
-             f"  reason:    {entry['reason']}"]
+    if len(entries) == 1:
+        return _explain_entry(report, entries[0])
+    graphs = [entry.get("graph", "main") for entry in entries]
+    lines = [f"{node_name}: {len(entries)} nodes have this name, one in each of these graphs; "
+             f"name one as GRAPH/NODE (e.g. {graphs[0]}/{entries[0]['name']})"]
+    for graph, entry in zip(graphs, entries):
+        lines.append("")
+        lines.append(f"in {graph}:")
+        lines.append(_explain_entry(report, entry))
+    return "\n".join(lines)
+
+
+def _explain_entry(report: Report, entry: dict[str, Any]) -> str:
+    lines = [f"{entry['name']} ({entry['op']})"]
+    if "graph" in entry:
+        lines.append(f"  graph:     {entry['graph']}")
+    lines += [f"  class:     {entry['class']}",
+              f"  precision: {entry['precision']}  [target {report.target}, "
+              f"backend {report.backend}]",
+              f"  decided by: {entry.get('kind') or 'n/a'}",
+              f"  reason:    {entry['reason']}"]
     if entry.get("class_reason"):
         lines.append(f"  op list:   {entry['class_reason']}")
-    by_name = {n["name"]: n for n in report.nodes}
     for group in entry.get("groups", []):
         if len(entry.get("groups", [])) > 1:
             lines.append(f"  type group {group['group']}: {group['precision']} "
                          f"[{group.get('kind') or 'n/a'}] - {group['reason']}")
-        for step in _chain(by_name, group):
+        for step in _chain(report, entry.get("graph"), group):
             lines.append(f"    because {step}")
     return "\n".join(lines)
 
 
-def _chain(by_name: dict[str, dict], group: dict, limit: int = 12) -> list[str]:
-    """Follow `via` links back to the decision that started the propagation."""
+def _chain(report: Report, graph: str | None, group: dict, limit: int = 12) -> list[str]:
+    """Follow `via` links back to the decision that started the propagation (a link names a
+    node of the same graph, or of an enclosing one for a control-flow body)."""
+    by_graph: dict[tuple[str | None, str], dict] = {}
+    by_name: dict[str, dict] = {}
+    for node in report.nodes:
+        by_graph.setdefault((node.get("graph"), node["name"]), node)
+        by_name.setdefault(node["name"], node)
     steps: list[str] = []
     seen: set[tuple[str, str]] = set()
     link = group.get("via")
     while link and (link["node"], link["group"]) not in seen and len(steps) < limit:
         seen.add((link["node"], link["group"]))
-        node = by_name.get(link["node"])
-        if node is None:
+        found = by_graph.get((graph, link["node"])) or by_name.get(link["node"])
+        if found is None:
             break
+        node = found
+        graph = node.get("graph")
         source = next((g for g in node.get("groups", []) if g["group"] == link["group"]), None)
         if source is None:
             break

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .errors import AmpError
+from .fileio import read_input_bytes
+from .ir import LOW_PRECISION_DTYPES, LazyTensor
+from .ir.dtypes import NUMPY_DTYPES
+
+#: OutputComparison.computed for an output that some emulated op fed.
+EMULATED = "emulated"
 
 
 @dataclass
@@ -19,10 +29,28 @@ class OutputComparison:
     max_abs: float
     relative: float
     nonfinite_new: bool
+    #: How the converted model computed this output: "emulated" (some op on its path had no
+    #: low-precision kernel where it ran and computed in fp32 with rounding), "low-precision
+    #: kernels", "fp32" (no low-precision tensor on its path), or the device's provider.
+    computed: str = ""
+    #: With "emulated": the ops on the output's path that ran emulated.
+    emulated_ops: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "max_abs_error": self.max_abs, "relative_error": self.relative,
-                "new_nan_or_inf": self.nonfinite_new}
+        data: dict[str, Any] = {"name": self.name, "max_abs_error": self.max_abs,
+                                "relative_error": self.relative,
+                                "new_nan_or_inf": self.nonfinite_new}
+        if self.computed:
+            data["computed"] = self.computed
+        if self.emulated_ops:
+            data["emulated_ops"] = self.emulated_ops
+        return data
+
+    def how(self) -> str:
+        """A short note for the CLI: which ops ran emulated on the way to this output."""
+        if self.computed != EMULATED:
+            return ""
+        return f" [emulated: {', '.join(self.emulated_ops)}]"
 
 
 @dataclass
@@ -42,8 +70,11 @@ class Validation:
         return not any(self.failed(c) for c in self.comparisons)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rtol": self.rtol, "passed": self.passed,
-                "outputs": [c.to_dict() for c in self.comparisons]}
+        data: dict[str, Any] = {"rtol": self.rtol, "passed": self.passed,
+                                "outputs": [c.to_dict() for c in self.comparisons]}
+        if self.notes:
+            data["notes"] = list(self.notes)
+        return data
 
 
 def compare_outputs(name: str, ref: Any, new: Any) -> OutputComparison:
@@ -73,6 +104,19 @@ def _as_float(array: Any) -> np.ndarray:
     return array
 
 
+#: Most elements one random input may have (256 MiB of float32): a declared shape is memory the
+#: model file never paid for; a bigger input comes from --inputs.
+MAX_RANDOM_ELEMENTS = 1 << 26
+
+
+def check_random_shape(name: str, shape: list[int]) -> None:
+    """Refuse to make random data for an input whose declared shape is too big."""
+    elements = math.prod(shape)
+    if elements > MAX_RANDOM_ELEMENTS:
+        raise AmpError(f"input {name!r}: its declared shape {shape} has {elements} elements, too "
+                       f"many to make random data for; give --inputs")
+
+
 def default_rtol(target: str) -> float:
     """Tolerance on the relative error: fp16 keeps ~3 decimal digits, bf16 ~2."""
     return 2e-2 if target == "fp16" else 1e-1
@@ -80,10 +124,116 @@ def default_rtol(target: str) -> float:
 
 def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Inputs from an .npz file, keyed by input name."""
+    if not os.path.exists(path):
+        raise AmpError(f"{path}: inputs file not found")
+    raw = read_input_bytes(path, "expected an .npz file of inputs", "inputs file")
     try:
-        with np.load(path) as data:
+        with np.load(io.BytesIO(raw)) as data:
             return {k: data[k] for k in data.files}
-    except FileNotFoundError:
-        raise AmpError(f"{path}: inputs file not found") from None
     except Exception as exc:  # numpy raises several types for a bad file
         raise AmpError(f"{path}: not an .npz file of inputs ({type(exc).__name__})") from None
+
+
+# -- `check`: low-precision constants against the fp32 model's ---------------------------------
+
+#: The name a converted copy of a constant gets when other readers still read the fp32 original:
+#: `<name>_float16` / `<name>_bfloat16` (with `_N` when that name was taken).
+_CONVERTED_COPY = re.compile(r"^(?P<source>.+)_(?:float16|bfloat16)(?:_\d+)?$")
+
+
+class ConstantOrigins:
+    """Finds the fp32 reference constant a low-precision constant was converted from: by name,
+    by the name of a converted copy, or by value (its conversion gives exactly these bytes)."""
+
+    def __init__(self, reference: dict[str, LazyTensor]):
+        self.reference = {name: t for name, t in reference.items() if t.dtype == "float32"}
+        #: dtype -> digest of a reference constant converted to it -> that constant's name.
+        self.by_value: dict[str, dict[bytes, str]] = {}
+
+    def find(self, name: str, data: np.ndarray, dtype: str) -> np.ndarray | None:
+        """The fp32 values `data` (a constant of `dtype` named `name`) came from, or None."""
+        candidates = [name]
+        match = _CONVERTED_COPY.match(name) if isinstance(name, str) else None
+        if match:
+            candidates.append(match.group("source"))
+        for candidate in candidates:
+            tensor = self.reference.get(candidate)
+            if tensor is not None and tuple(tensor.shape) == tuple(data.shape):
+                return np.asarray(tensor.numpy(), dtype=np.float32)
+        source = self._value_index(dtype).get(_digest(data))
+        return None if source is None else np.asarray(self.reference[source].numpy(), np.float32)
+
+    def _value_index(self, dtype: str) -> dict[bytes, str]:
+        index = self.by_value.get(dtype)
+        if index is None:
+            index = self.by_value[dtype] = {}
+            for name, tensor in self.reference.items():
+                with np.errstate(over="ignore"):
+                    converted = np.asarray(tensor.numpy(), np.float32).astype(NUMPY_DTYPES[dtype])
+                index.setdefault(_digest(converted), name)
+        return index
+
+
+def _digest(array: np.ndarray) -> bytes:
+    return hashlib.sha256(repr(array.shape).encode() + np.ascontiguousarray(array).tobytes()
+                          ).digest()
+
+
+@dataclass
+class ConstantFindings:
+    """What `check` found in a model's low-precision constants."""
+
+    problems: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    #: (constant, count) of non-zero values that became zero: a note when the outputs agree
+    #: within the tolerance, a problem when they do not (see `flushed_verdict`).
+    flushed: list[tuple[str, int]] = field(default_factory=list)
+
+
+def check_constants(constants: dict[str, LazyTensor], origins: ConstantOrigins | None,
+                    target: str) -> ConstantFindings:
+    """Overflowed and flushed values in the low-precision constants of a model.
+
+    Without a reference (`origins` None), a ±inf value is only a note: an fp32 mask of -inf
+    converts to -inf exactly as an overflowed -3.4e38 does, and only the fp32 model tells them
+    apart. With one, a finite fp32 value that became inf is a problem (`constant_overflow`).
+    """
+    findings = ConstantFindings()
+    for name, const in constants.items():
+        if const.dtype not in LOW_PRECISION_DTYPES:
+            continue
+        raw = np.asarray(const.numpy())
+        data = raw.astype(np.float32)
+        original = origins.find(name, raw, const.dtype) if origins is not None else None
+        if original is None:
+            infinite = int(np.count_nonzero(np.isinf(data)))
+            if infinite:
+                how = ("no fp32 constant of --reference converts to it" if origins is not None
+                       else "give --reference to tell")
+                findings.notes.append(f"constant {name!r}: {infinite} value(s) are ±inf in "
+                                      f"{target}: an overflow if they were finite in fp32, a "
+                                      f"mask if they were ±inf already ({how})")
+            continue
+        overflow = int(np.count_nonzero(np.isfinite(original) & ~np.isfinite(data)))
+        flushed = int(np.count_nonzero((original != 0) & (data == 0)))
+        if overflow:
+            findings.problems.append({"kind": "constant_overflow", "constant": name,
+                                      "message": f"constant {name!r}: {overflow} value(s) "
+                                                 f"overflowed to inf in {target}"})
+        if flushed:
+            findings.flushed.append((name, flushed))
+    return findings
+
+
+def flushed_verdict(findings: ConstantFindings, target: str, outputs_agree: bool,
+                    rtol: float | None) -> tuple[list[dict], list[str]]:
+    """(problems, notes) for the flushed constants: notes when the outputs agree within
+    `rtol`, problems when they do not or were not compared."""
+    problems, notes = [], []
+    for name, count in findings.flushed:
+        message = f"constant {name!r}: {count} non-zero value(s) flushed to zero in {target}"
+        if outputs_agree:
+            notes.append(f"{message}; the outputs agree within rtol {rtol:g}")
+        else:
+            problems.append({"kind": "constant_flushed", "constant": name, "message": message})
+    return problems, notes

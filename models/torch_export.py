@@ -143,6 +143,7 @@ def export_module(
     input_names: Sequence[str],
     output_names: Sequence[str],
     dynamic_axes: dict[str, dict[int, str]],
+    torchscript: bool = False,
 ) -> Path:
     """Export ``module`` (already in eval mode) to a single self-contained ONNX file at ``path``.
 
@@ -152,12 +153,20 @@ def export_module(
     The default (dynamo) exporter is tried first. Its result must pass
     ``onnx.checker.check_model(full_check=True)`` at the requested opset; if the export raises
     or its model is invalid, the TorchScript exporter (``dynamo=False``) is used instead (logged
-    at INFO level: with torch 2.13 this is expected for GPT-2 at opset 17). Returns the written path.
+    at INFO level: with torch 2.13 this is expected for GPT-2 at opset 17). ``torchscript=True``
+    uses the TorchScript exporter only (the graphs onnxruntime's transformer optimizer fuses
+    completely). Returns the written path.
     """
     _check_opset(opset)
     output_path = Path(path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
     export_arguments = (module, example_inputs, output_path, opset, input_names, output_names, dynamic_axes)
+    if torchscript:
+        with _quiet_export(), _single_threaded_torch(), torch.no_grad():
+            _export_with_torchscript(*export_arguments)
+            _validate_exported_model(output_path, opset)
+        _LOGGER.info("exported %s to %s at opset %d with the torchscript exporter", type(module).__name__, output_path, opset)
+        return output_path
     with _quiet_export(), _single_threaded_torch(), torch.no_grad():
         try:
             _export_with_dynamo(*export_arguments)
@@ -348,7 +357,9 @@ class _TextEncoderWrapper(nn.Module):
         return tuple(outputs[field] for field in self.output_fields)
 
 
-def _export_text_model(model: nn.Module, output_fields: Sequence[str], vocab_size: int, path, opset: int) -> Path:
+def _export_text_model(
+    model: nn.Module, output_fields: Sequence[str], vocab_size: int, path, opset: int, torchscript: bool = False
+) -> Path:
     wrapper = _TextEncoderWrapper(model.eval(), output_fields).eval()
     return export_module(
         wrapper,
@@ -358,31 +369,48 @@ def _export_text_model(model: nn.Module, output_fields: Sequence[str], vocab_siz
         input_names=_TEXT_INPUT_NAMES,
         output_names=output_fields,
         dynamic_axes=_TEXT_DYNAMIC_AXES,
+        torchscript=torchscript,
     )
 
 
-def export_bert(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -> Path:
+#: BERT's and GPT-2's sizes here, for onnxruntime's transformer optimizer (--num-heads, --hidden-size).
+SMALL_NUM_HEADS = 4
+SMALL_HIDDEN_SIZE = 64
+
+
+def export_bert(
+    path: str | os.PathLike,
+    opset: int,
+    seed: int = DEFAULT_SEED,
+    *,
+    attn_implementation: str = "sdpa",
+    torchscript: bool = False,
+) -> Path:
     """A 2-layer BERT (hidden 64, 4 heads, FFN 128, vocab 1000) with seeded random weights.
 
     Inputs ``input_ids``/``attention_mask`` (int64, [batch, sequence]); outputs
     ``last_hidden_state`` [batch, sequence, 64] and ``pooler_output`` [batch, 64].
     Uses transformers' default SDPA attention: the dynamo exporter lowers it to plain
     MatMul/Softmax ops (eager attention exports too, to an equivalent graph).
+    ``attn_implementation="eager", torchscript=True`` gives the graph onnxruntime's transformer
+    optimizer fuses into Attention, EmbedLayerNormalization, SkipLayerNormalization and BiasGelu.
     """
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(seed)
     config = BertConfig(
         vocab_size=SMALL_VOCAB_SIZE,
-        hidden_size=64,
+        hidden_size=SMALL_HIDDEN_SIZE,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=SMALL_NUM_HEADS,
         intermediate_size=128,
-        attn_implementation="sdpa",
+        attn_implementation=attn_implementation,
     )
     with _quiet_transformers():
         model = BertModel(config)
-    return _export_text_model(model, ("last_hidden_state", "pooler_output"), SMALL_VOCAB_SIZE, path, opset)
+    return _export_text_model(
+        model, ("last_hidden_state", "pooler_output"), SMALL_VOCAB_SIZE, path, opset, torchscript=torchscript
+    )
 
 
 def export_gpt2(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -> Path:
@@ -396,9 +424,9 @@ def export_gpt2(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -
     torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=SMALL_VOCAB_SIZE,
-        n_embd=64,
+        n_embd=SMALL_HIDDEN_SIZE,
         n_layer=2,
-        n_head=4,
+        n_head=SMALL_NUM_HEADS,
         n_positions=128,
         use_cache=False,  # no past_key_values inputs/outputs: one plain forward pass
         # GPT-2 puts <|endoftext|> last in its vocabulary; the default id (50256) would be out of range.

@@ -1,5 +1,5 @@
 """CPU latency of Keras ResNet-50 and MobileNetV2 SavedModels: fp32, Grappler's own bf16 rewrite,
-and amp-rewriter's bf16 SavedModel, in one run.
+and amp-rewriter's bf16 SavedModels (weights stored in bf16, and weights kept fp32), in one run.
 
     .venv/bin/python scripts/bench_tf_cpu.py [--models resnet50,mobilenetv2] [--batch 8]
         [--runs 10] [--warmup 3] [--rounds 3] [--json results.json]
@@ -9,13 +9,15 @@ For each model (weights=None, seeded, logits output) the script exports an fp32 
 backend="tf-cpu")`, and serves `serving_default` on the same batch of seeded random images in
 three fresh processes (TensorFlow's optimizer options are process-wide):
 
-    fp32           the exported SavedModel as is
-    grappler-bf16  the same SavedModel with
-                   tf.config.optimizer.set_experimental_options(
-                       {"auto_mixed_precision_onednn_bfloat16": True})
-    ours-bf16      the converted SavedModel (default optimizer options)
+    fp32                 the exported SavedModel as is
+    grappler-bf16        the same SavedModel with
+                         tf.config.optimizer.set_experimental_options(
+                             {"auto_mixed_precision_onednn_bfloat16": True})
+    ours-bf16            the converted SavedModel: variables read only in bf16 stored in bf16
+                         (the default; no weight cast on the call path)
+    ours-bf16-fp32-weights  converted with keep_fp32_weights=True: weights cast on every call
 
-The three variants run in `--rounds` interleaved rounds (fp32, grappler, ours, fp32, ...) so that a
+The variants run in `--rounds` interleaved rounds (fp32, grappler, ours, fp32, ...) so that a
 slow spell of a shared machine hits all of them. It prints the median latency per call over all
 rounds, the fastest call, the speed-up of the medians over fp32, and the relative error of the
 logits (max-abs error / max |fp32 logit|) against fp32.
@@ -35,7 +37,7 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = ("fp32", "grappler-bf16", "ours-bf16")
+VARIANTS = ("fp32", "grappler-bf16", "ours-bf16", "ours-bf16-fp32-weights")
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -128,20 +130,30 @@ def main() -> None:
         np.savez(inputs, images=images)
         for name in args.models.split(","):
             fp32_dir, ours_dir = tmp / f"{name}_fp32", tmp / f"{name}_bf16"
+            cast_dir = tmp / f"{name}_bf16_fp32_weights"
             _export(name, fp32_dir)
             start = time.perf_counter()
             report = convert_saved_model(fp32_dir, ours_dir, target="bf16", backend="tf-cpu",
                                          check=False)
             convert_s = time.perf_counter() - start
+            cast_report = convert_saved_model(fp32_dir, cast_dir, target="bf16",
+                                              backend="tf-cpu", check=False,
+                                              keep_fp32_weights=True)
             s = report.summary
+            sizes = {label: sum(f.stat().st_size for f in (d / "variables").iterdir())
+                     for label, d in (("fp32", fp32_dir), ("ours", ours_dir))}
             print(f"\n{name}: converted {s['low_precision_nodes']}/{s['nodes']} nodes in "
-                  f"{convert_s:.2f} s, {s['casts_inserted']} casts")
+                  f"{convert_s:.2f} s, {s['casts_inserted']} casts "
+                  f"({cast_report.summary['casts_inserted']} with fp32 weights); "
+                  f"{s.get('weights_stored_low', 0)} variables stored in bf16, variables/ "
+                  f"{sizes['fp32'] / 1e6:.1f} MB -> {sizes['ours'] / 1e6:.1f} MB")
             times: dict[str, list[float]] = {v: [] for v in VARIANTS}
             round_medians: dict[str, list[float]] = {v: [] for v in VARIANTS}
             outputs = {}
             for _ in range(args.rounds):
                 for variant in VARIANTS:
-                    model = ours_dir if variant == "ours-bf16" else fp32_dir
+                    model = {"ours-bf16": ours_dir,
+                             "ours-bf16-fp32-weights": cast_dir}.get(variant, fp32_dir)
                     out = tmp / f"{name}_{variant}.npy"
                     timing = _run_variant(variant, model, inputs, out, args)
                     times[variant].extend(timing["times_s"])
@@ -155,7 +167,7 @@ def main() -> None:
                 rel = float(np.abs(outputs[variant] - ref).max()) / scale
                 top1 = float(np.mean(outputs[variant].argmax(-1) == ref.argmax(-1)))
                 rounds = "/".join(f"{m * 1e3:.0f}" for m in round_medians[variant])
-                print(f"  {variant:14s} median {median * 1e3:7.1f} ms (rounds {rounds}, fastest "
+                print(f"  {variant:22s} median {median * 1e3:7.1f} ms (rounds {rounds}, fastest "
                       f"{min(times[variant]) * 1e3:.1f})  x{base / median:.2f}  relative error "
                       f"{rel:.3g}  top-1 agreement {top1:.2f}")
                 results.append({"model": name, "variant": variant, "batch": args.batch,

@@ -246,6 +246,15 @@ def check(model: onnx.ModelProto) -> None:
 
 
 # -- running ------------------------------------------------------------------------------------
+def run_as_fp16(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """Run an fp16 model with real fp16 rounding and overflow: every fp16 tensor is rounded
+    where it is produced (fp32 compute, as GPU kernels do), since ORT's CPU provider would run
+    fp16 ops without a CPU kernel in fp32 and drop the casts around them."""
+    from amp_rewriter.formats.onnx.validate import emulate_rounding
+
+    return run(emulate_rounding(model), feeds)
+
+
 def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
     """Run with onnxruntime's CPU provider; feeds are cast to the model's input dtypes."""
     options = ort.SessionOptions()

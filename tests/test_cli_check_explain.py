@@ -47,12 +47,28 @@ def _exp_in_fp16_model() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def _exp_fp32_reference() -> onnx.ModelProto:
+    """The fp32 model `_exp_in_fp16_model` claims to come from: its constant is a finite 1e6."""
+    nodes = [helper.make_node("Exp", ["x"], ["e"], name="exp"),
+             helper.make_node("Add", ["e", "c"], ["y"], name="add")]
+    const = helper.make_tensor("c", TensorProto.FLOAT, [1], [1e6])
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])], [const])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def test_check_flags_deny_ops_in_low_precision_and_overflowed_constants(tmp_path: Path) -> None:
     model = _write(_exp_in_fp16_model(), tmp_path / "bad.onnx")
     result = run_cli("check", str(model))
     assert result.returncode == 1
     assert "deny_op_in_low_precision" in result.stdout and "exp (Exp)" in result.stdout
-    assert "constant_overflow" in result.stdout
+    # Without the fp32 model an inf may have been inf already (a mask): only a note...
+    assert "constant_overflow" not in result.stdout and "are ±inf in fp16" in result.stdout
+    # ...with it, the finite 1e6 that became inf is an overflow.
+    reference = _write(_exp_fp32_reference(), tmp_path / "reference.onnx")
+    result = run_cli("check", str(model), "--reference", str(reference))
+    assert result.returncode == 1
+    assert "constant_overflow: constant 'c': 1 value(s) overflowed to inf in fp16" in result.stdout
 
 
 def test_check_flags_an_invalid_model(tmp_path: Path) -> None:
@@ -74,9 +90,14 @@ def test_explain_from_report_and_from_model_follows_the_chain(tmp_path: Path) ->
     for source_arg in (str(report), str(source)):
         result = run_cli("explain", source_arg, softmax)
         assert result.returncode == 0, result.stderr
-        assert "precision: fp32" in result.stdout
-        # The chain leads back to the Mul by the fp32-min mask constant.
-        assert "because" in result.stdout and "beyond fp16's finite range" in result.stdout
+        assert "precision: fp16" in result.stdout
+        # The chain leads to the allow op after it (the Softmax is between allow ops).
+        assert "because" in result.stdout and "allow list" in result.stdout
+        # The mask's construction (the Mul by the fp32-min constant) stays fp32, by structure.
+        result = run_cli("explain", source_arg, "mask/additive")
+        assert result.returncode == 0, result.stderr
+        assert "precision: fp32" in result.stdout and "decided by: structure" in result.stdout
+        assert "attention mask from constant 'mask.min_value'" in result.stdout
 
 
 def test_explain_unknown_node_is_one_line_exit_2(tmp_path: Path) -> None:

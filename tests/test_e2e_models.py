@@ -220,6 +220,21 @@ def test_bf16_conversion(converted, name: str) -> None:
     assert_outputs_close(conversion.source, emulated_path, name, RELATIVE_TOLERANCE["bf16"])
 
 
+@pytest.mark.parametrize(("name", "target"), [*((n, "fp16") for n in MODEL_NAMES),
+                                             *((n, "bf16") for n in BF16_MODELS)])
+def test_check_passes_the_converted_model_against_its_fp32_source(converted, name: str, target: str) -> None:
+    """`check --reference` agrees with the conversion: no problem, every output compared (bf16
+    emulated on the CPU); and without a reference too."""
+    from amp_rewriter.formats.onnx.check import check_model
+
+    conversion = converted(name, target)
+    conversion.require_success()
+    result = check_model(conversion.output, reference=conversion.source)
+    assert result.ok, result.problems
+    assert result.target == target and result.outputs
+    assert check_model(conversion.output).ok
+
+
 def test_transformer_matmuls_run_in_fp16(converted) -> None:
     output = converted("transformer_block").require_success()
     types = tensor_elem_types(output)

@@ -584,15 +584,19 @@ def additive_mask_model() -> onnx.ModelProto:
     return b.build()
 
 
-def test_overflowing_constant_without_clamp_stays_exact():
+def test_overflowing_mask_constant_stays_exact_and_its_sum_is_saturated():
+    """The attention-mask rule (tests/test_attention_masks.py has the cases): the constant keeps
+    its fp32 value, the scores path runs fp16 and the Softmax input is clipped to +-65504."""
     model = additive_mask_model()
     converted, report = convert(model)
-    assert precisions(report) == {"mm1": "fp16", "mask_add": "fp32", "softmax": "fp32",
+    assert precisions(report) == {"mm1": "fp16", "mask_add": "fp16", "softmax": "fp16",
                                   "mm2": "fp16"}
     tensor = initializer(converted, "mask_bias")
     assert tensor.data_type == FLOAT
     assert numpy_helper.to_array(tensor).min() == np.float32(-3.4e38)
     assert report.summary["constants_clamped"] == 0
+    assert [n.op_type for n in converted.graph.node if n.op_type == "Clip"] == ["Clip"]
+    assert [s["rule"] for s in report.structures] == ["attention_mask"]
     assert_close(model, converted, feeds_for(model))
 
 

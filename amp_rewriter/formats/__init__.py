@@ -21,9 +21,11 @@ TF_SUFFIXES = (".pb", ".pbtxt", ".meta")
 
 
 def is_saved_model_dir(path: str | os.PathLike) -> bool:
-    """A directory holding a SavedModel (decided without importing TensorFlow)."""
+    """A directory holding a SavedModel (decided without importing TensorFlow). Any entry named
+    saved_model.pb(txt) counts, so that one that is not a regular file is refused by name."""
     p = Path(path)
-    return p.is_dir() and ((p / "saved_model.pb").is_file() or (p / "saved_model.pbtxt").is_file())
+    return p.is_dir() and any(os.path.lexists(p / name)
+                              for name in ("saved_model.pb", "saved_model.pbtxt"))
 
 
 def detect(path: str | os.PathLike) -> str:

@@ -35,26 +35,39 @@ class Format(ABC):
     @abstractmethod
     def convert_file(self, input_path: Path, output_path: Path, options: Options,
                      training: TrainingOptions | None = None) -> Report:
-        """Convert `input_path` and write the result to `output_path` (the input is never
-        touched; nothing is left behind on failure)."""
+        """Convert `input_path` and write the result to `output_path`, a fresh path in the
+        private folder of an `OutputTransaction` (which moves it, and any file written beside
+        it, into place at commit); the input is never touched."""
 
     @abstractmethod
     def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
-                 inputs: str | None, rtol: float) -> Validation:
-        """Run the fp32 and converted models on the same inputs and compare their outputs."""
+                 inputs: str | None, rtol: float, device: str = "cpu") -> Validation:
+        """Run the fp32 and converted models on the same inputs and compare their outputs
+        (the converted one on `device`: "cpu", or "cuda" where the format supports it)."""
 
     @abstractmethod
     def check(self, path: Path, target: str | None, backend: str | None,
-              reference: Path | None, rtol: float | None) -> CheckResult:
-        """Lint a converted model for CI."""
+              reference: Path | None, rtol: float | None, inputs: str | None = None,
+              device: str = "cpu") -> CheckResult:
+        """Lint a converted model for CI; with `reference`, also compare outputs (on `inputs`,
+        an .npz, or seeded random ones), running them on `device`."""
 
     @abstractmethod
     def explain(self, source: Path, options: Options) -> Report:
         """Convert `source` in memory (nothing written) for `explain`."""
 
-    def discard_output(self, output_path: Path) -> None:
-        """Remove an output a failed run must not leave behind."""
-        output_path.unlink(missing_ok=True)
+    def input_files(self, input_path: Path) -> list[tuple[Path, str]]:
+        """Every file (or folder) reading `input_path` involves, with what it is to the user:
+        outputs must never overwrite them."""
+        return [(input_path, "the input model")]
+
+    def output_kind(self, input_path: Path) -> str:
+        """"file", or "dir" when converting `input_path` writes a directory."""
+        return "file"
+
+    def replaceable_output_dir(self, path: Path) -> bool:
+        """Whether an existing, non-empty output directory may be replaced (a model of ours)."""
+        return False
 
     def accuracy_runner(self, path: Path, options: Options) -> ModelRunner:
         """The model at `path` as `convert --auto` and `diagnose` run it."""

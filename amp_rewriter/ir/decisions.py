@@ -13,7 +13,9 @@ PIN = "pin"                        # a front end keeps the node fp32 (fetch node
 TYPE_GROUP = "type_group"          # slots or nodes that must agree (loop edges, parameters)
 SCHEMA = "schema"                  # the op's schema: no schema, or the target type not allowed
 EXISTING_CAST = "existing_cast"    # a Cast already in the model, retargeted
+STRUCTURE = "structure"            # a pattern in the graph: an attention mask, tanh-GELU's cube,
+                                   # float arithmetic that computes shapes or indices
 MEASUREMENT = "measurement"        # calibration data showed a hazard or an error (convert --auto)
 
 ALL_KINDS = (OP_LIST, PROPAGATION, CONSTANT_RANGE, BACKEND_KERNEL, USER_OVERRIDE, PIN, TYPE_GROUP,
-             SCHEMA, EXISTING_CAST, MEASUREMENT)
+             SCHEMA, EXISTING_CAST, STRUCTURE, MEASUREMENT)

@@ -2,22 +2,48 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import numpy as np
 
-from .dtypes import FINITE_MAX, NUMPY_DTYPES, SMALLEST_SUBNORMAL
+from .. import progress
+from .dtypes import FINITE_MAX, FLOAT32, NUMPY_DTYPES, SMALLEST_SUBNORMAL
+
+#: Bytes of a streaming tensor (one whose values stay in a file, see `LazyTensor.chunks`) read,
+#: checked or converted at a time: its memory cost, whatever the tensor's size.
+CHUNK_BYTES = 64 << 20
+#: Elements handled per numpy call inside a chunk: small enough that the several passes of a
+#: range check find the block in the CPU cache.
+_BLOCK = 1 << 18
+
+#: Reads a tensor's values from where they are stored, flat, a slice of at most `CHUNK_BYTES`
+#: at a time (read when called, so a test may lower it).
+ChunkReader = Callable[[], Iterator[np.ndarray]]
 
 
 class LazyTensor:
-    """Constant data that is only read when a pass needs the values (big weights stay on disk)."""
+    """Constant data that is only read when a pass needs the values (big weights stay on disk).
 
-    __slots__ = ("dtype", "shape", "_load", "_array", "handle", "_reloadable")
+    A format may keep a tensor compact: only its leading values, the last of them repeated to
+    fill the shape (TensorFlow's compressed TensorProto, where one value can stand for a
+    40000x30000 fill). Such a tensor has `stored`; range checks and conversions work on the
+    stored values, so a few bytes of input never become gigabytes of memory.
+
+    A tensor may also stream (`reader`): its values are then read a chunk at a time
+    (`chunks`), so range checks and conversions of a weight stored in a file of several
+    gigabytes never hold more than a chunk of it (`numpy` still reads it whole when asked).
+    """
+
+    __slots__ = ("dtype", "shape", "_load", "_array", "handle", "_stored", "_reader",
+                 "conversion", "_reloadable")
 
     def __init__(self, dtype: str, shape: tuple[int, ...], load: Callable[[], np.ndarray],
-                 handle: Any = None, array: np.ndarray | None = None,
+                 handle: Any = None, stored: Callable[[], np.ndarray] | None = None,
+                 reader: ChunkReader | None = None, array: np.ndarray | None = None,
                  reloadable: bool = False):
         self.dtype = dtype
         self.shape = shape
@@ -28,14 +54,43 @@ class LazyTensor:
         self.handle = handle
         #: Whether `load` can produce the values again (so the cache may be dropped).
         self._reloadable = reloadable or handle is not None
+        self._stored = stored
+        self._reader = reader
+        #: (source tensor, clamp) of a tensor `converted` from a streaming one: a writer may
+        #: convert the source's chunks itself, with a faster cast of the same result.
+        self.conversion: tuple[LazyTensor, bool] | None = None
+
+    @classmethod
+    def repeating_last(cls, dtype: str, shape: tuple[int, ...], values: np.ndarray,
+                       handle: Any = None) -> LazyTensor:
+        """A compact tensor: `values` (flat, at least one), the last repeated to fill `shape`."""
+        size = math.prod(shape)
+
+        def expand() -> np.ndarray:
+            flat = np.concatenate([values, np.full(size - values.size, values[-1], values.dtype)])
+            return flat.reshape(shape)
+        return cls(dtype, shape, expand, handle=handle, stored=lambda: values)
 
     @property
     def size(self) -> int:
         """Number of elements, known without reading the data."""
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        # math.prod: np.prod costs microseconds per call, and this runs per constant per pass.
+        return math.prod(self.shape)
+
+    @property
+    def compact(self) -> bool:
+        """Whether only leading values are stored, the last repeating (see the class)."""
+        return self._stored is not None
+
+    def stored(self) -> np.ndarray:
+        """The stored values, flat; the last repeats `size - len` more times. For a tensor that
+        is not compact, all its values."""
+        if self._stored is None:
+            return self.numpy().reshape(-1)
+        return self._stored()
 
     def numpy(self) -> np.ndarray:
-        """The values, read (and cached) on first use."""
+        """The values, read (and cached) on first use; a compact tensor is expanded."""
         if self._array is None:
             self._array = self._load()
         return self._array
@@ -46,6 +101,46 @@ class LazyTensor:
         rather than all of them."""
         if self._reloadable:
             self._array = None
+
+    @property
+    def streams(self) -> bool:
+        """Whether the values are read a chunk at a time (a file's tensor not read whole yet)."""
+        return self._reader is not None and self._array is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the values in their dtype, known without reading them."""
+        return self.size * NUMPY_DTYPES.get(self.dtype, np.dtype(np.uint8)).itemsize
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        """The values, flat, a slice of at most `CHUNK_BYTES` at a time: streamed from their
+        file when the tensor `streams`, else slices of `numpy()` (a compact tensor expanded).
+        A chunk may be a view of a buffer the next one reuses: use it before asking for more."""
+        if self.streams:
+            assert self._reader is not None
+            yield from self._reader()
+            return
+        flat = self.numpy().reshape(-1)
+        step = max(1, CHUNK_BYTES // max(1, flat.itemsize))
+        for start in range(0, flat.size, step):
+            yield flat[start:start + step]
+
+    def converted(self, dtype: str, clamp: bool) -> LazyTensor:
+        """This float32 tensor in `dtype` (see `convert_array`), converted when read: a
+        streaming tensor converts chunk by chunk as it is written out, never whole."""
+        source = self
+
+        def load() -> np.ndarray:
+            return convert_array(np.asarray(source.numpy(), np.float32), dtype, clamp)
+
+        def reader() -> Iterator[np.ndarray]:
+            for chunk in source.chunks():
+                yield convert_array(np.asarray(chunk, np.float32), dtype, clamp)
+        if not self.streams:
+            return LazyTensor(dtype, self.shape, load)
+        result = LazyTensor(dtype, self.shape, load, reader=reader)
+        result.conversion = (self, clamp)
+        return result
 
 
 @dataclass
@@ -62,8 +157,103 @@ class RangeCheck:
         return self.nonzero > 0 and self.flushed_to_zero == self.nonzero
 
 
-def check_range(array: np.ndarray, dtype: str) -> RangeCheck:
-    """Count finite values that become inf and non-zero values that become zero in `dtype`."""
+def check_range(array: np.ndarray, dtype: str, repeat_last: int = 0) -> RangeCheck:
+    """Count finite values that become inf and non-zero values that become zero in `dtype`.
+
+    `repeat_last`: how many more times the last value occurs (a compact tensor's stored values).
+    """
+    result = _check_range(array, dtype)
+    if repeat_last and array.size:
+        last = _check_range(array.reshape(-1)[-1:], dtype)
+        result = RangeCheck(result.overflowed + repeat_last * last.overflowed,
+                            result.flushed_to_zero + repeat_last * last.flushed_to_zero,
+                            result.nonzero + repeat_last * last.nonzero)
+    return result
+
+
+def check_range_chunks(chunks: Iterable[np.ndarray], dtype: str) -> RangeCheck:
+    """`check_range` of the concatenation of `chunks` (flat float32 slices of one tensor), one
+    chunk at a time: the counts of the slices add up."""
+    overflowed = flushed = nonzero = 0
+    for chunk in chunks:
+        flat = np.asarray(chunk, np.float32).reshape(-1)
+        for start in range(0, flat.size, _BLOCK):
+            part = _check_block(flat[start:start + _BLOCK], dtype)
+            overflowed += part.overflowed
+            flushed += part.flushed_to_zero
+            nonzero += part.nonzero
+    return RangeCheck(overflowed, flushed, nonzero)
+
+
+def _counted(chunks: Iterable[np.ndarray], drawn: Any) -> Iterator[np.ndarray]:
+    """The chunks, each counted on a progress bar as it is handed on."""
+    for chunk in chunks:
+        yield chunk
+        drawn.update(chunk.nbytes)
+
+
+#: Bit pattern of float32 infinity; magnitudes at or above it are inf or NaN.
+_INF_BITS = 0x7F800000
+
+
+@cache
+def _rounding_limits(dtype: str) -> tuple[int, int]:
+    """(the smallest float32 magnitude, as bits, that becomes inf in `dtype`; the largest that
+    becomes zero), found by converting with numpy, so they agree with `_check_range` exactly.
+    Conversion rounds monotonically, so a binary search over the bit patterns finds them."""
+    target = NUMPY_DTYPES[dtype]
+
+    def converted(bits: int) -> float:
+        value = np.array([bits], np.uint32).view(np.float32)
+        with np.errstate(over="ignore"):
+            return float(value.astype(target)[0])
+
+    low, high = 0, _INF_BITS  # the first overflowing pattern lies in (low, high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if np.isinf(converted(middle)) else (middle, high)
+    overflow_from = high
+    low, high = 0, _INF_BITS  # the last pattern that becomes zero lies in [low, high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if converted(middle) == 0 else (low, middle)
+    return overflow_from, low
+
+
+def _check_block(block: np.ndarray, dtype: str) -> RangeCheck:
+    """`_check_range` of a flat float32 block, counted on the bit patterns (magnitudes of
+    float32 values order as their bits do; inf and NaN lie above every finite value): a few
+    cheap passes instead of a conversion."""
+    overflow_from, zero_up_to = _rounding_limits(dtype)
+    magnitude = np.bitwise_and(block.view(np.uint32), np.uint32(0x7FFFFFFF))
+    if not magnitude.size:
+        return RangeCheck(0, 0, 0)
+    nonzero = int(np.count_nonzero(magnitude))
+    highest = int(magnitude.max())
+    nonfinite = overflowed = flushed = 0
+    if highest >= _INF_BITS:
+        nonfinite = int(np.count_nonzero(magnitude >= np.uint32(_INF_BITS)))
+    if highest >= overflow_from and overflow_from < _INF_BITS:
+        overflowed = int(np.count_nonzero((magnitude >= np.uint32(overflow_from))
+                                          & (magnitude < np.uint32(_INF_BITS))))
+    if nonzero and zero_up_to:
+        np.subtract(magnitude, np.uint32(1), out=magnitude)  # zero wraps to the largest value
+        if int(magnitude.min()) < zero_up_to:
+            flushed = int(np.count_nonzero(magnitude < np.uint32(zero_up_to)))
+    return RangeCheck(overflowed, flushed, nonzero - nonfinite)
+
+
+def tensor_range(tensor: LazyTensor, dtype: str) -> RangeCheck:
+    """`check_range` of a float32 constant in `dtype`: a compact tensor on its stored values,
+    a streaming one a chunk at a time."""
+    if tensor.streams and tensor.dtype == FLOAT32:
+        with progress.bar("checking weights", tensor.nbytes, "B") as drawn:
+            return check_range_chunks(_counted(tensor.chunks(), drawn), dtype)
+    values = np.asarray(tensor.stored(), dtype=np.float32)  # compact: not expanded
+    return check_range(values, dtype, tensor.size - values.size)
+
+
+def _check_range(array: np.ndarray, dtype: str) -> RangeCheck:
     magnitude = np.abs(array)
     finite_magnitude = magnitude[np.isfinite(magnitude)] if not np.isfinite(magnitude).all() \
         else magnitude
@@ -71,7 +261,7 @@ def check_range(array: np.ndarray, dtype: str) -> RangeCheck:
     if (not nonzero.size or (nonzero.max() <= FINITE_MAX[dtype]
                              and nonzero.min() >= SMALLEST_SUBNORMAL[dtype])):
         return RangeCheck(0, 0, int(nonzero.size))  # the common case, without converting
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         converted = array.astype(NUMPY_DTYPES[dtype])
     finite = np.isfinite(array)
     overflowed = int(np.count_nonzero(finite & ~np.isfinite(converted)))
@@ -85,5 +275,5 @@ def convert_array(array: np.ndarray, dtype: str, clamp: bool) -> np.ndarray:
         limit = FINITE_MAX[dtype]
         finite = np.isfinite(array)
         array = np.where(finite, np.clip(array, -limit, limit), array)
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):  # NaN converts to NaN, quietly
         return array.astype(NUMPY_DTYPES[dtype])

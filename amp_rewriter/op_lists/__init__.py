@@ -7,7 +7,6 @@ came from, so `explain` can say why.
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -19,20 +18,109 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from ..errors import AmpError
+from ..fileio import read_input_text
 from ..ir import ALLOW, CLEAR, DENY, FP32, INFER, decisions
+from ..node_patterns import NodePattern
 
 CLASSES = (ALLOW, INFER, DENY, CLEAR)
 TARGETS = ("fp16", "bf16")
 _DATA_DIR = Path(__file__).parent
 
 
+#: Keys of a `[[rules]]` entry in a config file.
+RULE_KEYS = ("op", "feeds", "fed_by", "through", "name", "precision", "class")
+
+
+@dataclass(frozen=True)
+class PatternRule:
+    """A user's structural rule: nodes of type `op` that feed (or are fed by) one of the given
+    ops, optionally through others and with a matching name, get fp32 or an op class.
+
+    In a config file::
+
+        [[rules]]
+        op = "MatMul"             # the op the rule applies to
+        feeds = "Softmax"         # ...when one of its consumers is a Softmax (a list: any of them)
+        through = ["Add", "Div"]  # ...looking through these ops between the two
+        precision = "fp32"        # or: class = "allow" | "infer" | "deny" | "clear"
+    """
+
+    op: str
+    feeds: frozenset[str] = frozenset()
+    fed_by: frozenset[str] = frozenset()
+    through: frozenset[str] = frozenset()
+    name: NodePattern | None = None
+    #: None: the rule pins the node to fp32; else the class it moves the node to.
+    op_class: str | None = None
+    source: str = ""
+
+    def describe(self) -> str:
+        """The rule in words, as the report and `explain` show it."""
+        parts = [self.op]
+        if self.name is not None:
+            parts.append(f"named {self.name.pattern!r}")
+        if self.feeds:
+            parts.append(f"that feeds {'/'.join(sorted(self.feeds))}")
+        if self.fed_by:
+            parts.append(f"fed by {'/'.join(sorted(self.fed_by))}")
+        if self.through:
+            parts.append(f"through {'/'.join(sorted(self.through))}")
+        action = f"class {self.op_class}" if self.op_class else "fp32"
+        return f"pattern rule: {' '.join(parts)} -> {action}"
+
+    @classmethod
+    def from_entry(cls, entry: object, where: str) -> PatternRule:
+        """Parse one `[[rules]]` table; a bad entry raises AmpError naming it."""
+        if not isinstance(entry, dict):
+            raise AmpError(f"{where}: each [[rules]] entry must be a table")
+        unknown = sorted(set(entry) - set(RULE_KEYS))
+        if unknown:
+            raise AmpError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (expected "
+                           f"{', '.join(RULE_KEYS)})")
+        op = entry.get("op")
+        if not isinstance(op, str) or not op:
+            raise AmpError(f"{where}: 'op' (the op type the rule applies to) is required")
+
+        def names(key: str) -> frozenset[str]:
+            value = entry.get(key, [])
+            if isinstance(value, str):
+                value = [value]
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                raise AmpError(f"{where}: {key!r} must be an op name or a list of op names")
+            return frozenset(value)
+
+        feeds, fed_by, through = names("feeds"), names("fed_by"), names("through")
+        if not feeds and not fed_by and "name" not in entry:
+            raise AmpError(f"{where}: a rule needs 'feeds', 'fed_by' or 'name' (for every "
+                           f"{op}, use the op lists: deny = [\"{op}\"])")
+        pattern = None
+        if "name" in entry:
+            if not isinstance(entry["name"], str):
+                raise AmpError(f"{where}: 'name' must be a regex string")
+            pattern = NodePattern(entry["name"], source=f"{where}: name")
+        if ("precision" in entry) == ("class" in entry):
+            raise AmpError(f"{where}: give exactly one of 'precision' (\"fp32\") and 'class'")
+        op_class = None
+        if "precision" in entry and entry["precision"] != "fp32":
+            raise AmpError(f"{where}: precision {entry['precision']!r} is not supported "
+                           f"(\"fp32\"; to let an op run low precision, give class = "
+                           f"\"allow\")")
+        if "class" in entry:
+            op_class = entry["class"]
+            if op_class not in CLASSES:
+                raise AmpError(f"{where}: class {op_class!r} is not one of "
+                               f"{', '.join(CLASSES)}")
+        return cls(op, feeds, fed_by, through, pattern, op_class, where)
+
+
 @dataclass
 class Overrides:
-    """What the user changed: ops moved between classes and nodes pinned to fp32."""
+    """What the user changed: ops moved between classes, nodes pinned to fp32, pattern rules."""
 
     moves: dict[str, str] = field(default_factory=dict)  # op -> class
     keep_nodes: list[str] = field(default_factory=list)  # node names or regexes
     source: dict[str, str] = field(default_factory=dict)  # op -> "--deny" / "config x.toml"
+    rules: list[PatternRule] = field(default_factory=list)
 
     def move(self, op: str, op_class: str, source: str) -> None:
         if op_class not in CLASSES and op_class != FP32:
@@ -43,20 +131,29 @@ class Overrides:
 
     @classmethod
     def from_config(cls, path: str | Path, into: Overrides | None = None) -> Overrides:
-        """Read a TOML file: `allow = [..]`, `infer`, `deny`, `clear`, `keep_nodes = [..]`.
+        """Read a TOML file: `allow = [..]`, `infer`, `deny`, `clear`, `keep_nodes = [..]`, and
+        `[[rules]]` tables (see `PatternRule`).
 
         The lists may also sit under an `[ops]` table; unknown keys are refused so typos surface.
         """
         overrides = into or cls()
         path = Path(path)
+        if not path.exists():
+            raise AmpError(f"{path}: config file not found")
+        text = read_input_text(path, "config file")
         try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise AmpError(f"{path}: config file not found") from None
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            data = tomllib.loads(text)
+        except (tomllib.TOMLDecodeError, RecursionError) as exc:
             raise AmpError(f"{path}: not a valid TOML config ({exc})") from None
         table = data.get("ops", data)
+        rule_entries = data.get("rules", [])
+        if not isinstance(rule_entries, list):
+            raise AmpError(f"{path}: 'rules' must be an array of tables ([[rules]])")
+        for index, entry in enumerate(rule_entries, 1):
+            overrides.rules.append(PatternRule.from_entry(entry, f"{path.name} rule {index}"))
         for key, entries in table.items():
+            if key == "rules" and table is data:
+                continue
             if key == "keep_nodes":
                 overrides.keep_nodes.extend(_str_list(entries, path, key))
             elif key in CLASSES:
@@ -64,18 +161,12 @@ class Overrides:
                     overrides.move(op, key, f"config {path.name}")
             elif key != "ops":
                 raise AmpError(f"{path}: unknown key {key!r} (expected allow, infer, deny, "
-                               f"clear, keep_nodes)")
+                               f"clear, keep_nodes, rules)")
         return overrides
 
-    def keep_node_patterns(self) -> list[re.Pattern[str]]:
-        """`--keep-node` entries as anchored regexes (a plain name matches itself)."""
-        patterns = []
-        for entry in self.keep_nodes:
-            try:
-                patterns.append(re.compile(entry))
-            except re.error as exc:
-                raise AmpError(f"--keep-node {entry!r}: not a valid regex ({exc})") from None
-        return patterns
+    def keep_node_patterns(self) -> list[NodePattern]:
+        """`--keep-node` entries as whole-name regexes (a plain name matches itself)."""
+        return [NodePattern(entry) for entry in self.keep_nodes]
 
 
 def _str_list(entries: object, path: Path, key: str) -> list[str]:
@@ -106,8 +197,12 @@ class OpLists:
 
     @classmethod
     def load(cls, fmt: str, target: str, backend: str,
-             overrides: Overrides | None = None) -> OpLists:
-        """Merge generic lists, backend profile and overrides for `fmt`/`target`/`backend`."""
+             overrides: Overrides | None = None, opset: int | None = None) -> OpLists:
+        """Merge generic lists, backend profile and overrides for `fmt`/`target`/`backend`.
+
+        `opset` (ONNX: the model's default-domain opset) applies the profile's
+        `no_kernel_from_opset` table: ops whose kernel for the target is gone from that opset on.
+        """
         if target not in TARGETS:
             raise AmpError(f"unknown target {target!r} (expected fp16 or bf16)")
         data = _read_list_file(fmt)
@@ -132,8 +227,11 @@ class OpLists:
             if op in classes and op not in profile.get(classes[op], []):
                 reasons[op] = why
         kernels = frozenset(profile["kernels"]) if "kernels" in profile else None
-        lists = cls(fmt, target, backend, classes, reasons, frozenset(profile.get("no_kernel", [])),
-                    kernels)
+        no_kernel = set(profile.get("no_kernel", []))
+        if opset is not None:
+            no_kernel |= {op for op, since in profile.get("no_kernel_from_opset", {}).items()
+                          if opset >= since}
+        lists = cls(fmt, target, backend, classes, reasons, frozenset(no_kernel), kernels)
         if overrides is not None:
             lists.apply_overrides(overrides)
         return lists

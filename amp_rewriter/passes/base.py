@@ -8,8 +8,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..ir import LazyTensor, Model, Node, RangeCheck, check_range, decisions
+from ..ir import LazyTensor, Model, Node, RangeCheck, TypeGroup, decisions
 from ..ir.dtypes import TARGET_DTYPES
+from ..ir.tensors import tensor_range
 from ..op_lists import OpLists
 
 if TYPE_CHECKING:  # the passes read options, they never build them
@@ -28,6 +29,25 @@ class FormatRules:
         `value`), converted with the op's output.
     recurrent_edges: op carrying a loop value back (TF's NextIteration) -> the ops it feeds that
         must share its dtype (Merge).
+    compute_ops: the ops that carry a model's arithmetic (GEMMs, convolutions, recurrent cells,
+        fused attention), as `Node.qualified_op`: the report's summary counts how many of them run
+        in low precision (what decides the speed-up) and its cost summary those left fp32, and why.
+
+    The structural rules (passes/analysis/structures.py, attention_masks.py) read:
+
+    arithmetic: op -> its role ("add", "sub", "mul", "div", "pow", "tanh", "softmax"), for
+        patterns written in roles rather than op names.
+    index_slots: (op, input slot) pairs that take a shape, size, coordinate or index (Range's
+        bounds, Resize's sizes/scales, Reshape's shape, Slice's starts/ends, ...).
+    rounding_ops: ops that round to integers (Floor, Ceil, Round): their input is index math.
+    metadata_ops: ops that read only a tensor's shape (Shape, Size), not its values.
+    lookup_ops: ops that look values up in a table by index (Gather): a float table read by
+        indices is data (an embedding), not index math.
+    mask_build_ops: ops an additive attention mask may be built with (Where, Mul, Expand, ...).
+    mask_carry_ops: op -> input slots through which a masked sum passes with its values unchanged
+        or only selected (Reshape's data, Where's branches, Concat's inputs, ...).
+    saturate_op: the op that clips a tensor to [min, max] with both bounds as inputs (ONNX Clip);
+        empty: the format cannot saturate a masked sum, and the attention-mask rule is off.
     """
 
     name: str
@@ -35,6 +55,19 @@ class FormatRules:
     follow_producer_inputs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     constant_fill_attrs: Mapping[str, str] = field(default_factory=dict)
     recurrent_edges: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    compute_ops: frozenset[str] = frozenset()
+    arithmetic: Mapping[str, str] = field(default_factory=dict)
+    index_slots: frozenset[tuple[str, int]] = frozenset()
+    rounding_ops: frozenset[str] = frozenset()
+    metadata_ops: frozenset[str] = frozenset()
+    lookup_ops: frozenset[str] = frozenset()
+    mask_build_ops: frozenset[str] = frozenset()
+    mask_carry_ops: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    saturate_op: str = ""
+
+    def role(self, op: str) -> str:
+        """The arithmetic role of `op` ("" for none)."""
+        return self.arithmetic.get(op, "")
 
 
 @dataclass(frozen=True)
@@ -63,6 +96,31 @@ class ConstantRecord:
 
 
 @dataclass
+class StructureRecord:
+    """A structural rule applied to a part of the graph, for the report: which rule, on which
+    nodes, and what it did (with its numeric argument)."""
+
+    rule: str  # "attention_mask", "tanh_gelu_cube", "index_math", "pattern_rule"
+    nodes: list[str]
+    detail: str
+    #: Nodes a rewrite pass added for the rule (the attention mask's saturation).
+    added: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SaturationPlan:
+    """An attention mask the analysis accepted: where its sums may carry -inf in low precision
+    (`region`), and the Softmax inputs to saturate when any of it runs low precision."""
+
+    sinks: list[Node]
+    region: list[TypeGroup]
+    record: StructureRecord
+    #: The mask's constants (initializer names, or "node.value" for a fill value): the
+    #: constant-range rule leaves them to this plan.
+    constants: list[str] = field(default_factory=list)
+
+
+@dataclass
 class PassContext:
     """The model being rewritten plus everything a pass may read or record."""
 
@@ -78,6 +136,13 @@ class PassContext:
     range_checks: dict[tuple[int, str], RangeCheck] = field(default_factory=dict)
     #: The node a pass is working on, so a failure can say where it happened.
     focus: Node | None = None
+    #: Structural rules applied (attention masks, tanh-GELU cubes, index math, pattern rules).
+    structures: list[StructureRecord] = field(default_factory=list)
+    #: Attention masks whose masked sums get saturated before their Softmax (see
+    #: passes/analysis/attention_masks.py).
+    saturations: list[SaturationPlan] = field(default_factory=list)
+    #: ids of nodes a user's pattern rule decided: structural rules leave them as the user said.
+    user_rule_nodes: set[int] = field(default_factory=set)
 
     @property
     def target_dtype(self) -> str:
@@ -85,12 +150,10 @@ class PassContext:
 
     def range_check(self, tensor: LazyTensor, dtype: str) -> RangeCheck:
         """`check_range` of a constant in `dtype`, computed once per conversion."""
-        import numpy as np
-
         key = (id(tensor), dtype)
         result = self.range_checks.get(key)
         if result is None:
-            result = check_range(np.asarray(tensor.numpy(), dtype=np.float32), dtype)
+            result = tensor_range(tensor, dtype)  # a file's big tensor: a chunk at a time
             self.range_checks[key] = result
             tensor.release()
         return result

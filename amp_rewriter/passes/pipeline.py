@@ -8,6 +8,7 @@ raises an error that names the pass (and the node it was working on).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from ..errors import AmpError
 from ..ir import IRInvariantError, assert_sound
@@ -19,6 +20,9 @@ from .base import REGISTRY, Pass, PassContext, PassResult
 _TF_PASSES = [
     "pin_front_end",
     "classify_ops",
+    "recognize_tanh_gelu",
+    "apply_pattern_rules",
+    "keep_index_math_fp32",
     "guard_constant_ranges",
     "propagate_precision",
     "match_recurrent_edges",
@@ -33,9 +37,14 @@ PIPELINES: dict[str, list[str]] = {
         "pin_nodes",
         "pin_front_end",
         "classify_ops",
+        "recognize_tanh_gelu",
+        "apply_pattern_rules",
+        "find_attention_masks",
+        "keep_index_math_fp32",
         "guard_constant_ranges",
         "propagate_precision",
         "insert_casts",
+        "saturate_masked_sums",
         "fold_casts",
         "convert_constants",
     ],
@@ -66,14 +75,18 @@ def passes_of(pipeline: str | list[str]) -> list[Pass]:
     return [REGISTRY[name] for name in names]
 
 
-def run_pipeline(ctx: PassContext, pipeline: str | list[str]) -> list[PassResult]:
-    """Run the passes of `pipeline` in order; returns their results."""
+def run_pipeline(ctx: PassContext, pipeline: str | list[str],
+                 on_pass: Callable[[str], None] | None = None) -> list[PassResult]:
+    """Run the passes of `pipeline` in order; returns their results. `on_pass` is told each
+    pass's name as it starts (a progress bar)."""
     lint = lint_enabled()
     if lint:
         assert_sound(ctx.model.graph, "loading")
     results = []
     for step in passes_of(pipeline):
         ctx.focus = None
+        if on_pass is not None:
+            on_pass(step.name)
         try:
             results.append(step(ctx))
         except (AmpError, PassError, IRInvariantError):

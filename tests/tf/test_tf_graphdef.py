@@ -461,3 +461,30 @@ def test_meta_graph_file_converts_and_keeps_collections(tmp_path, amp_cli):
     assert set(out.collection_def) == set(meta.collection_def)
     mm = next(n for n in out.graph_def.node if n.name == "mm")
     assert mm.attr["T"].type == BF16
+    # check agrees: the MetaGraph passes against its fp32 source
+    assert cli.main(["check", str(tmp_path / "out.meta"), "--reference",
+                     str(tmp_path / "model.meta")]) == 0
+
+
+def test_check_graphdef_against_its_reference_on_the_validation_inputs(tmp_path, capsys):
+    """What convert --validate accepted, check --reference passes on the same --inputs."""
+    def model():
+        x = v1.placeholder(tf.float32, [None, 8], name="x")
+        h = tf.nn.relu(tf.matmul(x, weights(8, 8), name="mm"))
+        tf.identity(tf.matmul(h, weights(8, 4), name="mm2"), name="y")
+
+    src = tmp_path / "m.pb"
+    src.write_bytes(build(model).SerializeToString())
+    inputs = tmp_path / "x.npz"
+    np.savez(inputs, x=RNG.standard_normal((3, 8)).astype(np.float32))
+    out = tmp_path / "o.pb"
+    assert cli.main(["convert", str(src), str(out), "--target", "bf16", "--validate",
+                     "--inputs", str(inputs)]) == 0
+    capsys.readouterr()
+    assert cli.main(["check", str(out), "--reference", str(src), "--inputs", str(inputs)]) == 0
+    assert "output y: relative error" in capsys.readouterr().out
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, z=np.zeros((3, 8), np.float32))
+    assert cli.main(["check", str(out), "--reference", str(src), "--inputs", str(wrong)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'z' matches no placeholder of the graph (its placeholders: x)" in err

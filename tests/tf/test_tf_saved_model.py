@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import filecmp
 import os
 from pathlib import Path
 
@@ -36,18 +35,22 @@ def _serving_dtypes(path: Path) -> dict[str, tuple]:
 
 
 def _check_common(src: Path, dst: Path, report) -> None:
-    """What every converted SavedModel must keep: signatures, dtypes, variables, assets."""
+    """What every converted SavedModel must keep: signatures, dtypes, variable values (in bf16
+    where stored low), assets."""
     assert _function_signatures(src) == _function_signatures(dst)
     assert _serving_dtypes(src) == _serving_dtypes(dst)
-    variables = sorted(p.name for p in (src / "variables").iterdir())
-    assert variables
-    match, mismatch, errors = filecmp.cmpfiles(src / "variables", dst / "variables", variables,
-                                               shallow=False)
-    assert not mismatch and not errors
+    original = tf.train.load_checkpoint(str(src / "variables" / "variables"))
+    converted = tf.train.load_checkpoint(str(dst / "variables" / "variables"))
+    assert original.get_variable_to_shape_map() == converted.get_variable_to_shape_map()
+    for key, dtype in converted.get_variable_to_dtype_map().items():
+        expected = original.get_tensor(key)
+        if dtype == tf.bfloat16:
+            expected = tf.cast(expected, tf.bfloat16).numpy()
+        else:
+            assert dtype == original.get_variable_to_dtype_map()[key]
+        assert np.array_equal(converted.get_tensor(key), expected), key
     for comparison in compare_saved_models(src, dst):
         assert comparison.relative < 5e-2 and not comparison.nonfinite_new, comparison
-    ops = {(e["op"], e["precision"]) for e in report.nodes}
-    assert ("ReadVariableOp", "fp32") in ops  # variables are read in fp32, then cast
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +202,108 @@ def test_tf1_saved_model_main_graph(tmp_path):
     assert entries["y"]["precision"] == "fp32"  # a signature output: preserved
     for comparison in compare_saved_models(src, dst):
         assert comparison.relative < 5e-2, comparison
+
+
+# -- issue 13: check, explain and the summary agree with convert on SavedModels ------------------
+
+def _tree(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Relative path -> (mode, bytes) for every file under `folder` (hidden ones included)."""
+    return {str(p.relative_to(folder)): (p.stat().st_mode, p.read_bytes())
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_check_passes_what_validate_accepted_on_the_same_inputs(keras_cnn, keras_encoder,
+                                                                 tmp_path, capsys, target):
+    rng = np.random.default_rng(3)
+    feeds = {keras_cnn: {"image": rng.standard_normal((3, 16, 16, 3)).astype(np.float32)},
+             keras_encoder: {"inputs": rng.integers(0, 50, (3, 16)).astype(np.int32)}}
+    for source, inputs in feeds.items():
+        npz = tmp_path / f"{source.parent.name}.npz"
+        np.savez(npz, **inputs)
+        dst = tmp_path / f"{source.parent.name}_{target}"
+        code = cli.main(["convert", str(source), str(dst), "--target", target, "--validate",
+                         "--inputs", str(npz)])
+        printed = capsys.readouterr()
+        assert code == 0, printed
+        assert cli.main(["check", str(dst)]) == 0  # the SavedModel itself: deny ops, constants
+        code = cli.main(["check", str(dst), "--reference", str(source), "--inputs", str(npz)])
+        printed = capsys.readouterr()
+        assert code == 0, printed
+        assert "check: ok" in printed.out and "relative error" in printed.out
+
+
+def test_check_fails_a_saved_model_that_does_not_match_its_reference(keras_cnn, keras_encoder,
+                                                                      tmp_path, capsys):
+    dst = tmp_path / "cnn_fp16"
+    assert cli.main(["convert", str(keras_cnn), str(dst), "--quiet"]) == 0
+    code = cli.main(["check", str(dst), "--reference", str(keras_encoder)])
+    printed = capsys.readouterr()
+    assert code == 1 and "run_failed" in printed.out  # another model's signature inputs
+    code = cli.main(["check", str(dst), "--reference", str(keras_cnn), "--rtol", "0"])
+    assert code == 1 and "output_mismatch" in capsys.readouterr().out
+
+
+def test_a_failed_run_keeps_the_earlier_saved_model_and_a_second_run_is_identical(keras_cnn,
+                                                                                  tmp_path, capsys):
+    dst = tmp_path / "cnn_out"
+    assert cli.main(["convert", str(keras_cnn), str(dst), "--quiet"]) == 0
+    first = _tree(dst)
+    assert cli.main(["convert", str(keras_cnn), str(dst), "--quiet"]) == 0
+    assert _tree(dst) == first  # fingerprint.pb included: its uuid is not random
+    code = cli.main(["convert", str(keras_cnn), str(dst), "--target", "bf16", "--validate",
+                     "--rtol", "0"])
+    capsys.readouterr()
+    assert code == 1 and _tree(dst) == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cnn_out"]
+    for report in (keras_cnn / "report.json", keras_cnn / "saved_model.pb"):
+        assert cli.main(["convert", str(keras_cnn), str(tmp_path / "x"), "--report",
+                         str(report)]) == 2
+        assert "inside the input SavedModel" in capsys.readouterr().err
+
+
+def test_explain_shows_every_function_that_has_the_node(keras_encoder, capsys):
+    assert cli.main(["explain", str(keras_encoder), "Identity"]) == 0
+    out = capsys.readouterr().out
+    graphs = [line[3:-1] for line in out.splitlines() if line.startswith("in ")]
+    assert len(graphs) >= 2 and out.startswith(f"Identity: {len(graphs)} nodes have this name")
+    assert cli.main(["explain", str(keras_encoder), f"{graphs[1]}/Identity"]) == 0
+    picked = capsys.readouterr().out
+    assert f"graph:     {graphs[1]}" in picked and "nodes have this name" not in picked
+
+
+class _WithGradient(tf.Module):
+    """A served function, and a training step whose gradient functions land in the library."""
+
+    def __init__(self):
+        super().__init__()
+        rng = np.random.default_rng(0)
+        self.w = tf.Variable(rng.standard_normal((8, 8)).astype(np.float32) * 0.3)
+
+    @tf.function(autograph=False)
+    def layer(self, x):
+        return tf.nn.relu(tf.matmul(tf.matmul(x, self.w), self.w))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32, name="x")],
+                 autograph=False)
+    def serve(self, x):
+        return {"y": self.layer(x)}
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32)], autograph=False)
+    def train_step(self, x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(self.layer(x))
+        return tape.gradient(loss, self.w)
+
+
+def test_summary_counts_the_functions_the_signatures_run(tmp_path, capsys):
+    module = _WithGradient()
+    src = tmp_path / "with_gradient"
+    tf.saved_model.save(module, str(src), signatures={"serving_default": module.serve})
+    names = [f.signature.name for f in read_saved_model(src).meta_graphs[0].graph_def.library.function]
+    assert any("backward" in name for name in names), names
+    assert cli.main(["convert", str(src), str(tmp_path / "out"), "--target", "bf16"]) == 0
+    out = capsys.readouterr().out
+    # Two MatMuls in the served `layer`; the training step's forward/backward copies are
+    # converted but not counted.
+    assert "compute ops 2/2 (MatMul 2/2)" in out and "other functions converted, not counted" in out

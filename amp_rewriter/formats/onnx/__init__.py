@@ -19,11 +19,12 @@ from .convert import (
     convert_file,
     convert_model,
     convert_model_file,
-    discard_output,
+    input_files,
 )
 from .load import read_model_file
 from .rules import ONNX_RULES
-from .validate import compare_models, emulate_bfloat16, has_bfloat16, random_inputs
+from .shapes import activation_traffic
+from .validate import random_inputs, validate_conversion
 
 
 class OnnxFormat(Format):
@@ -42,28 +43,28 @@ class OnnxFormat(Format):
         return convert_model_file(input_path, output_path, options)[1]
 
     def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
-                 inputs: str | None, rtol: float) -> Validation:
+                 inputs: str | None, rtol: float, device: str = "cpu") -> Validation:
         feeds = load_inputs(inputs) if inputs else random_inputs(read_model_file(input_path))
-        candidate: object = str(output_path)
-        notes = []
-        if options.target == "bf16":
-            converted = read_model_file(output_path)
-            if has_bfloat16(converted):
-                candidate = emulate_bfloat16(converted)
-                notes.append("onnxruntime's CPU provider lacks bf16 kernels; running the bf16 "
-                             "model emulated (fp32 compute, every bf16 tensor rounded to bf16)")
-        comparisons = compare_models(str(input_path), candidate, feeds)  # type: ignore[arg-type]
+        # An emulation too big for memory goes beside the (staged) output, removed with it.
+        comparisons, notes = validate_conversion(input_path, output_path, feeds, device,
+                                                 scratch=output_path.parent,
+                                                 inputs_given=inputs is not None)
+        if inputs and report is not None and report.cost is not None:  # at the sizes really run
+            report.cost["activation_bytes"] = activation_traffic(
+                read_model_file(output_path), {k: tuple(v.shape) for k, v in feeds.items()})
         return Validation(comparisons, rtol, notes)
 
     def check(self, path: Path, target: str | None, backend: str | None,
-              reference: Path | None, rtol: float | None) -> CheckResult:
-        return check_model(path, target, backend or DEFAULT_BACKEND, reference, rtol)
+              reference: Path | None, rtol: float | None, inputs: str | None = None,
+              device: str = "cpu") -> CheckResult:
+        return check_model(path, target, backend or DEFAULT_BACKEND, reference, rtol, inputs,
+                           device)
 
     def explain(self, source: Path, options: Options) -> Report:
         return convert_model(source, dataclasses.replace(options, check=False))[1]
 
-    def discard_output(self, output_path: Path) -> None:
-        discard_output(output_path)
+    def input_files(self, input_path: Path) -> list[tuple[Path, str]]:
+        return input_files(input_path)
 
     def accuracy_runner(self, path: Path, options: Options) -> ModelRunner:
         from .accuracy import OnnxRunner

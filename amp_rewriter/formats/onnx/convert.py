@@ -2,26 +2,42 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import onnx
+from onnx import external_data_helper
 
+from ... import progress
 from ...errors import AmpError
-from ...ir import Model, ValueNames
+from ...fileio import OutputTransaction
+from ...ir import LazyTensor, Model, Node, ValueNames
 from ...op_lists import OpLists
 from ...options import Options
 from ...passes import PassContext, Pin, run_pipeline
+from ...passes.analysis.pins import keep_node_match
+from ...passes.pipeline import passes_of
 from ...report import Report, build_report
 from ..base import cyclic_gc_paused
-from .emit import emit_onnx, has_external_data, save_onnx
-from .load import PROTOBUF_LIMIT, load_onnx, read_model_file
+from . import ort_registry
+from .emit import (
+    EXTERNAL_DATA_THRESHOLD,
+    deferred_bytes,
+    emit_onnx,
+    has_external_data,
+    save_onnx,
+)
+from .load import PROTOBUF_LIMIT, all_tensors, load_onnx, read_model_file, walk_graph_protos
+from .optimize import optimized_copy, options_after
 from .rules import ONNX_RULES
+from .shapes import activation_traffic, validation_input_shapes
 
 DEFAULT_BACKEND = "ort-cuda"
+#: onnxruntime's contrib domain.
+ORT_DOMAIN = "com.microsoft"
 
 
 def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "fp16",
@@ -37,8 +53,10 @@ def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "f
             (a path's own folder is used otherwise).
         **options: the other fields of `amp_rewriter.Options`: keep_io_types, clamp, allow,
             infer, deny, clear (op types moved to that class), keep_nodes (node names or regexes
-            pinned to fp32), config (a TOML file with the same overrides), check (run
-            onnx.checker with full check on the result, default True).
+            pinned to fp32), config (a TOML file with the same overrides), optimize (a model
+            type: onnxruntime's transformer optimizer fuses the model first), num_heads and
+            hidden_size (for optimize), check (run onnx.checker with full check on the result,
+            default True).
 
     Returns:
         The converted ModelProto and the Report of every decision.
@@ -49,10 +67,31 @@ def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "f
 
 def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: Options,
                   base_dir: str | os.PathLike | None = None,
-                  pins: dict[str, Pin] | None = None) -> tuple[onnx.ModelProto, Report]:
+                  pins: dict[str, Pin] | None = None, *,
+                  deferred: dict[str, LazyTensor] | None = None
+                  ) -> tuple[onnx.ModelProto, Report]:
     """`convert` with the options as one object; `pins` maps node names to why a front end
-    keeps them fp32 (`convert --auto`'s measurements)."""
-    converted, report, _ = convert_model_ir(model_or_path, options, base_dir, pins)
+    keeps them fp32 (`convert --auto`'s measurements).
+
+    `deferred`: a dict to fill with the weights that stream from the input's external data
+    (see `emit_onnx`); their protos stay without data until `save_onnx` writes them. Without
+    it the returned model holds every converted weight.
+    """
+    _refuse_tf_options(options)
+    if options.optimize:
+        source = (Path(model_or_path) if not isinstance(model_or_path, onnx.ModelProto)
+                  else model_or_path)
+        with optimized_copy(source, options, Path(base_dir) if base_dir is not None else None
+                            ) as (fused_path, summary):
+            model, report = convert_model(fused_path, options_after(options), pins=pins)
+            if has_external_data(model):  # the caller gets a model that outlives the folder
+                external_data_helper.load_external_data_for_model(model, str(fused_path.parent))
+        report.optimizer = summary
+        return model, report
+    model, own_dir = _load(model_or_path)
+    converted, report, _ = _convert_owned(
+        model, options, Path(base_dir) if base_dir is not None else own_dir, model_or_path,
+        pins=pins, deferred=deferred)
     return converted, report
 
 
@@ -62,31 +101,16 @@ def convert_model_ir(model_or_path: onnx.ModelProto | str | os.PathLike, options
                      ) -> tuple[onnx.ModelProto, Report, ConvertedIR]:
     """`convert_model`, also returning the IR the passes left (for the accuracy tools, which map
     the converted model's tensors back onto the original's)."""
-    if options.outputs:
-        raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its outputs")
-    options = options.with_backend(DEFAULT_BACKEND)
-    with cyclic_gc_paused():
-        model, own_dir = _load(model_or_path)
-        base = Path(base_dir) if base_dir is not None else own_dir
-        lists = OpLists.load("onnx", options.target, options.backend or DEFAULT_BACKEND,
-                             options.overrides)
-        ir_model = load_onnx(model, base)
-        original_nodes = [(node, graph.name) for graph in ir_model.graph.walk_graphs()
-                          for node in graph.nodes]
-        original_names = ValueNames(ir_model)
-        ctx = PassContext(ir_model, lists, options, ONNX_RULES, pins=dict(pins or {}))
-        results = run_pipeline(ctx, "onnx")
-        converted = emit_onnx(ir_model)
-        report = build_report(ctx, original_nodes, results)
-        report.warnings = _override_warnings(options, [n.name for n, _ in original_nodes])
-    if options.check and not has_external_data(converted) \
-            and converted.ByteSize() <= PROTOBUF_LIMIT:
-        try:
-            check_valid(converted)  # else convert_file checks the saved file
-        except AmpError:
-            _blame_invalid_input(model_or_path)
-            raise
-    return converted, report, ConvertedIR(ir_model, original_names)
+    _refuse_tf_options(options)
+    if options.optimize:
+        raise AmpError("--optimize does not combine with --auto or diagnose yet: fuse the model "
+                       "first (onnxruntime.transformers.optimizer), then run them on it")
+    model, own_dir = _load(model_or_path)
+    converted, report, kept = _convert_owned(
+        model, options, Path(base_dir) if base_dir is not None else own_dir, model_or_path,
+        pins=pins, keep_ir=True)
+    assert kept is not None
+    return converted, report, kept
 
 
 class ConvertedIR:
@@ -95,6 +119,120 @@ class ConvertedIR:
     def __init__(self, model: Model, names: ValueNames):
         self.model = model
         self.original_name = names.original_name
+
+
+def _convert_owned(model: onnx.ModelProto, options: Options, base: Path | None,
+                   original: onnx.ModelProto | str | os.PathLike, *,
+                   pins: dict[str, Pin] | None = None,
+                   deferred: dict[str, LazyTensor] | None = None, keep_ir: bool = False
+                   ) -> tuple[onnx.ModelProto, Report, ConvertedIR | None]:
+    """Convert `model`, which is ours to rewrite in place (a copy of the caller's model, or one
+    read from a file); `original` is what the caller gave, blamed when the result fails the
+    checker because the input already does. `keep_ir`: also return the IR after the passes
+    (else it is released as soon as the model is emitted)."""
+    options = options.with_backend(DEFAULT_BACKEND)
+    with cyclic_gc_paused(), progress.bar("converting", len(passes_of("onnx")) + 2,
+                                          "step") as drawn:
+        steps = progress.Steps(drawn)
+        steps.start("loading")
+        opset = default_opset(model)
+        lists = OpLists.load("onnx", options.target, options.backend or DEFAULT_BACKEND,
+                             options.overrides, opset)
+        ir_model = load_onnx(model, base)
+        original_nodes = [(node, graph.name) for graph in ir_model.graph.walk_graphs()
+                          for node in graph.nodes]
+        original_names = ValueNames(ir_model) if keep_ir else None
+        ctx = PassContext(ir_model, lists, options, ONNX_RULES, pins=dict(pins or {}))
+        results = run_pipeline(ctx, "onnx", on_pass=steps.start)
+        steps.start("emitting")
+        converted = emit_onnx(ir_model, deferred)
+        report = build_report(ctx, original_nodes, results)
+        override_warnings = _override_warnings(options, [n for n, _ in original_nodes])
+        schema_warnings = _schema_warnings(ir_model)
+        del original_nodes, ctx
+        kept = None
+        if original_names is not None:
+            kept = ConvertedIR(ir_model, original_names)
+        else:  # free the IR now (gigabytes at a million nodes), before shape inference and the
+            ir_model.release()  # checker make their own copies of the model
+        del ir_model
+        if report.cost is not None:
+            report.cost["activation_bytes"] = activation_traffic(
+                converted, validation_input_shapes(converted))
+        report.warnings = override_warnings
+        report.warnings += bf16_advice(report, lists, opset)
+        report.warnings += schema_warnings
+        steps.finish()
+        if options.check and not has_external_data(converted) \
+                and converted.ByteSize() <= PROTOBUF_LIMIT:
+            try:
+                check_valid(converted)  # else convert_file checks the saved file
+            except AmpError:
+                _blame_invalid_input(original)
+                raise
+    return converted, report, kept
+
+
+def _refuse_tf_options(options: Options) -> None:
+    if options.outputs:
+        raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its outputs")
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    """The model's opset of the default (ai.onnx) domain; 0 when it imports none."""
+    return next((imp.version for imp in model.opset_import if imp.domain in ("", "ai.onnx")), 0)
+
+
+#: The newest opset whose schemas `bf16_advice` may suggest moving to.
+_NEWEST_OPSET = onnx.defs.onnx_opset_version()
+
+
+def _first_opset_allowing_bf16(op: str, after: int) -> int | None:
+    """The first opset above `after` at which `op`'s schema takes bfloat16 for its inputs."""
+    for opset in range(after + 1, _NEWEST_OPSET + 1):
+        try:
+            schema = onnx.defs.get_schema(op, opset, "")
+        except Exception:  # no such op at that opset
+            continue
+        if schema.since_version <= after:
+            continue  # the same schema as the model's: still no bf16
+        if any("tensor(bfloat16)" in c.allowed_type_strs for c in schema.type_constraints):
+            return schema.since_version
+    return None
+
+
+def bf16_advice(report: Report, lists: OpLists, opset: int) -> list[str]:
+    """Warnings for a bf16 conversion that left the compute ops (MatMul, Conv, ...) in fp32: one
+    line each saying why and what would help."""
+    if report.target != "bf16":
+        return []
+    summary = report.summary
+    warnings = []
+    if lists.backend == "ort-cpu" and summary["low_precision_compute_ops"] == 0:
+        converted = summary["low_precision_nodes"]
+        what = "nothing" if converted == 0 else f"only {converted} data-movement node(s)"
+        ops = ", ".join(summary["compute_ops_by_type"]) or "none in this model"
+        warnings.append(
+            f"bf16 for ort-cpu converted {what} and none of the compute ops ({ops}): "
+            f"onnxruntime's CPU provider has bf16 kernels for almost no ops (Einsum, "
+            f"LayerNormalization, data movement), so the rest stays fp32; for a CPU deployment "
+            f"try --target fp16 (the CPU provider runs fp16 models), for a GPU one --backend "
+            f"ort-cuda")
+    blocked: dict[str, int] = {}
+    for entry in report.nodes:
+        if entry["op"] in ONNX_RULES.compute_ops and entry["kind"] == "schema" \
+                and entry["precision"] == "fp32":
+            blocked[entry["op"]] = blocked.get(entry["op"], 0) + 1
+    for op, count in sorted(blocked.items()):
+        since = _first_opset_allowing_bf16(op, opset)
+        if since is None or not lists.has_kernel(op):
+            continue
+        warnings.append(
+            f"{count} of {summary['compute_ops_by_type'][op][1]} {op} node(s) stay fp32: the "
+            f"{op} schema takes bf16 only from opset {since} (this model: opset {opset}); "
+            f"convert the model to opset {since} (onnx.version_converter) to run them in bf16 "
+            f"on {lists.backend}")
+    return warnings
 
 
 def _load(model_or_path: onnx.ModelProto | str | os.PathLike
@@ -107,20 +245,32 @@ def _load(model_or_path: onnx.ModelProto | str | os.PathLike
     return read_model_file(path), path.resolve().parent
 
 
-def _override_warnings(options: Options, node_names: list[str]) -> list[str]:
+def _override_warnings(options: Options, nodes: list[Node]) -> list[str]:
     """Overrides that cannot have done anything: likely typos."""
     warnings = []
     overrides = options.overrides
     for op in overrides.moves:
-        if "." not in op and not onnx.defs.has(op):
+        if "." not in op and not onnx.defs.has(op) and not ort_registry.has_op(op):
             known = sorted({schema.name for schema in onnx.defs.get_all_schemas()})
             close = difflib.get_close_matches(op, known, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             warnings.append(f"{overrides.source[op]} {op}: no such ONNX op{hint}")
     for pattern in options.keep_node_patterns:
-        if not any(pattern.fullmatch(name) for name in node_names):
-            warnings.append(f"--keep-node {pattern.pattern!r} matches no node")
+        if not any(keep_node_match(pattern, node) is not None for node in nodes):
+            warnings.append(f"--keep-node {pattern.pattern!r} matches no node name or module")
     return warnings
+
+
+def _schema_warnings(ir_model: Any) -> list[str]:
+    """Contrib ops left without a schema because onnxruntime, which defines them, is missing."""
+    if ort_registry.available():
+        return []
+    ops = sorted({node.qualified_op for node in ir_model.graph.walk_nodes()
+                  if not node.has_schema and node.domain in ort_registry.ORT_DOMAINS})
+    if not ops:
+        return []
+    return [f"onnxruntime is not installed, so its ops ({', '.join(ops)}) have no schema and "
+            f"stay fp32 (pip install 'amp-rewriter[cpu]' or '[gpu]')"]
 
 
 def _blame_invalid_input(model_or_path: onnx.ModelProto | str | os.PathLike) -> None:
@@ -128,7 +278,7 @@ def _blame_invalid_input(model_or_path: onnx.ModelProto | str | os.PathLike) -> 
     original = (model_or_path if isinstance(model_or_path, onnx.ModelProto)
                 else str(model_or_path))
     try:
-        onnx.checker.check_model(original, full_check=True)
+        onnx_full_check(original)
     except Exception as exc:  # the checker raises several exception types
         raise AmpError(f"the input model already fails the ONNX checker: "
                        f"{_first_line(exc)}") from None
@@ -144,49 +294,119 @@ def check_valid(model: onnx.ModelProto | str) -> None:
     A path is checked from disk, which is the only way for external data or models over 2 GB.
     """
     try:
-        onnx.checker.check_model(model, full_check=True)
+        onnx_full_check(model)
     except Exception as exc:  # the checker raises several exception types
         raise AmpError(f"the converted model fails the ONNX checker: {_first_line(exc)}") from None
 
 
+def onnx_full_check(model: onnx.ModelProto | str) -> None:
+    """`onnx.checker.check_model(full_check=True)`, with the default-domain ops that only
+    onnxruntime defines (SimplifiedLayerNormalization, which its transformer optimizer emits)
+    checked as the custom ops they are to onnx: it has no schema for them and would refuse every
+    model that holds one. Raises what the checker raises."""
+    proto = read_model_file(model) if isinstance(model, str) else model
+    ort_only = {node.op_type for g in walk_graph_protos(proto.graph) for node in g.node
+                if node.domain in ("", "ai.onnx") and not onnx.defs.has(node.op_type)
+                and ort_registry.has_op(node.op_type)}
+    if not ort_only:
+        onnx.checker.check_model(model, full_check=True)
+        return
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    for g in walk_graph_protos(copy.graph):
+        for node in g.node:
+            if node.domain in ("", "ai.onnx") and node.op_type in ort_only:
+                node.domain = ORT_DOMAIN
+    if not any(imp.domain == ORT_DOMAIN for imp in copy.opset_import):
+        copy.opset_import.append(onnx.helper.make_opsetid(ORT_DOMAIN, 1))
+    if not isinstance(model, str):
+        onnx.checker.check_model(copy, full_check=True)
+        return
+    # Beside the original, so its external data resolves; removed right after.
+    with tempfile.NamedTemporaryFile(dir=Path(model).resolve().parent, prefix=".amp-rewriter-",
+                                     suffix=".onnx", delete=False) as handle:
+        handle.write(copy.SerializeToString())
+    try:
+        onnx.checker.check_model(handle.name, full_check=True)
+    finally:
+        os.unlink(handle.name)
+
+
 def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                  **options: Any) -> tuple[onnx.ModelProto, Report]:
-    """Convert a model file and write the result atomically; the input is never touched."""
-    return convert_model_file(Path(input_path), Path(output_path), Options(**options))
+    """Convert a model file and write the result (and its external data) atomically: all of it
+    or, on failure, nothing; the input is never touched."""
+    input_path, output_path = Path(input_path), Path(output_path)
+    with OutputTransaction([(input_path, "the input model")],
+                           lambda: input_files(input_path)) as outputs:
+        staged = outputs.stage(output_path, "output")
+        result = convert_model_file(input_path, staged, Options(**options))
+        outputs.commit()
+    return result
+
+
+def input_files(model_path: Path) -> list[tuple[Path, str]]:
+    """The files a conversion of `model_path` reads: the model and its external data files."""
+    files = [(model_path, "the input model")]
+    model = read_model_file(model_path)
+    base = model_path.resolve().parent
+    locations = {entry.value for tensor in all_tensors(model.graph)
+                 if tensor.data_location == onnx.TensorProto.EXTERNAL
+                 for entry in tensor.external_data if entry.key == "location"}
+    files += [(base / location, f"the input model's external data {location!r}")
+              for location in sorted(locations)]
+    return files
 
 
 def convert_model_file(input_path: Path, output_path: Path, options: Options,
                        pins: dict[str, Pin] | None = None) -> tuple[onnx.ModelProto, Report]:
-    """`convert_file` with the options as one object (and a front end's `pins`)."""
-    if output_path.exists() and input_path.exists() and os.path.samefile(input_path, output_path):
-        raise AmpError("the output path is the input file: refusing to overwrite the input")
-    if output_path.resolve() == input_path.resolve():
-        raise AmpError("the output path is the input file: refusing to overwrite the input")
-    if output_path.is_dir():
-        raise AmpError(f"{output_path}: is a directory, expected an output file name")
-    if not output_path.resolve().parent.is_dir():
-        raise AmpError(f"{output_path}: output folder does not exist")
-    source = read_model_file(input_path)
-    external = has_external_data(source)
-    # A model with external data is checked once written (from the file, without its data):
-    # checking it in memory would serialize every converted weight twice more.
-    model, report = convert_model(
-        source, dataclasses.replace(options, check=options.check and not external),
-        base_dir=input_path.resolve().parent, pins=pins)
-    del source  # convert worked on its own copy
-    external = external or model.ByteSize() > PROTOBUF_LIMIT
-    save_onnx(model, output_path, source_dir=input_path.resolve().parent, external=external)
-    if options.check and external:
-        try:
-            check_valid(str(output_path))
-        except AmpError:
-            discard_output(output_path)
-            _blame_invalid_input(input_path)
-            raise
+    """Convert `input_path` and write the model (and its .data) at `output_path`, which is a
+    fresh path: the CLI and `convert_file` give the private path of an `OutputTransaction`.
+    `pins`: a front end's nodes kept fp32 (`convert --auto`)."""
+    if options.optimize:
+        read_model_file(input_path)  # a file that is no model is refused before the optimizer
+        with optimized_copy(input_path, options) as (fused_path, summary):
+            model, report = _convert_and_save(fused_path, output_path,
+                                              options_after(options), pins)
+        report.optimizer = summary
+    else:
+        model, report = _convert_and_save(input_path, output_path, options, pins)
     return model, report
 
 
-def discard_output(output_path: Path) -> None:
-    """Remove a written model and its external data file."""
-    output_path.unlink(missing_ok=True)
-    Path(str(output_path) + ".data").unlink(missing_ok=True)
+def _convert_and_save(input_path: Path, output_path: Path, options: Options,
+                      pins: dict[str, Pin] | None = None) -> tuple[onnx.ModelProto, Report]:
+    _refuse_tf_options(options)
+    source = read_model_file(input_path)
+    external = has_external_data(source)
+    # The model read here is converted in place (no copy of a model that may have a million
+    # nodes); weights in the input's external data are read, range checked and converted a
+    # chunk at a time, and written the same way: never the whole weight set in memory.
+    deferred: dict[str, LazyTensor] = {}
+    model, report, _ = _convert_owned(source, options, input_path.resolve().parent, input_path,
+                                      pins=pins, deferred=deferred)
+    del source
+    checked = not has_external_data(model) and model.ByteSize() <= PROTOBUF_LIMIT
+    layout = options.external_data
+    if layout is None:
+        external = external or model.ByteSize() + deferred_bytes(deferred) > PROTOBUF_LIMIT
+        layout = "single" if external else "inline"
+    with cyclic_gc_paused(), \
+            progress.bar("writing", unit="B", total=_bytes_to_write(model, deferred)) as bar:
+        save_onnx(model, output_path, source_dir=input_path.resolve().parent, layout=layout,
+                  threshold=(EXTERNAL_DATA_THRESHOLD if options.external_data_threshold is None
+                             else options.external_data_threshold),
+                  deferred=deferred, progress=bar.update)
+    if options.check and not (checked and layout == "inline"):
+        check_valid(str(output_path))  # the file: its external data is never loaded whole
+    return model, report
+
+
+def _bytes_to_write(model: onnx.ModelProto, deferred: dict[str, LazyTensor]) -> int:
+    """About how many bytes of data `save_onnx` writes (for the progress bar)."""
+    external = 0
+    for tensor in all_tensors(model.graph):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            length = next((e.value for e in tensor.external_data if e.key == "length"), "")
+            external += int(length) if length.isdigit() else 0
+    return external + deferred_bytes(deferred) + model.ByteSize()

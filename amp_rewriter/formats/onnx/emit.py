@@ -1,14 +1,18 @@
-"""IR -> ONNX: patch the loaded ModelProto in place and write it atomically.
+"""IR -> ONNX: patch the loaded ModelProto in place and write it (model and external data).
 
 Nodes the passes did not touch keep their original NodeProto (attributes, doc strings, metadata);
 only renamed inputs/outputs, retargeted casts and converted fill values are patched. Initializers
-keep their original TensorProto unless converted. New casts get fresh NodeProtos.
+keep their original TensorProto unless converted. Nodes a pass created (casts, the Clip that
+saturates a masked attention sum) get fresh NodeProtos.
 """
 
 from __future__ import annotations
 
+import errno
 import os
-import tempfile
+import sys
+from collections.abc import Callable, Iterator
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +20,36 @@ import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
 from ...errors import AmpError
-from ...ir import Graph, IRError, LazyTensor, Model, Node, Value, present
-from ...ir.dtypes import NUMPY_DTYPES
-from .load import PROTOBUF_LIMIT, all_tensors, elem_type_code
+from ...fileio import default_file_mode, open_input, pread_exact
+from ...ir import Graph, IRError, LazyTensor, Model, Node, Value, present, tensors
+from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES
+from ...options import EXTERNAL_LAYOUTS
+from .load import (
+    PROTOBUF_LIMIT,
+    all_tensors,
+    elem_type_code,
+    external_range,
+    walk_graph_protos,
+)
+
+#: The location a deferred tensor's proto carries until `save_onnx` writes its data: no input
+#: location can be one (the loader refuses NUL in a location), and the token after it finds
+#: the tensor in `deferred`.
+_DEFERRED = "\0amp-rewriter-deferred:"
 
 
-def _tensor_proto(name: str, tensor: LazyTensor) -> onnx.TensorProto:
+def _tensor_proto(name: str, tensor: LazyTensor,
+                  deferred: dict[str, LazyTensor] | None = None) -> onnx.TensorProto:
+    """The TensorProto of a constant. With `deferred`, a streaming tensor (a file's weight,
+    converted as it is read) gets a proto without data, marked for `save_onnx` to fill."""
+    if deferred is not None and tensor.streams:
+        token = str(len(deferred))
+        deferred[token] = tensor
+        proto = _header(name, tensor)
+        proto.data_location = onnx.TensorProto.EXTERNAL
+        entry = proto.external_data.add()
+        entry.key, entry.value = "location", _DEFERRED + token
+        return proto
     array = np.asarray(tensor.numpy())
     if array.dtype != NUMPY_DTYPES.get(tensor.dtype, array.dtype):
         array = array.astype(NUMPY_DTYPES[tensor.dtype])
@@ -32,10 +60,17 @@ def _tensor_proto(name: str, tensor: LazyTensor) -> onnx.TensorProto:
     return numpy_helper.from_array(array, name)
 
 
-def _emitted(name: str, tensor: LazyTensor) -> onnx.TensorProto:
+def _header(name: str, tensor: LazyTensor) -> onnx.TensorProto:
+    """A tensor's proto without its data: the fields `_tensor_proto` sets but `raw_data`."""
+    return onnx.TensorProto(name=name, data_type=elem_type_code(tensor.dtype),
+                            dims=list(tensor.shape))
+
+
+def _emitted(name: str, tensor: LazyTensor,
+             deferred: dict[str, LazyTensor] | None) -> onnx.TensorProto:
     """A pass's constant as a TensorProto; the IR then lets go of its values (the proto holds
-    them), so the model's weights are not held twice."""
-    proto = _tensor_proto(name, tensor)
+    them, or the writer streams them), so the model's weights are not held twice."""
+    proto = _tensor_proto(name, tensor, deferred)
     tensor.release()
     return proto
 
@@ -46,13 +81,29 @@ def _data(initializer: Value) -> LazyTensor:
     return initializer.const
 
 
-def _patch_node(node: Node, cast_takes_string: bool = False) -> onnx.NodeProto:
-    proto = node.handle
-    if proto is None:  # a cast a pass created
+def _new_node(node: Node, opset: int) -> onnx.NodeProto:
+    """The NodeProto of a node a pass created: a cast, or the saturation of a masked sum."""
+    if node.op_type == "Cast":
         code = elem_type_code(node.attrs["to"])
-        to = onnx.TensorProto.DataType.Name(code) if cast_takes_string else code
+        to = onnx.TensorProto.DataType.Name(code) if opset < 6 else code  # Cast-1: a type name
         return helper.make_node("Cast", [present(node.inputs[0]).name],
                                 [present(node.outputs[0]).name], name=node.name, to=to)
+    if node.op_type == "Clip" and opset < 11:
+        # Clip before opset 11 takes its bounds as attributes; the pass gives them as constants.
+        low, high = (float(np.asarray(_data(present(v)).numpy()).reshape(-1)[0])
+                     for v in node.inputs[1:3])
+        return helper.make_node("Clip", [present(node.inputs[0]).name],
+                                [present(node.outputs[0]).name], name=node.name, min=low,
+                                max=high)
+    return helper.make_node(node.op_type, [v.name if v is not None else "" for v in node.inputs],
+                            [v.name if v is not None else "" for v in node.outputs],
+                            name=node.name, domain=node.domain or None)
+
+
+def _patch_node(node: Node, opset: int) -> onnx.NodeProto:
+    proto = node.handle
+    if proto is None:  # a node a pass created
+        return _new_node(node, opset)
     for slot, value in enumerate(node.inputs):
         name = value.name if value is not None else ""
         if proto.input[slot] != name:
@@ -85,9 +136,9 @@ def _set_elem_type(info: onnx.ValueInfoProto, dtype: str | None) -> None:
         info.type.tensor_type.elem_type = code
 
 
-def _emit_graph(graph: Graph, cast_takes_string: bool = False) -> None:
+def _emit_graph(graph: Graph, opset: int, deferred: dict[str, LazyTensor] | None) -> None:
     proto: onnx.GraphProto = graph.handle
-    nodes = [_patch_node(node, cast_takes_string) for node in graph.nodes]
+    nodes = [_patch_node(node, opset) for node in graph.nodes]
     del proto.node[:]
     proto.node.extend(nodes)
 
@@ -98,12 +149,13 @@ def _emit_graph(graph: Graph, cast_takes_string: bool = False) -> None:
         if value is None:
             continue
         const = _data(value)
-        kept.append(tensor if const.handle is tensor else _emitted(value.name, const))
+        kept.append(tensor if const.handle is tensor else _emitted(value.name, const, deferred))
         emitted.add(tensor.name)
     for name, value in graph.initializers.items():
         if name not in emitted:
             const = _data(value)
-            kept.append(const.handle if const.handle is not None else _emitted(name, const))
+            kept.append(const.handle if const.handle is not None
+                        else _emitted(name, const, deferred))
     del proto.initializer[:]
     proto.initializer.extend(kept)
 
@@ -135,20 +187,18 @@ def _emit_graph(graph: Graph, cast_takes_string: bool = False) -> None:
         proto.value_info.extend(kept_info)
 
 
-def emit_onnx(model: Model) -> onnx.ModelProto:
-    """Write the IR back into its ModelProto (inner graphs first, so copies see final bodies)."""
+def emit_onnx(model: Model, deferred: dict[str, LazyTensor] | None = None) -> onnx.ModelProto:
+    """Write the IR back into its ModelProto (inner graphs first, so copies see final bodies).
+
+    With `deferred` (a dict to fill), initializers that stream from the input's external data
+    (weights converted as they are read) are left without data for `save_onnx` to write a
+    chunk at a time; without it, every initializer holds its data.
+    """
     opset = next((imp.version for imp in model.handle.opset_import
                   if imp.domain in ("", "ai.onnx")), 0)
     for graph in reversed(list(model.graph.walk_graphs())):
-        _emit_graph(graph, cast_takes_string=opset < 6)  # Cast-1's `to` is a type name
+        _emit_graph(graph, opset, deferred)
     return model.handle
-
-
-def _default_file_mode() -> int:
-    """The mode a plain new file gets under the current umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 def has_external_data(model: onnx.ModelProto) -> bool:
@@ -156,30 +206,300 @@ def has_external_data(model: onnx.ModelProto) -> bool:
     return any(t.data_location == onnx.TensorProto.EXTERNAL for t in all_tensors(model.graph))
 
 
-def save_onnx(model: onnx.ModelProto, path: str | os.PathLike,
-              source_dir: str | os.PathLike | None = None, external: bool | None = None) -> None:
-    """Write `model` to `path` atomically (temporary file, then rename).
+#: Initializers of this size or more go to the external data file: onnx's own default, measured
+#: as onnx measures it (`sys.getsizeof` of the raw bytes), so outputs match `onnx.save_model`'s.
+EXTERNAL_DATA_THRESHOLD = 1024
 
-    Tensors stored externally in the input (relative to `source_dir`) are read and written next to
-    the output as `<name>.data`; so is everything when the model is too big for one protobuf.
+
+def deferred_bytes(deferred: dict[str, LazyTensor] | None) -> int:
+    """Bytes the deferred tensors will write."""
+    return sum(tensor.nbytes for tensor in (deferred or {}).values())
+
+
+def save_onnx(model: onnx.ModelProto, path: str | os.PathLike,
+              source_dir: str | os.PathLike | None = None, external: bool | None = None, *,
+              layout: str | None = None, threshold: int = EXTERNAL_DATA_THRESHOLD,
+              deferred: dict[str, LazyTensor] | None = None,
+              progress: Callable[[int], None] | None = None) -> None:
+    """Write `model` to `path`, and with external data its tensors beside it.
+
+    `layout` (`EXTERNAL_LAYOUTS`; by default `single` when `external` is true: the model has
+    external data or is over 2 GiB, else `inline`): with `single` every initializer of
+    `threshold` bytes or more (as onnx counts them) goes to `<name>.data`, with `per-tensor` each
+    to its own `<name>.<n>.data`; the others (and tensors in attributes) stay in the model. Data
+    the input keeps in external files (relative to `source_dir`) is copied a byte range at a
+    time, and the `deferred` tensors (`emit_onnx`) are converted and written a chunk at a time,
+    so no more than a chunk of the weights is ever in memory. `inline` puts everything in the
+    model, which protobuf limits to 2 GiB. `progress` is told the bytes of each data write.
+
+    `path` is written in place: callers write into the private folder of an
+    `OutputTransaction`, which moves the model and its data files into place together.
     """
     path = Path(path)
-    out_dir = path.parent if str(path.parent) else Path(".")
-    if not out_dir.is_dir():
-        raise AmpError(f"{path}: output folder {out_dir} does not exist")
-    if external is None:
-        external = has_external_data(model) or model.ByteSize() > PROTOBUF_LIMIT
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".amp-rewriter-") as tmp:
-        tmp_model = Path(tmp) / path.name
-        if external:
-            if source_dir is not None:
-                external_data_helper.load_external_data_for_model(model, str(source_dir))
-            data_name = path.name + ".data"
-            onnx.save_model(model, str(tmp_model), save_as_external_data=True,
-                            all_tensors_to_one_file=True, location=data_name,
-                            size_threshold=1024, convert_attribute=False)
-            os.chmod(Path(tmp) / data_name, _default_file_mode())  # onnx writes it 0600
-            os.replace(Path(tmp) / data_name, out_dir / data_name)
+    base = Path(source_dir) if source_dir is not None else None
+    deferred = deferred or {}
+    if layout is None:
+        if external is None:
+            external = (has_external_data(model)
+                        or model.ByteSize() + deferred_bytes(deferred) > PROTOBUF_LIMIT)
+        layout = "single" if external else "inline"
+    if layout not in EXTERNAL_LAYOUTS:
+        raise AmpError(f"unknown external-data layout {layout!r} (expected "
+                       f"{', '.join(EXTERNAL_LAYOUTS)})")
+    try:
+        for tensor in _attribute_tensors(model):  # onnx keeps these in the model
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                _load_inline(tensor, base, deferred)
+        if layout == "inline":
+            for tensor in _initializers(model.graph):
+                if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                    _load_inline(tensor, base, deferred)
+            size = model.ByteSize()
+            if size > PROTOBUF_LIMIT:
+                raise AmpError(f"--external-data inline: the model would be {size} bytes, over "
+                               f"protobuf's 2 GiB limit; use single or per-tensor")
         else:
-            tmp_model.write_bytes(model.SerializeToString(deterministic=True))
-        os.replace(tmp_model, path)
+            with _DataFiles(path, layout, progress) as files:
+                for tensor in _initializers(model.graph):
+                    _place(tensor, files, base, threshold, deferred)
+        data = model.SerializeToString(deterministic=True)
+        with open(path, "wb") as handle:
+            handle.write(data)
+    except OSError as exc:
+        raise AmpError(f"cannot write the output {path.name} ({exc.strerror or exc})") from None
+    os.chmod(path, default_file_mode())
+
+
+def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every initializer, in the order onnx's external-data helpers write them: a graph's own,
+    then its nodes' subgraphs' depth first."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _initializers(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    yield from _initializers(sub)
+
+
+def _attribute_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """The tensors in node attributes (Constant values, ...), local functions' included."""
+    bodies = [g for g in walk_graph_protos(model.graph)]
+    for nodes in [g.node for g in bodies] + [f.node for f in model.functions]:
+        for node in nodes:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+
+
+def _deferred_tensor(tensor: onnx.TensorProto, deferred: dict[str, LazyTensor]
+                     ) -> LazyTensor | None:
+    location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+    if not location.startswith(_DEFERRED):
+        return None
+    return deferred[location[len(_DEFERRED):]]
+
+
+def _load_inline(tensor: onnx.TensorProto, base: Path | None,
+                 deferred: dict[str, LazyTensor]) -> None:
+    """Put an external (or deferred) tensor's data into the proto, as onnx's loader does."""
+    lazy = _deferred_tensor(tensor, deferred)
+    if lazy is not None:
+        tensor.CopyFrom(_tensor_proto(tensor.name, lazy))
+        return
+    if base is None:
+        raise AmpError(f"tensor {tensor.name!r} has external data, but the model was not given "
+                       f"as a file path")
+    external_data_helper.load_external_data_for_tensor(tensor, str(base))
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    del tensor.external_data[:]
+
+
+def _goes_external(nbytes: int, threshold: int) -> bool:
+    """Whether a tensor of `nbytes` bytes goes to the data file (onnx counts `sys.getsizeof`
+    of the bytes object: the bytes and Python's object header)."""
+    return sys.getsizeof(b"") + nbytes >= threshold
+
+
+def _place(tensor: onnx.TensorProto, files: _DataFiles, base: Path | None, threshold: int,
+           deferred: dict[str, LazyTensor]) -> None:
+    """Write one initializer's data to its data file (or keep it in the model when small)."""
+    lazy = _deferred_tensor(tensor, deferred)
+    if lazy is not None:
+        if not _goes_external(lazy.nbytes, threshold):
+            tensor.CopyFrom(_tensor_proto(tensor.name, lazy))
+            return
+        tensor.CopyFrom(_header(tensor.name, lazy))
+        location, offset = files.open_for(tensor)
+        for chunk in _converted_chunks(lazy):
+            files.write(np.ascontiguousarray(chunk).view(np.uint8).data)
+        _set_location(tensor, location, offset, files.end() - offset)
+    elif tensor.data_location == onnx.TensorProto.EXTERNAL:
+        assert base is not None  # the loader refused external data without a folder
+        source, source_offset, length = external_range(tensor, base)
+        if not _goes_external(length, threshold):
+            _load_inline(tensor, base, deferred)
+            return
+        location, offset = files.open_for(tensor)
+        files.copy_range(source, source_offset, length)
+        _set_location(tensor, location, offset, length)
+    elif tensor.HasField("raw_data") and _goes_external(len(tensor.raw_data), threshold):
+        location, offset = files.open_for(tensor)
+        files.write(memoryview(tensor.raw_data))
+        length = len(tensor.raw_data)
+        tensor.ClearField("raw_data")
+        _set_location(tensor, location, offset, length)
+
+
+def _converted_chunks(lazy: LazyTensor) -> Iterator[np.ndarray]:
+    """A deferred tensor's values a chunk at a time; an fp16 conversion goes through
+    onnxruntime's Cast (a vectorized cast, many times numpy's scalar one), with the same bits as
+    numpy's (`_fp16_chunk`)."""
+    cast = _ort_fp16_cast() if lazy.conversion is not None and lazy.dtype == "float16" else None
+    if cast is None or lazy.conversion is None:
+        yield from lazy.chunks()
+        return
+    source, clamp = lazy.conversion
+    for chunk in source.chunks():
+        yield _fp16_chunk(np.asarray(chunk, np.float32), clamp, cast)
+
+
+def _fp16_chunk(chunk: np.ndarray, clamp: bool,
+                cast: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """`convert_array(chunk, "float16", clamp)` through `cast`. Finite values and infinities
+    round the same in both (IEEE round to nearest even); NaNs, whose payload bits a hardware
+    cast may change, are converted by numpy."""
+    if clamp:
+        limit = FINITE_MAX["float16"]
+        chunk = np.where(np.isfinite(chunk), np.clip(chunk, -limit, limit), chunk)
+    result = cast(chunk)
+    nans = np.isnan(chunk)
+    if nans.any():
+        result[nans] = chunk[nans].astype(np.float16)
+    return result
+
+
+@cache
+def _ort_fp16_cast() -> Callable[[np.ndarray], np.ndarray] | None:
+    """onnxruntime's Cast to float16 on one thread, as a function of a flat float32 array;
+    None without onnxruntime."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["y"], to=onnx.TensorProto.FLOAT16)], "cast",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT16, ["n"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 7
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+
+    def cast(values: np.ndarray) -> np.ndarray:
+        return session.run(None, {"x": values.reshape(-1)})[0]
+    return cast
+
+
+def _set_location(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """The entries onnx's `set_external_data` writes, in its order."""
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+class _DataFiles:
+    """The data file(s) beside an output model, written sequentially (no alignment padding,
+    as onnx's helpers write them)."""
+
+    def __init__(self, model_path: Path, layout: str,
+                 progress: Callable[[int], None] | None):
+        self.folder = model_path.parent
+        self.name = model_path.name
+        self.layout = layout
+        self.progress = progress
+        self.count = 0
+        self.fd: int | None = None
+        self.location = ""
+        self.offset = 0
+
+    def __enter__(self) -> _DataFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+
+    def open_for(self, tensor: onnx.TensorProto) -> tuple[str, int]:
+        """(location, offset) where `tensor`'s data starts."""
+        if self.fd is None or self.layout == "per-tensor":
+            self._close()
+            self.location = (f"{self.name}.data" if self.layout == "single"
+                             else f"{self.name}.{self.count}.data")
+            path = self.folder / self.location
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                              default_file_mode())
+            self.offset = 0
+        self.count += 1
+        return self.location, self.offset
+
+    def end(self) -> int:
+        """The offset the next write goes to."""
+        return self.offset
+
+    def write(self, data: memoryview) -> None:
+        assert self.fd is not None
+        view = data.cast("B")
+        while view:
+            written = os.write(self.fd, view)
+            view = view[written:]
+            self.offset += written
+            if self.progress is not None:
+                self.progress(written)
+
+    def copy_range(self, source: Path, offset: int, length: int) -> None:
+        """Append `length` bytes of `source` from `offset`, in the kernel where it can
+        (`os.copy_file_range`), else through a buffer a chunk at a time."""
+        assert self.fd is not None
+        label = f"external data file {source.name!r}"
+        fd, _ = open_input(source, label)
+        in_kernel = getattr(os, "copy_file_range", None)  # Linux only
+        try:
+            left = length
+            while left > 0:
+                step = min(left, tensors.CHUNK_BYTES)
+                copied = -1
+                try:
+                    if in_kernel is not None:
+                        copied = in_kernel(fd, self.fd, step, offset)
+                except OSError as exc:
+                    if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL,
+                                         errno.EOPNOTSUPP):
+                        raise
+                    in_kernel = None
+                if copied < 0:  # no in-kernel copy here: read and write
+                    data = pread_exact(fd, step, offset, label)
+                    self.write(memoryview(data))
+                    copied = len(data)
+                elif copied == 0:
+                    raise AmpError(f"{label}: ends before offset {offset + left} (was it changed "
+                                   f"during the run?)")
+                else:
+                    self.offset += copied
+                    if self.progress is not None:
+                        self.progress(copied)
+                offset += copied
+                left -= copied
+        finally:
+            os.close(fd)

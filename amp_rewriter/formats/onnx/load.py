@@ -1,27 +1,35 @@
 """ONNX ModelProto -> IR.
 
-Type groups come from the op schema's type constraints at the model's opset; If/Loop/Scan get
-groups that tie their outer slots to their bodies' inputs and outputs. Dtypes come from our own
-inference over the schemas; shape inference and existing value_info only fill what that cannot
-decide, so no correctness depends on them.
+Type groups come from the op schema's type constraints at the model's opset: onnx's schemas, else
+onnxruntime's (its contrib ops, see `ort_registry`). If/Loop/Scan get groups that tie their outer
+slots to their bodies' inputs and outputs. Dtypes come from our own inference over the schemas;
+shape inference and existing value_info only fill what that cannot decide, so no correctness
+depends on them.
 """
 
 from __future__ import annotations
 
+import ast
+import math
+import mmap
 import os
-from collections.abc import Iterator, Sequence
+import stat
+import sys
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import external_data_helper, numpy_helper
 
 from ...errors import AmpError
-from ...fileio import read_input_bytes
-from ...ir import FLOAT32, Graph, LazyTensor, Model, Node, TypeGroup, Value
-from .rules import ATTRIBUTE_TYPED_OUTPUTS, CONTROL_FLOW_OPS, FIXED_TYPE_PARAMS
+from ...fileio import non_regular_kind, open_input, pread_exact, read_input_bytes
+from ...ir import FLOAT32, Graph, LazyTensor, Model, Node, TypeGroup, Value, tensors
+from ...ir.tensors import ChunkReader
+from . import ort_registry
+from .rules import ATTRIBUTE_TYPED_OUTPUTS, CONTROL_FLOW_OPS, FIXED_TYPE_PARAMS, TIED_TYPE_PARAMS
 
 #: 2 GiB: the protobuf limit on one serialized message.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -35,7 +43,10 @@ def dtype_name(elem_type: int) -> str | None:
     """Our dtype name for an ONNX TensorProto elem_type code (None for UNDEFINED)."""
     if not elem_type:
         return None
-    name = onnx.TensorProto.DataType.Name(elem_type)
+    try:
+        name = onnx.TensorProto.DataType.Name(elem_type)
+    except ValueError:
+        raise AmpError(f"the model uses an unknown ONNX data type ({elem_type})") from None
     return _ELEM_TYPE_NAMES.get(name, name.lower())
 
 
@@ -56,20 +67,19 @@ def _type_str_dtype(type_str: str) -> str | None:
 
 
 class _Formal:
-    """How a schema's formal inputs/outputs map onto a node's slots."""
+    """How a schema's formal inputs/outputs map onto a node's slots.
 
-    __slots__ = ("inputs", "outputs", "constraints", "has_containers")
+    Takes onnx's `OpSchema` or onnxruntime's schema object (contrib ops): the two spell their
+    formal parameters' fields differently (`type_str` / `typeStr`, `is_homogeneous` /
+    `isHomogeneous`) but mean the same.
+    """
 
-    def __init__(self, schema: onnx.defs.OpSchema):
-        def formals(params: Sequence[Any]) -> list[tuple[str, bool, bool]]:
-            result = []
-            for p in params:
-                variadic = p.option == onnx.defs.OpSchema.FormalParameterOption.Variadic
-                result.append((p.type_str, variadic, bool(getattr(p, "is_homogeneous", True))))
-            return result
+    __slots__ = ("inputs", "outputs", "constraints", "has_containers", "since_version")
 
-        self.inputs = formals(schema.inputs)
-        self.outputs = formals(schema.outputs)
+    def __init__(self, schema: Any):
+        self.inputs = [_formal_param(p) for p in schema.inputs]
+        self.outputs = [_formal_param(p) for p in schema.outputs]
+        self.since_version = int(schema.since_version)
         self.constraints: dict[str, frozenset[str]] = {}
         for constraint in schema.type_constraints:
             allowed = {_type_str_dtype(t) for t in constraint.allowed_type_strs}
@@ -82,7 +92,7 @@ class _Formal:
         self.has_containers = schema.name.startswith(("Sequence", "Optional")) or any(
             all(t.startswith(containers) for t in c.allowed_type_strs)
             for c in schema.type_constraints) or any(
-            p.type_str.startswith(containers) for p in list(schema.inputs) + list(schema.outputs))
+            type_str.startswith(containers) for type_str, _, _ in self.inputs + self.outputs)
 
     def slot_params(self, formals: list[tuple[str, bool, bool]], count: int
                     ) -> list[tuple[str, bool]]:
@@ -104,44 +114,226 @@ def _group_plan(formal: _Formal, op_type: str, inputs: int, outputs: int
                 ) -> tuple[tuple[bool, int, str, str], ...]:
     """(is_input, slot, group key, type param) for every slot bound to a type constraint.
 
-    Homogeneous params share one group per type param; heterogeneous variadic slots get one each.
+    Homogeneous params share one group per type param; heterogeneous variadic slots get one each;
+    params the rules tie (`TIED_TYPE_PARAMS`) join the group of the param they are tied to.
     """
     plan = []
+    tied = TIED_TYPE_PARAMS.get(op_type, {})
     for is_input, formals, count in ((True, formal.inputs, inputs),
                                      (False, formal.outputs, outputs)):
         for slot, (type_str, homogeneous) in enumerate(formal.slot_params(formals, count)):
             if type_str not in formal.constraints:
                 continue  # a fixed type such as tensor(int64)
-            key = type_str if homogeneous else f"{type_str}[{'in' if is_input else 'out'}{slot}]"
-            plan.append((is_input, slot, key, type_str))
+            param = tied.get(type_str, type_str) if tied.get(type_str) in formal.constraints \
+                else type_str
+            key = param if homogeneous else f"{param}[{'in' if is_input else 'out'}{slot}]"
+            plan.append((is_input, slot, key, param))
     return tuple(plan)
+
+
+def _formal_param(param: Any) -> tuple[str, bool, bool]:
+    """(type_str, variadic, homogeneous) of one formal input/output, from onnx's or
+    onnxruntime's schema."""
+    type_str = param.type_str if hasattr(param, "type_str") else param.typeStr
+    homogeneous = getattr(param, "is_homogeneous", getattr(param, "isHomogeneous", True))
+    return type_str, param.option.name == "Variadic", bool(homogeneous)
 
 
 @cache
 def _formal(op_type: str, domain: str, opset: int) -> _Formal | None:
+    """The op's schema at the domain's opset: onnx's, else onnxruntime's (contrib ops, and the
+    default-domain ops only onnxruntime defines); None for ops neither knows."""
     try:
-        schema = onnx.defs.get_schema(op_type, opset, domain)
+        return _Formal(onnx.defs.get_schema(op_type, opset, domain))
     except Exception:  # onnx raises SchemaError for unknown ops; any failure means "no schema"
-        return None
-    return _Formal(schema)
+        pass
+    ort_schema = ort_registry.schema(op_type, domain, opset)
+    return _Formal(ort_schema) if ort_schema is not None else None
 
 
-def _check_external_location(tensor: onnx.TensorProto, base_dir: Path) -> None:
-    """Refuse external data that points outside the model's folder (path traversal)."""
+def schema_since_version(op_type: str, domain: str, opset: int) -> int | None:
+    """The version the op's schema at `opset` dates from (kernels are registered by it)."""
+    formal = _formal(op_type, domain, opset)
+    return formal.since_version if formal is not None else None
+
+
+def model_opsets(model: onnx.ModelProto) -> dict[str, int]:
+    """domain -> opset version of a model's imports ("" for the default domain)."""
+    opsets = {(imp.domain or ""): imp.version for imp in model.opset_import}
+    if "ai.onnx" in opsets:
+        opsets.setdefault("", opsets["ai.onnx"])
+    return opsets
+
+
+def _external_path(tensor: onnx.TensorProto, base_dir: Path) -> Path:
+    """The file holding a tensor's external data: a regular file inside the model's folder
+    (path traversal, links out of the folder, FIFOs and devices are refused)."""
     location = next((e.value for e in tensor.external_data if e.key == "location"), None)
     if location is None:
         raise AmpError(f"tensor {tensor.name!r} is marked external but has no location")
-    if os.path.isabs(location) or location.startswith(("\\", "/")) or ":" in location:
+    if os.path.isabs(location) or location.startswith(("\\", "/")) or ":" in location \
+            or "\0" in location:
         raise AmpError(f"tensor {tensor.name!r}: external data location {location!r} is not "
                        f"a relative path inside the model's folder")
-    resolved = (base_dir / location).resolve()
     try:
+        resolved = (base_dir / location).resolve()
         resolved.relative_to(base_dir.resolve())
+    except (OSError, RuntimeError):  # a symlink loop
+        raise AmpError(f"tensor {tensor.name!r}: external data location {location!r} cannot be "
+                       f"resolved (a symlink loop?)") from None
     except ValueError:
         raise AmpError(f"tensor {tensor.name!r}: external data location {location!r} points "
                        f"outside the model's folder") from None
-    if not resolved.is_file():
-        raise AmpError(f"tensor {tensor.name!r}: external data file {location!r} not found")
+    try:
+        mode = resolved.stat().st_mode
+    except OSError:
+        raise AmpError(f"tensor {tensor.name!r}: external data file {location!r} not "
+                       f"found") from None
+    if not stat.S_ISREG(mode):
+        kind = non_regular_kind(mode) or "a directory"
+        raise AmpError(f"tensor {tensor.name!r}: external data file {location!r} is {kind}, "
+                       f"not a regular file")
+    return resolved
+
+
+_T = onnx.TensorProto
+_INT, _FLOAT, _TENSOR, _GRAPH, _GRAPHS = (onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT,
+                                          onnx.AttributeProto.TENSOR, onnx.AttributeProto.GRAPH,
+                                          onnx.AttributeProto.GRAPHS)
+#: Bits per element of each data type whose stored size we check.
+_BITS: dict[int, int] = {
+    _T.FLOAT: 32, _T.UINT8: 8, _T.INT8: 8, _T.UINT16: 16, _T.INT16: 16, _T.INT32: 32,
+    _T.INT64: 64, _T.BOOL: 8, _T.FLOAT16: 16, _T.DOUBLE: 64, _T.UINT32: 32, _T.UINT64: 64,
+    _T.COMPLEX64: 64, _T.COMPLEX128: 128, _T.BFLOAT16: 16, _T.FLOAT8E4M3FN: 8,
+    _T.FLOAT8E4M3FNUZ: 8, _T.FLOAT8E5M2: 8, _T.FLOAT8E5M2FNUZ: 8, _T.UINT4: 4, _T.INT4: 4}
+#: The typed field each data type's values live in, and how many entries one element takes
+#: (packed 4-bit types are left to onnx).
+_FIELDS: dict[int, tuple[str, int]] = {
+    _T.FLOAT: ("float_data", 1), _T.COMPLEX64: ("float_data", 2), _T.DOUBLE: ("double_data", 1),
+    _T.COMPLEX128: ("double_data", 2), _T.INT64: ("int64_data", 1),
+    _T.UINT32: ("uint64_data", 1), _T.UINT64: ("uint64_data", 1), _T.STRING: ("string_data", 1),
+    **{t: ("int32_data", 1) for t in (_T.INT32, _T.INT16, _T.INT8, _T.UINT16, _T.UINT8, _T.BOOL,
+                                      _T.FLOAT16, _T.BFLOAT16, _T.FLOAT8E4M3FN,
+                                      _T.FLOAT8E4M3FNUZ, _T.FLOAT8E5M2, _T.FLOAT8E5M2FNUZ)}}
+
+
+def _external_int(tensor: onnx.TensorProto, key: str) -> int | None:
+    value = next((e.value for e in tensor.external_data if e.key == key), None)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise AmpError(f"tensor {tensor.name!r}: external data {key} {value!r} is not a "
+                       f"non-negative integer")
+    return int(value)
+
+
+def check_tensor_data(tensor: onnx.TensorProto, base_dir: Path | None) -> None:
+    """Refuse a tensor whose data does not match its declared shape and type, before anything
+    reads it: numpy would fail on the mismatch, and a declared shape must never decide how much
+    memory is used (it is checked against the bytes the file or its external data holds)."""
+    where = f"tensor {tensor.name!r}"
+    dims = list(tensor.dims)
+    if any(d < 0 for d in dims):
+        raise AmpError(f"{where}: negative dimension in its shape {dims}")
+    if tensor.HasField("segment"):
+        raise AmpError(f"{where}: segmented tensors are not supported")
+    if tensor.data_type not in onnx.TensorProto.DataType.values() or not tensor.data_type:
+        raise AmpError(f"{where}: unknown data type {tensor.data_type}")
+    elements = math.prod(dims)
+    bits = _BITS.get(tensor.data_type)
+    expected_bytes = (elements * bits + 7) // 8 if bits is not None else None
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        assert base_dir is not None  # refused earlier otherwise
+        path = _external_path(tensor, base_dir)
+        offset = _external_int(tensor, "offset") or 0
+        length = _external_int(tensor, "length")
+        size = path.stat().st_size
+        available = size - offset
+        if offset > size:
+            raise AmpError(f"{where}: external data offset {offset} is past the end of its file "
+                           f"({size} bytes)")
+        if length is not None and length > available:
+            raise AmpError(f"{where}: external data length {length} at offset {offset} runs past "
+                           f"the end of its file ({size} bytes)")
+        stored = length if length is not None else available
+        if expected_bytes is not None and stored != expected_bytes:
+            raise AmpError(f"{where}: its shape {dims} needs {expected_bytes} bytes of external "
+                           f"data, the file gives {stored}")
+        return
+    if tensor.raw_data:
+        if expected_bytes is not None and len(tensor.raw_data) != expected_bytes:
+            raise AmpError(f"{where}: raw_data holds {len(tensor.raw_data)} bytes, its shape "
+                           f"{dims} needs {expected_bytes}")
+        return
+    field = _FIELDS.get(tensor.data_type)
+    if field is None:
+        return
+    name, per_element = field
+    count = len(getattr(tensor, name))
+    if count != elements * per_element:
+        raise AmpError(f"{where}: holds {count} value entries, its shape {dims} of "
+                       f"{elements} elements needs {elements * per_element}")
+
+
+def load_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
+    """Read every external tensor of `model` into the model (after the loader's own checks on
+    where the data lives), so the model can be copied, rewritten and run from memory."""
+    tensors = [t for t in all_tensors(model.graph)
+               if t.data_location == onnx.TensorProto.EXTERNAL]
+    for tensor in tensors:
+        check_tensor_data(tensor, base_dir)
+    try:
+        external_data_helper.load_external_data_for_model(model, str(base_dir))
+    except Exception as exc:  # onnx raises several types for data that does not fit its file
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AmpError(f"cannot read the model's external data: {detail}") from None
+
+
+def external_range(tensor: onnx.TensorProto, base_dir: Path) -> tuple[Path, int, int]:
+    """(file, offset, length) of an external tensor's bytes, checked as `check_tensor_data`
+    checks them (a file inside the model's folder, the range within it)."""
+    path = _external_path(tensor, base_dir)
+    offset = _external_int(tensor, "offset") or 0
+    length = _external_int(tensor, "length")
+    if length is None:
+        length = path.stat().st_size - offset
+    return path, offset, length
+
+
+def _chunk_reader(tensor: onnx.TensorProto, base_dir: Path) -> ChunkReader:
+    """Reads an external float32 tensor a chunk (`tensors.CHUNK_BYTES`) at a time."""
+    def read() -> Iterator[np.ndarray]:
+        path, offset, length = external_range(tensor, base_dir)
+        label = f"tensor {readable(tensor.name)!r}: external data file {path.name!r}"
+        fd, size = open_input(path, label)
+        try:
+            if offset + length > size:
+                raise AmpError(f"{label}: ends before offset {offset + length} (was it changed "
+                               f"during the run?)")
+            step = max(4, tensors.CHUNK_BYTES // 4 * 4)
+            for start in range(0, length, step):
+                count = min(step, length - start)
+                if hasattr(mmap, "MAP_SHARED"):
+                    yield _mapped_floats(fd, offset + start, count)
+                else:  # no POSIX mmap flags (Windows): read a copy
+                    yield np.frombuffer(pread_exact(fd, count, offset + start, label), "<f4")
+        finally:
+            os.close(fd)
+    return read
+
+
+def _mapped_floats(fd: int, offset: int, count: int) -> np.ndarray:
+    """`count` bytes of an open file from `offset` as float32 values, mapped rather than copied
+    (the page cache's pages themselves); unmapped when the array is dropped, so only the chunks
+    in use count in the process's memory."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(fd, offset + count - start, flags=mmap.MAP_SHARED | _POPULATE,
+                       prot=mmap.PROT_READ, offset=start)
+    return np.frombuffer(mapped, dtype="<f4", count=count // 4, offset=offset - start)
+
+
+#: Map pages in at once (Linux): one call instead of a fault per page.
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _tensor_loader(tensor: onnx.TensorProto, base_dir: Path | None):
@@ -153,9 +345,49 @@ def _tensor_loader(tensor: onnx.TensorProto, base_dir: Path | None):
 
 
 def lazy_tensor(tensor: onnx.TensorProto, base_dir: Path | None) -> LazyTensor:
-    """Wrap a TensorProto without reading its (possibly external) data."""
+    """Wrap a TensorProto without reading its (possibly external) data; an external float32
+    tensor streams (range checks and conversion read it a chunk at a time)."""
+    streams = (tensor.data_type == onnx.TensorProto.FLOAT
+               and tensor.data_location == onnx.TensorProto.EXTERNAL)
     return LazyTensor(dtype_name(tensor.data_type) or "undefined", tuple(tensor.dims),
-                      _tensor_loader(tensor, base_dir), handle=tensor)
+                      _tensor_loader(tensor, base_dir), handle=tensor,
+                      reader=(_chunk_reader(tensor, base_dir)
+                              if streams and base_dir is not None else None))
+
+
+def readable(name: str | bytes) -> str:
+    """A name as text: protobuf hands over a string that is not valid UTF-8 as bytes; its bad
+    bytes are shown as \\xNN escapes (the model itself keeps the original bytes)."""
+    return name.decode("utf-8", "backslashreplace") if isinstance(name, bytes) else name
+
+
+#: Node metadata where torch's dynamo exporter records the modules a node comes from: a Python
+#: list of scope names (`['', 'model', 'model.encoder', ..., 'view_1']`), and the same path as
+#: `: Cls/model: Cls/.../view_1: aten.view.default`.
+_NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+_NAMESPACE_KEY = "namespace"
+#: Longer metadata is not parsed (a real scope list is a few hundred characters).
+_MAX_SCOPE_METADATA = 1 << 16
+
+
+def module_scopes(proto: onnx.NodeProto) -> tuple[str, ...]:
+    """The module paths an exporter recorded for a node, outermost first, without the root ("")
+    and the node's own op entry: ("model", "model.encoder", "model.encoder.layer.0", ...)."""
+    props = {readable(p.key): readable(p.value) for p in proto.metadata_props}
+    scopes: list[str] = []
+    text = props.get(_NAME_SCOPES_KEY, "")
+    if text and len(text) <= _MAX_SCOPE_METADATA:
+        try:
+            parsed = ast.literal_eval(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            parsed = None
+        if isinstance(parsed, list) and all(isinstance(item, str) for item in parsed):
+            scopes = parsed[:-1]
+    if not scopes:
+        text = props.get(_NAMESPACE_KEY, "")
+        if text and len(text) <= _MAX_SCOPE_METADATA:
+            scopes = [part.split(": ", 1)[0] for part in text.split("/")][:-1]
+    return tuple(scope for scope in scopes if scope)
 
 
 def read_model_file(path: str | os.PathLike) -> onnx.ModelProto:
@@ -208,9 +440,7 @@ class OnnxLoader:
     def __init__(self, model: onnx.ModelProto, base_dir: Path | None):
         self.model = model
         self.base_dir = base_dir
-        self.opsets = {(imp.domain or ""): imp.version for imp in model.opset_import}
-        if "ai.onnx" in self.opsets:
-            self.opsets.setdefault("", self.opsets["ai.onnx"])
+        self.opsets = model_opsets(model)
         self.local_functions = {(f.domain, f.name) for f in model.functions}
         self.hints: dict[str, tuple[str | None, tuple | None]] = {}
         self.ir_model = self._new_model()
@@ -248,7 +478,7 @@ class OnnxLoader:
                 if self.base_dir is None:
                     raise AmpError(f"tensor {tensor.name!r} has external data, but the model was "
                                    f"not given as a file path")
-                _check_external_location(tensor, self.base_dir)
+            check_tensor_data(tensor, self.base_dir)
         self._collect_hints()
         self._load_graph(self.model.graph, self.ir_model.graph)
         if self._has_unknown_dtypes():
@@ -315,9 +545,14 @@ class OnnxLoader:
             graph.add_output(value)
 
     def _load_node(self, proto: onnx.NodeProto, graph: Graph, index: int) -> Node:
-        name = proto.name or self.ir_model.unique_name(f"{proto.op_type}_{index}")
-        node = Node(name, proto.op_type, proto.domain, graph)
+        # Interned: protobuf hands out a new string per read, and a million nodes share a few
+        # dozen op types.
+        op_type, domain = sys.intern(proto.op_type), sys.intern(proto.domain)
+        name = readable(proto.name) or self.ir_model.unique_name(f"{op_type}_{index}")
+        node = Node(name, op_type, domain, graph)
         node.handle = proto
+        if proto.metadata_props:
+            node.scopes = module_scopes(proto)
         node.order = self.order
         self.order += 1
         self.ir_model.used_names.add(name)
@@ -332,25 +567,26 @@ class OnnxLoader:
                                f"missing graph input)")
             node.add_input(value)
         for attr in proto.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
+            kind = attr.type
+            if kind == _INT:
+                node.set_attr(attr.name, attr.i)
+            elif kind == _FLOAT:
+                node.set_attr(attr.name, attr.f)
+            elif kind == _TENSOR:
+                node.set_attr(attr.name, lazy_tensor(attr.t, self.base_dir))
+            elif kind == _GRAPH:
                 sub = Graph(f"{name}/{attr.name}", parent=graph, owner=node)
                 self._load_graph(attr.g, sub)
-                node.subgraphs[attr.name] = sub
-            elif attr.type == onnx.AttributeProto.GRAPHS:
+                node.add_subgraph(attr.name, sub)
+            elif kind == _GRAPHS:
                 raise AmpError(f"node {name!r}: graph-list attributes are not supported")
-            elif attr.type == onnx.AttributeProto.TENSOR:
-                node.attrs[attr.name] = lazy_tensor(attr.t, self.base_dir)
-            elif attr.type == onnx.AttributeProto.INT:
-                node.attrs[attr.name] = attr.i
-            elif attr.type == onnx.AttributeProto.FLOAT:
-                node.attrs[attr.name] = attr.f
         for output_name in proto.output:
             if not output_name:
                 node.add_output(None)
                 continue
             value = self._new_value(graph, output_name)
             node.add_output(value)
-            if proto.op_type == "Constant" and "value" in node.attrs:
+            if op_type == "Constant" and "value" in node.attrs:
                 value.const = node.attrs["value"]
         self._build_type_groups(node)
         self._infer_output_dtypes(node)
@@ -398,14 +634,14 @@ class OnnxLoader:
 
     def _control_flow_groups(self, node: Node) -> None:
         """Tie each loop-carried / branch / scan value to one group across the body boundary."""
-
+        self._check_bodies(node)
         cast_formal = _formal("Cast", "", self.opsets.get("", 0))
         castable = cast_formal.constraints.get("T2") if cast_formal is not None else None
 
         def add(name: str, inputs: list[int], outputs: list[int], defs: list[Value],
                 uses: list[tuple[Graph, int]]) -> None:
             group = TypeGroup(node, name, list(inputs), list(outputs), allowed=castable,
-                              inner_defs=defs, inner_uses=uses)
+                              inner_defs=tuple(defs), inner_uses=tuple(uses))
             node.type_groups.append(group)
             for slot in inputs:
                 node.input_group[slot] = group
@@ -435,6 +671,40 @@ class OnnxLoader:
                 add(f"scan_in{j}", [first + states + j], [], [body.inputs[states + j]], [])
             for k in range(len(node.outputs) - states):
                 add(f"scan_out{k}", [], [states + k], [], [(body, states + k)])
+
+    def _check_bodies(self, node: Node) -> None:
+        """Refuse an If/Loop/Scan whose bodies do not have the inputs and outputs its own slots
+        call for (the groups tie each slot to a body value)."""
+        where = f"node {node.name!r} ({node.op_type})"
+
+        def body(name: str, inputs: int | None, outputs: int) -> None:
+            graph = node.subgraphs.get(name)
+            if graph is None:
+                raise AmpError(f"{where}: has no {name} graph")
+            if inputs is not None and len(graph.inputs) != inputs:
+                raise AmpError(f"{where}: its {name} has {len(graph.inputs)} input(s), the node "
+                               f"calls for {inputs}")
+            if len(graph.outputs) != outputs:
+                raise AmpError(f"{where}: its {name} has {len(graph.outputs)} output(s), the "
+                               f"node calls for {outputs}")
+
+        if node.op_type == "If":
+            body("then_branch", None, len(node.outputs))
+            body("else_branch", None, len(node.outputs))
+        elif node.op_type == "Loop":
+            carried = len(node.inputs) - 2
+            if carried < 0 or len(node.outputs) < carried:
+                raise AmpError(f"{where}: {len(node.inputs)} input(s) and {len(node.outputs)} "
+                               f"output(s) do not make a loop")
+            body("body", len(node.inputs), 1 + len(node.outputs))
+        else:
+            first = 1 if self.opsets.get("", 0) < 9 else 0
+            scan_inputs = int(node.attrs.get("num_scan_inputs", 0))
+            states = len(node.inputs) - first - scan_inputs
+            if scan_inputs < 0 or states < 0 or len(node.outputs) < states:
+                raise AmpError(f"{where}: num_scan_inputs {scan_inputs} does not fit its "
+                               f"{len(node.inputs)} input(s) and {len(node.outputs)} output(s)")
+            body("body", states + scan_inputs, len(node.outputs))
 
     # -- dtypes -----------------------------------------------------------------------------
     def _infer_output_dtypes(self, node: Node) -> None:

@@ -1,13 +1,39 @@
-"""Run an fp32 ONNX model and its converted version in onnxruntime (CPU) on the same inputs."""
+"""Run an fp32 ONNX model and its converted version in onnxruntime on the same inputs.
+
+On the CPU provider, the low-precision ops it has no kernel for (fused contrib ops in fp16,
+nearly everything in bf16) are emulated (`emulate_low_precision`), and each output says how it
+was computed; `device="cuda"` runs the converted model on the CUDA provider instead.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnx
 
+from ... import progress
 from ...errors import AmpError
-from ...validation import OutputComparison, compare_outputs
-from .load import load_onnx, walk_graph_protos
+from ...ir import Graph, Node, TypeGroup, Value
+from ...validation import EMULATED, OutputComparison, check_random_shape, compare_outputs
+from . import ort_registry
+from .load import (
+    PROTOBUF_LIMIT,
+    all_tensors,
+    load_external_data,
+    load_onnx,
+    model_opsets,
+    read_model_file,
+    schema_since_version,
+    walk_graph_protos,
+)
+from .rules import CONTROL_FLOW_OPS
 
 _NUMPY_OF_ELEM = {
     onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
@@ -21,16 +47,36 @@ SEQUENCE_DIM_SIZE = 8
 
 
 def _embedding_rows(model: onnx.ModelProto) -> dict[str, int]:
-    """For integer inputs that index an embedding table (Gather on an initializer): its rows."""
+    """For integer inputs that index an embedding table (Gather on an initializer, or
+    onnxruntime's fused EmbedLayerNormalization, through a Cast): its rows."""
     inits = {t.name: t for t in model.graph.initializer}
+    cast_source = {node.output[0]: node.input[0] for node in model.graph.node
+                   if node.op_type == "Cast" and node.input and node.output}
     rows: dict[str, int] = {}
     for node in model.graph.node:
-        if node.op_type == "Gather" and len(node.input) > 1 and node.input[0] in inits:
-            table = inits[node.input[0]]
-            if table.dims:
-                name = node.input[1]
-                rows[name] = min(rows.get(name, table.dims[0]), table.dims[0])
+        if node.op_type == "Gather" and len(node.input) > 1:
+            ids, table_name = node.input[1], node.input[0]
+        elif node.op_type == "EmbedLayerNormalization" and len(node.input) > 2:
+            ids, table_name = node.input[0], node.input[2]
+        else:
+            continue
+        table = inits.get(table_name)
+        if table is not None and table.dims:
+            name = cast_source.get(ids, ids)
+            rows[name] = min(rows.get(name, table.dims[0]), table.dims[0])
     return rows
+
+
+def validation_shape(info: onnx.ValueInfoProto) -> list[int]:
+    """The shape validation feeds a graph input: its fixed dims, and small sizes for symbolic
+    ones (the batch, then sequence-like dims)."""
+    shape = []
+    for position, dim in enumerate(info.type.tensor_type.shape.dim):
+        if dim.HasField("dim_value") and dim.dim_value > 0:
+            shape.append(dim.dim_value)
+        else:
+            shape.append(SYMBOLIC_DIM_SIZE if position == 0 else SEQUENCE_DIM_SIZE)
+    return shape
 
 
 def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
@@ -47,12 +93,8 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray
         if dtype is None:
             raise AmpError(f"input {info.name!r}: cannot make random data of elem_type "
                            f"{tt.elem_type}; pass --inputs")
-        shape = []
-        for index, dim in enumerate(tt.shape.dim):
-            if dim.HasField("dim_value") and dim.dim_value > 0:
-                shape.append(dim.dim_value)
-            else:
-                shape.append(SYMBOLIC_DIM_SIZE if index == 0 else SEQUENCE_DIM_SIZE)
+        shape = validation_shape(info)
+        check_random_shape(info.name, shape)
         lower = info.name.lower()
         if dtype == np.bool_:
             data = rng.random(shape) > 0.5
@@ -70,90 +112,444 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray
     return feeds
 
 
-def _session(model: onnx.ModelProto | str, label: str):
+#: Where `--device` runs the converted model.
+DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+def _session(model: onnx.ModelProto | str | bytes, label: str, device: str = "cpu"):
     import onnxruntime as ort
 
+    provider = DEVICES[device]
+    if provider not in ort.get_available_providers():
+        raise AmpError(f"--device {device}: this onnxruntime has no {provider} (install "
+                       f"onnxruntime-gpu instead of onnxruntime: pip install 'amp-rewriter[gpu]')")
     options = ort.SessionOptions()
     options.log_severity_level = 3
     try:
-        source = model if isinstance(model, str) else model.SerializeToString()
-        return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+        with _model_source(model) as source:
+            session = ort.InferenceSession(source, options, providers=[provider])
     except Exception as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise AmpError(f"onnxruntime cannot load the {label} model: {message}") from None
+    if provider not in session.get_providers():
+        raise AmpError(f"--device {device}: onnxruntime could not start its {provider} (no GPU "
+                       f"visible, or its CUDA libraries are missing)")
+    return session
 
 
-def compare_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto | str,
-                   feeds: dict[str, np.ndarray]) -> list[OutputComparison]:
-    """Run both models on `feeds`; per-output max-abs and relative (max-abs / max|ref|) errors."""
-    ref_session = _session(reference, "fp32")
-    new_session = _session(candidate, "converted")
-    names = [o.name for o in ref_session.get_outputs()]
+@contextlib.contextmanager
+def _model_source(model: onnx.ModelProto | str | bytes) -> Iterator[str | bytes]:
+    """What an InferenceSession opens: a path or bytes as they are, a model as bytes, or (past
+    protobuf's 2 GB) as a temporary file with external data."""
+    if isinstance(model, (str, bytes)):
+        yield model
+        return
+    try:
+        data = model.SerializeToString() if model.ByteSize() <= PROTOBUF_LIMIT else None
+    except Exception:  # protobuf refuses to size or write messages past its limit
+        data = None
+    if data is not None:
+        yield data
+        return
+    with tempfile.TemporaryDirectory(prefix="amp-rewriter-validate-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        onnx.save_model(model, str(path), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location="model.onnx.data")
+        yield str(path)
+
+
+#: onnxruntime's input type strings -> numpy dtypes (what --inputs arrays must be).
+_NUMPY_OF_ORT_TYPE = {
+    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16,
+    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16,
+    "tensor(uint32)": np.uint32, "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_,
+}
+
+
+def _check_given_inputs(session, feeds: dict[str, np.ndarray]) -> None:
+    """--inputs data that cannot be what the model takes: one line naming the key or input."""
+    inputs = {i.name: i for i in session.get_inputs()}
+    unknown = sorted(set(feeds) - set(inputs))
+    if unknown:
+        raise AmpError(f"--inputs: {', '.join(repr(k) for k in unknown)} "
+                       f"{'matches' if len(unknown) == 1 else 'match'} no input of the model "
+                       f"(its inputs: {', '.join(inputs) or 'none'})")
+    missing = [name for name in inputs if name not in feeds]
+    if missing:
+        raise AmpError(f"--inputs has no array for input(s) {', '.join(map(repr, missing))} "
+                       f"(it holds: {', '.join(sorted(feeds)) or 'nothing'})")
+    for name, info in inputs.items():
+        wanted = _NUMPY_OF_ORT_TYPE.get(info.type)
+        if wanted is not None and feeds[name].dtype != wanted:
+            raise AmpError(f"--inputs: {name!r} is {feeds[name].dtype}, the model takes "
+                           f"{np.dtype(wanted).name} ({info.type})")
+
+
+class ConvertedModelFailed(AmpError):
+    """The converted model (not the fp32 one, not the inputs) cannot be loaded or run."""
+
+
+def compare_models(reference: onnx.ModelProto | str | bytes,
+                   candidate: onnx.ModelProto | str | bytes, feeds: dict[str, np.ndarray],
+                   device: str = "cpu", computed: dict[str, tuple[str, list[str]]] | None = None,
+                   inputs_given: bool = False) -> list[OutputComparison]:
+    """Run both models on `feeds`; per-output max-abs and relative (max-abs / max|ref|) errors.
+
+    The fp32 reference always runs on the CPU; the candidate on `device`. `computed` says, per
+    output, how the candidate computed it (kept in each comparison). `inputs_given`: the feeds
+    are the user's (--inputs), checked against the model's inputs (every key an input, every
+    input a key, each of its dtype), and errors do not suggest --inputs. A failure of the
+    converted model raises `ConvertedModelFailed`.
+    """
+    with progress.bar("validating", 4, "step") as drawn:
+        steps = progress.Steps(drawn)
+        steps.start("loading the fp32 model")
+        ref_session = _session(reference, "fp32")
+        if inputs_given:
+            _check_given_inputs(ref_session, feeds)
+        names = [o.name for o in ref_session.get_outputs()]
+        wanted = {i.name for i in ref_session.get_inputs()}
+        steps.start("running the fp32 model")
+        ref_outputs = _run(ref_session, names, {k: v for k, v in feeds.items() if k in wanted},
+                           "the fp32 model", inputs_given, AmpError)
+        del ref_session
+        steps.start("loading the converted model")
+        comparisons = _compare_with(candidate, names, ref_outputs, feeds, device,
+                                    inputs_given, steps)
+        steps.finish()
+    for c in comparisons:
+        c.computed, c.emulated_ops = (computed or {}).get(c.name, ("", []))
+    return comparisons
+
+
+def _compare_with(candidate: onnx.ModelProto | str | bytes, names: list[str],
+                  ref_outputs: list, feeds: dict[str, np.ndarray], device: str,
+                  inputs_given: bool, steps: progress.Steps) -> list[OutputComparison]:
+    """Run the converted model and compare its outputs with the fp32 model's."""
+    try:
+        new_session = _session(candidate, "converted", device)
+    except AmpError as exc:
+        if device != "cpu" and str(exc).startswith("--device"):
+            raise  # the provider is missing, not the model at fault
+        raise ConvertedModelFailed(str(exc)) from None
     candidate_names = {o.name for o in new_session.get_outputs()}
     missing = [n for n in names if n not in candidate_names]
     if missing:
-        raise AmpError(f"the models have different outputs: {', '.join(missing)} missing from the "
-                       f"converted model")
-    wanted = {i.name for i in ref_session.get_inputs()}
-    ref_feeds = {k: v for k, v in feeds.items() if k in wanted}
+        raise ConvertedModelFailed(f"the models have different outputs: {', '.join(missing)} "
+                                   f"missing from the converted model")
     new_feeds = {}
     for info in new_session.get_inputs():
         if info.name not in feeds:
-            raise AmpError(f"no data for input {info.name!r}")
+            raise ConvertedModelFailed(f"the converted model has an input the fp32 model does "
+                                       f"not: {info.name!r}")
         value = feeds[info.name]
         if info.type == "tensor(float16)" and value.dtype == np.float32:
             value = value.astype(np.float16)
         new_feeds[info.name] = value
-    try:
-        ref_outputs = ref_session.run(names, ref_feeds)
-        new_outputs = new_session.run(names, new_feeds)
-    except Exception as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise AmpError(f"onnxruntime failed to run a model on these inputs: {message} (give "
-                       f"real inputs with --inputs x.npz)") from None
+    steps.start("running the converted model")
+    new_outputs = _run(new_session, names, new_feeds, "the converted model", inputs_given,
+                       ConvertedModelFailed)
     return [compare_outputs(name, ref, new)
             for name, ref, new in zip(names, ref_outputs, new_outputs)]
 
 
-def emulate_bfloat16(model: onnx.ModelProto) -> onnx.ModelProto:
-    """An fp32 model that rounds every bf16 tensor of `model` to bf16 where it is produced.
+def _run(session, names: list[str], feeds: dict[str, np.ndarray], label: str,
+         inputs_given: bool, error: type[AmpError]) -> list:
+    try:
+        return session.run(names, feeds)
+    except Exception as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        source = "the --inputs data" if inputs_given else "seeded random inputs"
+        hint = "" if inputs_given else " (give real inputs with --inputs x.npz)"
+        raise error(f"onnxruntime failed to run {label} on {source}: {message}{hint}") from None
 
-    onnxruntime's CPU provider has almost no bf16 kernels, so a bf16 model cannot run there. This
-    copy computes each op in fp32 and rounds its bf16 outputs (Cast to bf16 and back), which is
-    what a bf16 kernel with fp32 accumulation does; validation runs it in place of the bf16 model.
+
+def _emulation_note(emulation: Emulation) -> str:
+    ops = Counter(entry.rsplit(" (", 1)[1].rstrip(")") for entry in emulation.emulated)
+    listed = ", ".join(f"{op} x{count}" for op, count in sorted(ops.items()))
+    return (f"{len(emulation.emulated)} node(s) have no low-precision kernel on onnxruntime's "
+            f"CPU provider and ran emulated (fp32 compute, each low-precision output rounded "
+            f"where it is produced): {listed}")
+
+
+@contextlib.contextmanager
+def runnable_on_cpu(path: Path, scratch: Path | None = None,
+                    model: onnx.ModelProto | None = None
+                    ) -> Iterator[tuple[str | bytes, list[str], dict[str, tuple[str, list[str]]]]]:
+    """What onnxruntime's CPU provider can run for the converted model at `path`: (the model, as
+    a path or bytes; notes; output name -> how it was computed).
+
+    Ops without a low-precision CPU kernel run emulated (`emulate_low_precision`, its external
+    data read from the model's folder); the emulated model goes to onnxruntime as bytes, or,
+    when over protobuf's 2 GiB, as a file with external data in a temporary folder inside
+    `scratch` (the system's temporary folder when None), removed afterwards. `model`: the model
+    at `path` already parsed (it is modified when emulated).
     """
-    emulated = onnx.ModelProto()
-    emulated.CopyFrom(model)
+    model = read_model_file(path) if model is None else model
+    emulation = emulate_low_precision(model, path.resolve().parent, copy=False)
+    if not emulation.emulated:
+        outputs = emulation.outputs
+        del model, emulation
+        yield str(path), [], outputs
+        return
+    notes, outputs, emulated = [_emulation_note(emulation)], emulation.outputs, emulation.model
+    del model, emulation
+    if emulated.ByteSize() <= PROTOBUF_LIMIT:
+        yield emulated.SerializeToString(), notes, outputs
+        return
+    with tempfile.TemporaryDirectory(dir=scratch, prefix=".amp-rewriter-emulated-") as folder:
+        target = Path(folder) / "emulated.onnx"
+        onnx.save_model(emulated, str(target), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location="emulated.onnx.data")
+        del emulated
+        yield str(target), notes, outputs
+
+
+def validate_conversion(reference: str | os.PathLike, converted: str | os.PathLike,
+                        feeds: dict[str, np.ndarray], device: str = "cpu",
+                        scratch: Path | None = None, inputs_given: bool = False
+                        ) -> tuple[list[OutputComparison], list[str]]:
+    """Compare a converted model file with its fp32 reference; (comparisons, notes).
+
+    On the CPU the ops without a low-precision CPU kernel run emulated (`runnable_on_cpu`, a
+    model over 2 GiB staged in `scratch`) and every comparison says how its output was computed;
+    on `cuda` the converted model runs on the CUDA provider as it is.
+    """
+    converted_path = Path(converted)
+    if device != "cpu":
+        if device not in DEVICES:
+            raise AmpError(f"--device {device!r}: expected one of {', '.join(DEVICES)}")
+        computed: dict[str, tuple[str, list[str]]] = {
+            o.name: (DEVICES[device], []) for o in read_model_file(converted_path).graph.output}
+        return compare_models(os.fspath(reference), str(converted_path), feeds, device,
+                              computed, inputs_given), []
+    with runnable_on_cpu(converted_path, scratch) as (candidate, notes, computed):
+        return compare_models(os.fspath(reference), candidate, feeds, "cpu", computed,
+                              inputs_given), notes
+
+
+#: How an output was computed in a validation run (OutputComparison.computed, with EMULATED).
+COMPUTED_FP32 = "fp32"
+COMPUTED_REAL = "low-precision kernels"
+
+
+@dataclass
+class Emulation:
+    """A converted model prepared for onnxruntime's CPU provider, and what was emulated.
+
+    model: the model to run; `emulated`: "name (op)" of the nodes computed in fp32 with their
+    low-precision outputs rounded; `outputs`: output name -> (how it was computed, the emulated
+    ops on its path).
+    """
+
+    model: onnx.ModelProto
+    emulated: list[str] = field(default_factory=list)
+    outputs: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
+
+
+_LOW_ELEM_TYPES = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
+
+
+def _cpu_runs_in_low_precision(node: Node, opsets: dict[str, int]) -> bool:
+    """Whether onnxruntime's CPU provider has a kernel for the node with its dtypes (nodes we
+    know nothing about, control flow and casts count as runnable: they are left to onnxruntime)."""
+    if node.op_type in CONTROL_FLOW_OPS or node.op_type == "Cast" or not node.has_schema:
+        return True
+    domain = node.domain or ""
+    since = schema_since_version(node.op_type, domain, opsets.get(domain, 0))
+    if since is None:
+        return True
+    dtypes = []
+    for group in node.type_groups:
+        values = [node.inputs[s] for s in group.input_slots] + \
+                 [node.outputs[s] for s in group.output_slots]
+        dtype = next((v.dtype for v in values if v is not None and v.dtype), None)
+        if dtype is not None:
+            dtypes.append((group.name.split("[")[0], dtype))
+    return ort_registry.cpu_kernel_for(node.op_type, domain, since, dtypes) is not False
+
+
+def _low_values(node: Node) -> tuple[list[int], list[int]]:
+    """The node's input and output slots that carry fp16/bf16 tensors (a value of unknown dtype
+    takes its type group's)."""
+    def low(value: Value | None, group: TypeGroup | None) -> bool:
+        if value is None:
+            return False
+        dtype = value.dtype or (group.current_dtype if group is not None else None)
+        return dtype in _LOW_ELEM_TYPES
+
+    ins = [i for i, v in enumerate(node.inputs)
+           if low(v, node.input_group[i] if i < len(node.input_group) else None)]
+    outs = [i for i, v in enumerate(node.outputs)
+            if low(v, node.output_group[i] if i < len(node.output_group) else None)]
+    return ins, outs
+
+
+def _fill_body_dtypes(graph: Graph) -> None:
+    """Body inputs a model leaves untyped (loop-carried values) take their group's dtype."""
+    for node in graph.walk_nodes():
+        for group in node.type_groups:
+            dtype = group.current_dtype
+            for value in group.inner_defs:
+                if value.dtype is None:
+                    value.dtype = dtype
+
+
+def emulate_low_precision(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None,
+                          emulate_all: bool = False, copy: bool = True) -> Emulation:
+    """A copy of `model` that onnxruntime's CPU provider runs like the target would.
+
+    Every node with fp16/bf16 tensors that the CPU provider has no kernel for in those dtypes
+    (fused contrib ops in fp16, nearly every op in bf16; `emulate_all` takes every such node)
+    computes in fp32 instead: its low-precision inputs are cast to fp32 and each low-precision
+    output is rounded to its dtype right where it is produced (Cast to fp16/bf16), which is what a
+    low-precision kernel with fp32 accumulation gives. Nodes with a real kernel run as they are.
+    bf16 graph inputs and outputs are fed and read as fp32 (numpy has no bf16), rounded at the
+    boundary. External data is read into the copy (from `base_dir`, with the loader's checks on
+    where it lies). `copy=False` rewrites `model` itself (a caller that owns it saves the memory).
+    """
+    if copy:
+        emulated = onnx.ModelProto()
+        emulated.CopyFrom(model)
+    else:
+        emulated = model
+    if base_dir is not None and _has_external(emulated):
+        load_external_data(emulated, Path(base_dir))
     ir_model = load_onnx(emulated)
-    bf16, f32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+    _fill_body_dtypes(ir_model.graph)
+    opsets = model_opsets(emulated)
+    f32 = onnx.TensorProto.FLOAT
+    result = Emulation(emulated)
+    emulated_ids: set[int] = set()
     # Inner graphs first: re-adding an outer node copies its body, so bodies must be final by then.
     for graph in reversed(list(ir_model.graph.walk_graphs())):
         proto = graph.handle
-        nodes = []
+        widened: dict[str, str] = {}  # a low-precision value -> its fp32 copy in this graph
+        nodes: list[onnx.NodeProto] = []
         for node in graph.nodes:
+            low_in, low_out = _low_values(node)
+            if not (low_in or low_out) or (
+                    not emulate_all and _cpu_runs_in_low_precision(node, opsets)) \
+                    or node.op_type in CONTROL_FLOW_OPS or node.op_type == "Cast":
+                nodes.append(node.handle)
+                continue
+            emulated_ids.add(id(node))
+            result.emulated.append(f"{node.name} ({node.qualified_op})")
+            for slot in low_in:
+                value = node.inputs[slot]
+                assert value is not None
+                if value.name not in widened:  # names are unique model-wide (bodies included)
+                    widened[value.name] = ir_model.unique_name(f"{value.name}__fp32_emulation")
+                    nodes.append(onnx.helper.make_node("Cast", [value.name],
+                                                       [widened[value.name]], to=f32))
+                node.handle.input[slot] = widened[value.name]
+            _widen_tensor_attributes(node.handle)
             nodes.append(node.handle)
-            for slot, value in enumerate(node.outputs):
-                if value is None or value.dtype != "bfloat16":
-                    continue
-                raw = f"{value.name}__bf16_emulation"
+            for slot in low_out:
+                value = node.outputs[slot]
+                group = node.output_group[slot] if slot < len(node.output_group) else None
+                assert value is not None
+                dtype = value.dtype or (group.current_dtype if group is not None else None)
+                raw = ir_model.unique_name(f"{value.name}__fp32_emulated")
                 node.handle.output[slot] = raw
-                if node.op_type == "Cast":
-                    nodes.append(onnx.helper.make_node("Cast", [raw], [value.name], to=f32))
-                else:
-                    rounded = f"{raw}_rounded"
-                    nodes.append(onnx.helper.make_node("Cast", [raw], [rounded], to=bf16))
-                    nodes.append(onnx.helper.make_node("Cast", [rounded], [value.name], to=f32))
+                nodes.append(onnx.helper.make_node("Cast", [raw], [value.name],
+                                                   to=_LOW_ELEM_TYPES[dtype or ""]))
         del proto.node[:]
         proto.node.extend(nodes)
-        for index, tensor in enumerate(proto.initializer):
-            if tensor.data_type == bf16:
-                array = onnx.numpy_helper.to_array(tensor).astype(np.float32)
-                proto.initializer[index].CopyFrom(onnx.numpy_helper.from_array(array, tensor.name))
-        for info in list(proto.input) + list(proto.output):
-            if info.type.tensor_type.elem_type == bf16:
-                info.type.tensor_type.elem_type = f32
-        del proto.value_info[:]
-    return emulated
+        del proto.value_info[:]  # the emulated values' types changed; onnxruntime infers them
+        if graph.parent is None:
+            _fp32_boundary(proto, ir_model.unique_name)
+    result.outputs = _how_outputs_were_computed(ir_model.graph, emulated_ids)
+    return result
+
+
+def _has_external(model: onnx.ModelProto) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in all_tensors(model.graph))
+
+
+def _widen_tensor_attributes(node: onnx.NodeProto) -> None:
+    """Low-precision tensor attributes (ConstantOfShape's value) of an emulated node as fp32."""
+    for attr in node.attribute:
+        if attr.HasField("t") and attr.t.data_type in _LOW_ELEM_TYPES.values():
+            array = onnx.numpy_helper.to_array(attr.t).astype(np.float32)
+            attr.t.CopyFrom(onnx.numpy_helper.from_array(array, attr.t.name))
+
+
+def _fp32_boundary(graph: onnx.GraphProto, fresh: Callable[[str], str]) -> None:
+    """bf16 graph inputs and outputs become fp32 ones, rounded to bf16 where they cross."""
+    bf16, f32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+    initializers = {t.name for t in graph.initializer}
+    head = []
+    for info in graph.input:
+        if info.type.tensor_type.elem_type == bf16 and info.name not in initializers:
+            outer = fresh(f"{info.name}__fp32_input")
+            head.append(onnx.helper.make_node("Cast", [outer], [info.name], to=bf16))
+            info.name = outer
+            info.type.tensor_type.elem_type = f32
+    tail = []
+    for info in graph.output:
+        if info.type.tensor_type.elem_type == bf16:
+            inner = fresh(f"{info.name}__bf16_output")
+            for node in graph.node:
+                for i, name in enumerate(node.output):
+                    if name == info.name:
+                        node.output[i] = inner
+                for i, name in enumerate(node.input):
+                    if name == info.name:
+                        node.input[i] = inner
+            tail.append(onnx.helper.make_node("Cast", [inner], [info.name], to=f32))
+            info.type.tensor_type.elem_type = f32
+    if head or tail:
+        nodes = head + list(graph.node) + tail
+        del graph.node[:]
+        graph.node.extend(nodes)
+
+
+def _how_outputs_were_computed(graph: Graph, emulated_ids: set[int]
+                               ) -> dict[str, tuple[str, list[str]]]:
+    """Output name -> (fp32, low-precision kernels or emulated; the emulated ops on its path)."""
+    result = {}
+    for output in graph.outputs:
+        seen: set[int] = set()
+        emulated_ops: set[str] = set()
+        low = output.dtype in _LOW_ELEM_TYPES
+        stack = [output.producer] if output.producer is not None else []
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            members = [node, *(inner for sub in node.subgraphs.values()
+                               for inner in sub.walk_nodes())]
+            for member in members:
+                if id(member) in emulated_ids:
+                    emulated_ops.add(member.qualified_op)
+                ins, outs = _low_values(member)
+                low = low or bool(ins or outs)
+                for value in member.inputs:
+                    if value is not None and value.producer is not None \
+                            and id(value.producer) not in seen:
+                        stack.append(value.producer)
+        if emulated_ops:
+            result[output.name] = (EMULATED, sorted(emulated_ops))
+        else:
+            result[output.name] = (COMPUTED_REAL if low else COMPUTED_FP32, [])
+    return result
+
+
+def emulate_bfloat16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """An fp32-compute copy of a bf16 model: every bf16 node computes in fp32 with its bf16
+    outputs rounded where they are produced (`emulate_low_precision` with every node emulated)."""
+    return emulate_rounding(model)
+
+
+def emulate_rounding(model: onnx.ModelProto) -> onnx.ModelProto:
+    """An fp32-compute copy of a low-precision model with every fp16/bf16 tensor rounded where it
+    is produced. Unlike a plain run on the CPU provider, which computes an fp16 op without a CPU
+    kernel in fp32 and drops the casts around it (so a cast of -3.4e38 to fp16 is not -inf
+    there), every rounding and overflow of the target happens."""
+    return emulate_low_precision(model, emulate_all=True).model
 
 
 def has_bfloat16(model: onnx.ModelProto) -> bool:

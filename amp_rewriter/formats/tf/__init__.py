@@ -9,8 +9,6 @@ Importing this package imports TensorFlow, with its C++ start-up notes kept off 
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 from pathlib import Path
 
 from ...accuracy.runner import ModelRunner
@@ -26,9 +24,11 @@ from .convert import (
     convert_graph_def,
     convert_graphdef,
     convert_saved_model,
-    convert_saved_model_dir,
+    convert_saved_model_proto,
     convert_tf_file,
+    input_files,
     meta_graph_fetches,
+    output_kind,
 )
 from .files import is_saved_model_dir, read_graphdef, read_meta_graph, read_saved_model
 from .lists import default_backend
@@ -54,7 +54,8 @@ class TfFormat(Format):
         return convert_file(input_path, output_path, options)
 
     def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
-                 inputs: str | None, rtol: float) -> Validation:
+                 inputs: str | None, rtol: float, device: str = "cpu") -> Validation:
+        _cpu_only(device)
         feeds = load_inputs(inputs) if inputs else None
         if is_saved_model_dir(input_path):
             comparisons = compare_saved_models(input_path, output_path, feeds)
@@ -68,16 +69,15 @@ class TfFormat(Format):
         return Validation(comparisons, rtol)
 
     def check(self, path: Path, target: str | None, backend: str | None,
-              reference: Path | None, rtol: float | None) -> CheckResult:
-        if reference is not None:
-            raise AmpError("--reference is for ONNX models")
-        return check_tf_graph(path, target, backend)
+              reference: Path | None, rtol: float | None, inputs: str | None = None,
+              device: str = "cpu") -> CheckResult:
+        _cpu_only(device)
+        return check_tf_graph(path, target, backend, reference, rtol, inputs)
 
     def explain(self, source: Path, options: Options) -> Report:
         options = dataclasses.replace(options, check=False)
         if is_saved_model_dir(source):
-            with tempfile.TemporaryDirectory(prefix="amp-rewriter-explain-") as tmp:
-                return convert_saved_model_dir(source, Path(tmp) / "out", options)
+            return convert_saved_model_proto(source, options)[1]
         if source.suffix == ".meta":
             meta = read_meta_graph(source)
             if not options.outputs:
@@ -90,11 +90,19 @@ class TfFormat(Format):
 
         return TfRunner(path, options)
 
-    def discard_output(self, output_path: Path) -> None:
-        if output_path.is_dir():
-            shutil.rmtree(output_path, ignore_errors=True)
-        else:
-            output_path.unlink(missing_ok=True)
+    def input_files(self, input_path: Path) -> list[tuple[Path, str]]:
+        return input_files(input_path)
+
+    def output_kind(self, input_path: Path) -> str:
+        return output_kind(input_path)
+
+    def replaceable_output_dir(self, path: Path) -> bool:
+        return is_saved_model_dir(path)
+
+
+def _cpu_only(device: str) -> None:
+    if device != "cpu":
+        raise AmpError(f"--device {device}: TensorFlow graphs are validated on the CPU only")
 
 
 FORMAT = TfFormat()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -32,6 +33,11 @@ def import_tensorflow() -> None:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+    # TensorFlow's Python log lines ("WARNING:tensorflow:..." when a SavedModel with reference
+    # variables loads, absl's traceback for an unreadable fingerprint.pb it then ignores) are
+    # not ours to print: what fails reaches the user as one AmpError line.
+    for name in ("tensorflow", "absl"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 import_tensorflow()

@@ -1,26 +1,45 @@
-"""`check` for TensorFlow graphs (.meta, .pb, .pbtxt; training graphs included): optimizer updates
-in low precision, optimizer constants that underflow or overflow in the type they are cast to,
-and deny-list ops running in low precision."""
+"""`check` for TensorFlow graphs (.meta, .pb, .pbtxt; training graphs included) and SavedModels:
+optimizer updates in low precision, optimizer constants that underflow or overflow in the type
+they are cast to, deny-list ops running in low precision, low-precision constants, and with a
+reference model its constants and outputs."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow.python.framework import op_def_registry
 
-from ...ir import DENY, TARGET_DTYPES
+from ...errors import AmpError
+from ...ir import DENY, TARGET_DTYPES, LazyTensor
 from ...ir.dtypes import NUMPY_DTYPES
 from ...report import CheckResult
+from ...validation import (
+    ConstantOrigins,
+    OutputComparison,
+    check_constants,
+    default_rtol,
+    flushed_verdict,
+    load_inputs,
+)
+from .convert import meta_graph_fetches
+from .files import is_saved_model_dir, read_saved_model
 from .lists import default_backend, load_tf_lists
+from .load import default_fetches
 from .training.plan import const_value, is_optimizer_op, is_update_op, split_ref
 from .training.rewrite import as_meta_graph
+from .validate import ConvertedGraphFailed, compare_graphdefs, compare_saved_models
 
 #: Ops a constant passes through unchanged on its way to an optimizer input.
 _PASS_THROUGH = frozenset({"Identity", "Snapshot", "StopGradient", "Cast", "Switch", "RefSwitch"})
 _LOW_TF_DTYPES = {tf.float16.as_datatype_enum: "fp16", tf.bfloat16.as_datatype_enum: "bf16"}
+_FLOAT_TF_DTYPES = {dtype.as_datatype_enum for dtype in (tf.float16, tf.bfloat16, tf.float32)}
 
 
 def _in_dtype(value: float, target: str) -> np.ndarray:
@@ -51,17 +70,123 @@ def _trace_constant(nodes: dict, ref: str) -> tuple[np.ndarray | None, str | Non
 
 
 def check_tf_graph(path: str | os.PathLike, target: str | None = None,
-                   backend: str | None = None):
-    """`check` for TensorFlow graphs (.meta, .pb, .pbtxt): optimizer updates in low precision,
-    optimizer constants (Adam's epsilon, learning rates) that underflow or overflow in the low
-    precision type they are cast to, and deny-list ops running in low precision."""
-    meta = as_meta_graph(path)
-    nodes = {nd.name: nd for nd in meta.graph_def.node}
+                   backend: str | None = None, reference: str | os.PathLike | None = None,
+                   rtol: float | None = None, inputs: str | os.PathLike | None = None
+                   ) -> CheckResult:
+    """`check` for TensorFlow graphs (.meta, .pb, .pbtxt) and SavedModel directories: optimizer
+    updates in low precision, optimizer constants (Adam's epsilon, learning rates) that
+    underflow or overflow in the low precision type they are cast to, deny-list ops running in
+    low precision and low-precision constants (in every function of a SavedModel); with
+    `reference` (the fp32 model), constants against its constants and the outputs against its
+    outputs on `inputs` (an .npz) or seeded random ones."""
+    path = Path(path)
+    metas = _meta_graphs(path)
     if target is None:
-        found = [_LOW_TF_DTYPES[a.type] for nd in meta.graph_def.node for a in nd.attr.values()
-                 if a.type in _LOW_TF_DTYPES]
+        found = [_LOW_TF_DTYPES[a.type] for _, nodes in _graphs(metas) for nd in nodes
+                 for a in nd.attr.values() if a.type in _LOW_TF_DTYPES]
         target = found[0] if found else "fp16"
     result = CheckResult(target)
+    for meta in metas:
+        _check_optimizer(meta, target, result)
+    lists = load_tf_lists(target, backend or default_backend(target))
+    for graph, nodes in _graphs(metas):
+        where = "" if graph == "main" else f" (in {graph})"
+        for nd in nodes:
+            op_class, why = lists.class_of(nd.op)
+            if op_class == DENY and any(a.type in _LOW_TF_DTYPES for a in nd.attr.values()):
+                result.problems.append({
+                    "kind": "deny_op_in_low_precision", "node": nd.name, "op": nd.op,
+                    "message": f"{nd.name} ({nd.op}){where} runs in low precision but is on the "
+                               f"{target} deny list: {why}"})
+    origins = None
+    if reference is not None:
+        ref_metas = _meta_graphs(Path(reference))
+        origins = ConstantOrigins(_constants(ref_metas))
+    constants = check_constants(_constants(metas), origins, target)
+    result.problems.extend(constants.problems)
+    result.notes.extend(constants.notes)
+    outputs_agree = False
+    if reference is not None:
+        rtol = default_rtol(target) if rtol is None else rtol
+        comparisons = _compare(Path(reference), path, ref_metas, inputs, result)
+        outputs_agree = bool(comparisons)
+        for c in comparisons:
+            result.outputs.append(c.to_dict())
+            if c.relative > rtol or c.nonfinite_new:
+                outputs_agree = False
+                result.problems.append({"kind": "output_mismatch", "output": c.name,
+                                        "message": f"output {c.name!r}: relative error "
+                                                   f"{c.relative:.3g} > rtol {rtol:g}"})
+    problems, notes = flushed_verdict(constants, target, outputs_agree, rtol)
+    result.problems.extend(problems)
+    result.notes.extend(notes)
+    return result
+
+
+def _meta_graphs(path: Path) -> list[meta_graph_pb2.MetaGraphDef]:
+    """The MetaGraphs of a SavedModel directory, or one for a graph file."""
+    if is_saved_model_dir(path):
+        return list(read_saved_model(path).meta_graphs)
+    return [as_meta_graph(path)]
+
+
+def _graphs(metas: list[meta_graph_pb2.MetaGraphDef]) -> Iterator[tuple[str, list]]:
+    """(name, nodes) of every graph: each MetaGraph's own graph and its library's functions."""
+    seen: set[str] = set()
+    for meta in metas:
+        yield "main", list(meta.graph_def.node)
+        for fdef in meta.graph_def.library.function:
+            if fdef.signature.name not in seen:
+                seen.add(fdef.signature.name)
+                yield fdef.signature.name, list(fdef.node_def)
+
+
+def _constants(metas: list[meta_graph_pb2.MetaGraphDef]) -> dict[str, LazyTensor]:
+    """Every float Const of every graph, by name (`FUNCTION/NODE` inside functions)."""
+    found: dict[str, LazyTensor] = {}
+    for graph, nodes in _graphs(metas):
+        for nd in nodes:
+            if nd.op != "Const" or nd.attr["dtype"].type not in _FLOAT_TF_DTYPES:
+                continue
+            tensor = nd.attr["value"].tensor
+            name = nd.name if graph == "main" else f"{graph}/{nd.name}"
+            found.setdefault(name, LazyTensor(
+                tf.as_dtype(tensor.dtype).name, tuple(d.size for d in tensor.tensor_shape.dim),
+                functools.partial(_const_array, tensor)))
+    return found
+
+
+def _const_array(tensor) -> np.ndarray:
+    try:
+        return tf.make_ndarray(tensor)
+    except Exception:  # a malformed constant: TF's own import check reports it
+        return np.zeros(0, np.float32)
+
+
+def _compare(reference: Path, path: Path, ref_metas: list[meta_graph_pb2.MetaGraphDef],
+             inputs: str | os.PathLike | None, result: CheckResult) -> list[OutputComparison]:
+    """Run both models on the same inputs; the checked model failing to run is a problem."""
+    feeds = load_inputs(inputs) if inputs else None
+    try:
+        if is_saved_model_dir(reference):
+            if not is_saved_model_dir(path):
+                raise AmpError(f"--reference {reference} is a SavedModel, {path} is not")
+            return compare_saved_models(reference, path, feeds)
+        fetches = (meta_graph_fetches(ref_metas[0]) if reference.suffix == ".meta"
+                   else default_fetches(ref_metas[0].graph_def))
+        if not fetches:
+            raise AmpError(f"--reference {reference}: no outputs found to compare")
+        candidate = _meta_graphs(path)[0].graph_def
+        return compare_graphdefs(ref_metas[0].graph_def, candidate, fetches, feeds)
+    except ConvertedGraphFailed as exc:
+        result.problems.append({"kind": "run_failed", "message": str(exc)})
+        return []
+
+
+def _check_optimizer(meta: meta_graph_pb2.MetaGraphDef, target: str, result: CheckResult
+                     ) -> None:
+    """Optimizer updates in low precision and optimizer constants that do not survive it."""
+    nodes = {nd.name: nd for nd in meta.graph_def.node}
     for nd in meta.graph_def.node:
         if not is_update_op(nd.op):
             continue
@@ -100,12 +225,3 @@ def check_tf_graph(path: str | os.PathLike, target: str | None = None,
             elif v != 0 and float(_in_dtype(v, target).reshape(())) == 0:
                 result.notes.append(f"{where} would underflow in {target}; it is fp32 here and "
                                     f"amp-rewriter keeps optimizer constants fp32")
-    lists = load_tf_lists(target, backend or default_backend(target))
-    for nd in meta.graph_def.node:
-        op_class, why = lists.class_of(nd.op)
-        if op_class == DENY and any(a.type in _LOW_TF_DTYPES for a in nd.attr.values()):
-            result.problems.append({
-                "kind": "deny_op_in_low_precision", "node": nd.name, "op": nd.op,
-                "message": f"{nd.name} ({nd.op}) runs in low precision but is on the {target} "
-                           f"deny list: {why}"})
-    return result

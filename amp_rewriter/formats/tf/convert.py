@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
-from tensorflow.core.protobuf import meta_graph_pb2
+from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 from tensorflow.python.framework import op_def_registry
 
 from ...errors import AmpError
-from ...ir import ALLOW, Model, ValueNames
+from ...fileio import OutputTransaction
+from ...ir import ALLOW, TARGET_DTYPES, Model, ValueNames, decisions, short_name
 from ...op_lists import OpLists
 from ...options import Options
 from ...passes import PassContext, Pin, run_pipeline
@@ -44,6 +44,7 @@ from .files import (
 from .lists import default_backend, load_tf_lists
 from .load import default_fetches, load_function, load_graphdef
 from .rules import TF_RULES
+from .weights import apply_low_precision_weights, plan_low_precision_weights, write_checkpoint
 
 #: Functions that save or restore checkpoints are copied as they are.
 _CHECKPOINT_OPS = frozenset({"SaveV2", "RestoreV2", "MergeV2Checkpoints", "Save", "Restore",
@@ -60,6 +61,12 @@ def _run(ir_model: Model, lists: OpLists, options: Options, graph_name: str,
 
 def _resolved(options: Options) -> tuple[Options, OpLists]:
     """The options with the target's default backend filled in, and their op lists."""
+    if options.optimize:
+        raise AmpError("--optimize runs onnxruntime's transformer optimizer: it is for ONNX "
+                       "models, not TensorFlow graphs")
+    if options.external_data is not None or options.external_data_threshold is not None:
+        raise AmpError("--external-data and --external-data-threshold are for ONNX outputs, not "
+                       "TensorFlow graphs")
     options = options.with_backend(default_backend(options.target))
     assert options.backend is not None
     return options, load_tf_lists(options.target, options.backend, options.overrides)
@@ -184,49 +191,102 @@ def convert_saved_model(input_dir: str | os.PathLike, output_dir: str | os.PathL
 
     Function signatures never change, so `keep_io_types` is always in force inside functions and
     every signature serves the same input and output dtypes. `check` loads the result with
-    tf.saved_model.load. `**options` are the other fields of `amp_rewriter.Options`.
+    tf.saved_model.load. The output directory appears whole or not at all (an existing
+    SavedModel there is replaced only on success). `**options` are the other fields of
+    `amp_rewriter.Options`.
     """
-    return convert_saved_model_dir(Path(input_dir), Path(output_dir),
-                                   Options(target=target, backend=backend, **options))
+    input_dir, output_dir = Path(input_dir), Path(output_dir)
+    with OutputTransaction(input_files(input_dir)) as outputs:
+        staged = outputs.stage(output_dir, "output", "dir", replace_dir=is_saved_model_dir)
+        report = convert_saved_model_dir(input_dir, staged, Options(
+            target=target, backend=backend, **options))
+        outputs.commit()
+    return report
 
 
-def convert_saved_model_dir(input_dir: Path, output_dir: Path, options: Options) -> Report:
-    """`convert_saved_model` with the options as one object."""
+def convert_saved_model_proto(input_dir: Path, options: Options
+                              ) -> tuple[saved_model_pb2.SavedModel, Report,
+                                         Callable[[Path], None] | None]:
+    """The converted saved_model.pb of a SavedModel directory (nothing written), its report,
+    and what writes the variables checkpoint with low-precision weights into a copy of the
+    directory (None: the checkpoint is copied as it is)."""
     if options.outputs:
         raise AmpError("--outputs is for GraphDefs: a SavedModel's signatures name its outputs")
     asked_keep_io_types = options.keep_io_types
     options, lists = _resolved(dataclasses.replace(options, keep_io_types=True))
     saved = read_saved_model(input_dir)
     reports: list[Report] = []
+    served: list[bool] = []
     unknown_ops: set[str] = set()
     with cyclic_gc_paused():
         for meta_graph in saved.meta_graphs:
             library = meta_graph.graph_def.library
             original = type(library)()
             original.CopyFrom(library)  # every function loads against the unmodified library
+            signature_functions = served_functions(meta_graph)
             for index, fdef in enumerate(original.function):
                 if not _convertible(fdef):
                     continue
                 ir_model = load_function(fdef, original)
                 reports.append(_run(ir_model, lists, options, fdef.signature.name))
+                served.append(fdef.signature.name in signature_functions
+                              or not meta_graph.signature_def)
                 library.function[index].CopyFrom(emit_function(ir_model))
                 unknown_ops |= ir_model.handle.unknown_ops
-            reports.extend(_convert_main_graph(meta_graph, lists, options))
-    report = merge_reports(reports, options)
+            main = _convert_main_graph(meta_graph, lists, options)
+            reports.extend(main)
+            served.extend(True for _ in main)
+    report = merge_reports(reports, options, served)
     report.warnings = _warnings(options, report, unknown_ops)
-    existed = output_dir.exists()
-    write_saved_model(saved, input_dir, output_dir)
-    if options.check:
-        try:
-            check_saved_model(output_dir)
-        except AmpError:
-            if not existed:  # leave nothing half-made behind
-                shutil.rmtree(output_dir, ignore_errors=True)
-            raise
+    write_variables = None
+    if not options.keep_fp32_weights:
+        write_variables = _lower_weights(saved, input_dir, options, report)
     if not asked_keep_io_types:
         report.summary["note"] = ("--no-keep-io-types has no effect on SavedModels: signatures "
                                   "keep their dtypes")
+    return saved, report, write_variables
+
+
+def convert_saved_model_dir(input_dir: Path, output_dir: Path, options: Options) -> Report:
+    """Convert a SavedModel directory and write it at `output_dir`, a fresh path (the private
+    path of an `OutputTransaction`), then load it back when `options.check`."""
+    saved, report, write_variables = convert_saved_model_proto(input_dir, options)
+    write_saved_model(saved, input_dir, output_dir, write_variables)
+    if options.check:
+        check_saved_model(output_dir)
     return report
+
+
+def _lower_weights(saved: saved_model_pb2.SavedModel, input_dir: Path, options: Options,
+                   report: Report) -> Callable[[Path], None] | None:
+    """Plan and apply low-precision storage of the weights only read in low precision (TF2
+    SavedModels with one MetaGraph and a checkpoint); returns what writes the new checkpoint."""
+    prefix = input_dir / "variables" / "variables"
+    if len(saved.meta_graphs) != 1 or not (input_dir / "variables" / "variables.index").is_file():
+        return None
+    meta_graph = saved.meta_graphs[0]
+    if not meta_graph.object_graph_def.nodes:
+        return None  # a TF1 SavedModel: its variables live in the main graph only
+    checkpoint_functions = frozenset(f.signature.name for f in meta_graph.graph_def.library.function
+                                     if not _convertible(f))
+    plan = plan_low_precision_weights(meta_graph, prefix, TARGET_DTYPES[options.target],
+                                      checkpoint_functions)
+    if not plan.variables:
+        return None
+    apply_low_precision_weights(meta_graph, plan, checkpoint_functions)
+    for entry in report.nodes:
+        if (entry.get("graph", "main"), entry["name"]) in plan.read_nodes:
+            entry.update(precision=short_name(plan.dtype), kind=decisions.TYPE_GROUP,
+                         reason=f"reads a variable stored in {short_name(plan.dtype)}: every read "
+                                f"of it is cast to {short_name(plan.dtype)}, so the weight is "
+                                f"stored that way and the cast dropped")
+
+    def write_variables(staged: Path) -> None:
+        write_checkpoint(prefix, staged / "variables" / "variables", plan)
+        report.weights = plan.summary()
+        report.summary["weights_stored_low"] = len(plan.variables)
+        report.summary["casts_inserted"] -= plan.casts_removed
+    return write_variables
 
 
 def _convert_main_graph(meta_graph, lists: OpLists, options: Options) -> list[Report]:
@@ -258,40 +318,122 @@ def check_saved_model(path: Path) -> None:
         raise AmpError(f"the converted SavedModel does not load: {_first_line(exc)}") from None
 
 
-def merge_reports(reports: list[Report], options: Options) -> Report:
-    """One report for many function bodies: nodes concatenated, counts added."""
+#: Summary counts that describe the model (what runs in which precision): for a SavedModel they
+#: count the functions its signatures run. The other counts (casts, constants) describe edits,
+#: made in every function.
+_MODEL_COUNTS = ("nodes", "low_precision_nodes", "compute_ops", "low_precision_compute_ops",
+                 "compute_ops_by_type")
+
+
+def merge_reports(reports: list[Report], options: Options,
+                  served: list[bool] | None = None) -> Report:
+    """One report for many function bodies: nodes concatenated, counts added. `served[i]` says
+    whether report i's graph is one the signatures run; the model counts (nodes, compute ops)
+    add only those, so gradient and other helper functions do not dilute them."""
     summary: dict = {}
     nodes: list[dict] = []
     constants: list[dict] = []
     passes: dict[str, dict] = {}
-    for report in reports:
+    for index, report in enumerate(reports):
+        counted = served is None or served[index]
         for key, value in report.summary.items():
-            summary[key] = summary.get(key, 0) + value
+            if key in _MODEL_COUNTS and not counted:
+                continue
+            if isinstance(value, dict):
+                merged_counts = summary.setdefault(key, {})
+                for op, (low, total) in value.items():
+                    previous = merged_counts.get(op, [0, 0])
+                    merged_counts[op] = [previous[0] + low, previous[1] + total]
+            else:
+                summary[key] = summary.get(key, 0) + value
         nodes.extend(report.nodes)
         constants.extend(report.constants)
         for entry in report.passes:
             merged = passes.setdefault(entry["name"], {"name": entry["name"], "changed": 0,
                                                        "notes": []})
             merged["changed"] += entry["changed"]
+    for key in _MODEL_COUNTS:
+        summary.setdefault(key, {} if key == "compute_ops_by_type" else 0)
+    summary["compute_ops_by_type"] = dict(sorted(summary["compute_ops_by_type"].items()))
     summary["graphs_converted"] = len(reports)  # function bodies and main graphs
+    if served is not None:
+        summary["graphs_not_served"] = served.count(False)
     return Report(options.target, options.backend or "", summary, nodes, constants,
                   list(passes.values()))
+
+
+def served_functions(meta_graph: meta_graph_pb2.MetaGraphDef) -> set[str]:
+    """The functions a MetaGraph's signatures run: those its signature outputs' nodes call,
+    directly or through other functions (call ops, func attributes such as While's body).
+    Gradient functions, and functions only a checkpoint or a Python attribute reaches, are not
+    among them."""
+    library = {f.signature.name: f for f in meta_graph.graph_def.library.function}
+    nodes = {nd.name: nd for nd in meta_graph.graph_def.node}
+    pending = [info.name.lstrip("^").split(":")[0] for signature in
+               meta_graph.signature_def.values() for info in signature.outputs.values()]
+    seen_nodes: set[str] = set()
+    calls: list[str] = []
+    while pending:
+        name = pending.pop()
+        if name in seen_nodes or name not in nodes:
+            continue
+        seen_nodes.add(name)
+        nd = nodes[name]
+        calls.extend(_called(nd, library))
+        pending.extend(ref.lstrip("^").split(":")[0] for ref in nd.input)
+    served: set[str] = set()
+    while calls:
+        name = calls.pop()
+        if name in served or name not in library:
+            continue
+        served.add(name)
+        for nd in library[name].node_def:
+            calls.extend(_called(nd, library))
+    return served
+
+
+def _called(nd, library: dict) -> list[str]:
+    """The functions a node calls: its op when that is a library function, and its func attrs."""
+    called = [nd.op] if nd.op in library else []
+    for value in nd.attr.values():
+        if value.HasField("func"):
+            called.append(value.func.name)
+        called.extend(f.name for f in value.list.func)
+    return called
 
 
 def convert_tf_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                     outputs: Iterable[str] | None = None, target: str = "bf16",
                     backend: str | None = None, **options: Any) -> Report:
     """Convert a GraphDef file (.pb/.pbtxt/.meta) or a SavedModel directory; the input is
-    untouched. `**options` are the other fields of `amp_rewriter.Options`."""
-    return convert_file(Path(input_path), Path(output_path),
-                        Options(target=target, backend=backend,
-                                outputs=list(outputs) if outputs else None, **options))
+    untouched and the output appears whole or not at all. `**options` are the other fields of
+    `amp_rewriter.Options`."""
+    input_path, output_path = Path(input_path), Path(output_path)
+    with OutputTransaction(input_files(input_path)) as staging:
+        staged = staging.stage(output_path, "output", output_kind(input_path),
+                               replace_dir=is_saved_model_dir)
+        report = convert_file(input_path, staged, Options(
+            target=target, backend=backend, outputs=list(outputs) if outputs else None,
+            **options))
+        staging.commit()
+    return report
+
+
+def input_files(input_path: Path) -> list[tuple[Path, str]]:
+    """What converting `input_path` reads: the graph file, or the SavedModel directory."""
+    if is_saved_model_dir(input_path):
+        return [(input_path, "the input SavedModel")]
+    return [(input_path, "the input model")]
+
+
+def output_kind(input_path: Path) -> str:
+    """A SavedModel converts to a directory, a graph file to a file."""
+    return "dir" if is_saved_model_dir(input_path) else "file"
 
 
 def convert_file(input_path: Path, output_path: Path, options: Options) -> Report:
-    """`convert_tf_file` with the options as one object."""
-    if output_path.exists() and input_path.exists() and os.path.samefile(input_path, output_path):
-        raise AmpError("the output path is the input: refusing to overwrite the input")
+    """`convert_tf_file` writing at `output_path`, a fresh path (the private path of an
+    `OutputTransaction`)."""
     if is_saved_model_dir(input_path):
         return convert_saved_model_dir(input_path, output_path, options)
     if input_path.suffix == ".meta":

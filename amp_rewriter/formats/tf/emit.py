@@ -28,17 +28,36 @@ from .load import TfGraphSource, dtype_enum
 _INVALID = re.compile(r"[^A-Za-z0-9_./>-]")
 
 
+#: TensorProto value fields that can hold a compact tensor (its last value repeating) per dtype;
+#: half_val holds float16 and bfloat16 as their 16 bits.
+_COMPACT_FIELDS = {"float32": "float_val", "float16": "half_val", "bfloat16": "half_val"}
+
+
 def tensor_proto(tensor: LazyTensor) -> tensor_pb2.TensorProto:
-    """A TensorProto holding `tensor` in its dtype (bfloat16 and float16 as raw content)."""
+    """A TensorProto holding `tensor` in its dtype (bfloat16 and float16 as raw content; a
+    compact tensor stays compact, as TensorFlow itself stores fills)."""
+    proto = tensor_pb2.TensorProto(dtype=dtype_enum(tensor.dtype))
+    field = _COMPACT_FIELDS.get(tensor.dtype)
+    if tensor.compact and field is not None:
+        values = np.asarray(tensor.stored()).astype(NUMPY_DTYPES[tensor.dtype])
+        proto.tensor_shape.CopyFrom(_shape_proto(tensor.shape))
+        if field == "half_val":
+            getattr(proto, field).extend(values.view(np.uint16).astype(np.int32).tolist())
+        else:
+            getattr(proto, field).extend(values.tolist())
+        return proto
     array = np.asarray(tensor.numpy())
     wanted = NUMPY_DTYPES.get(tensor.dtype, array.dtype)
     if array.dtype != wanted:
         array = array.astype(wanted)
-    proto = tensor_pb2.TensorProto(dtype=dtype_enum(tensor.dtype))
-    proto.tensor_shape.CopyFrom(tensor_shape_pb2.TensorShapeProto(
-        dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=int(d)) for d in array.shape]))
+    proto.tensor_shape.CopyFrom(_shape_proto(array.shape))
     proto.tensor_content = np.ascontiguousarray(array).tobytes()
     return proto
+
+
+def _shape_proto(shape: tuple[int, ...]) -> tensor_shape_pb2.TensorShapeProto:
+    return tensor_shape_pb2.TensorShapeProto(
+        dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=int(d)) for d in shape])
 
 
 def _dtype(value: Value) -> str:

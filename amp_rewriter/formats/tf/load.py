@@ -21,8 +21,10 @@ Grappler's TF-specific rules that are plain data live here as marks the passes r
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2
 from tensorflow.python.framework import dtypes, op_def_registry, tensor_util
 
@@ -34,6 +36,91 @@ from .rules import BACK_EDGE_OPS, BATCH_NORM_V2, FIXED_TYPE_ATTRS, REF_VARIABLE_
 def dtype_name(enum: int) -> str:
     """Our dtype name ("float32", "bfloat16", "int32", ...) for a DataType enum (refs: base)."""
     return dtypes.as_dtype(enum).base_dtype.name
+
+
+def known_dtype(enum: int) -> bool:
+    """Whether `enum` is a DataType TensorFlow knows (0, DT_INVALID, is not)."""
+    try:
+        dtypes.as_dtype(enum)
+    except TypeError:
+        return False
+    return enum != 0
+
+
+#: Most outputs one node may declare through a number or list attribute (Split's num_split,
+#: Unpack's num, ...). Each costs memory the file never paid for, and no real graph comes near.
+MAX_DECLARED_OUTPUTS = 1 << 16
+
+#: TensorProto value fields of the numeric dtypes, and how many entries one element takes.
+_VALUE_FIELDS = {
+    dtypes.float32: ("float_val", 1), dtypes.float64: ("double_val", 1),
+    dtypes.float16: ("half_val", 1), dtypes.bfloat16: ("half_val", 1),
+    dtypes.int32: ("int_val", 1), dtypes.int16: ("int_val", 1), dtypes.int8: ("int_val", 1),
+    dtypes.uint8: ("int_val", 1), dtypes.uint16: ("int_val", 1), dtypes.int64: ("int64_val", 1),
+    dtypes.uint32: ("uint32_val", 1), dtypes.uint64: ("uint64_val", 1),
+    dtypes.bool: ("bool_val", 1), dtypes.complex64: ("scomplex_val", 2),
+    dtypes.complex128: ("dcomplex_val", 2),
+}
+
+
+def const_tensor(nd: node_def_pb2.NodeDef, label: str) -> LazyTensor:
+    """A Const node's value, checked against what its TensorProto really holds.
+
+    The declared shape must be non-negative, `tensor_content` exactly as long as the shape
+    needs, and value fields no longer than it; fewer values than elements is TensorFlow's compact
+    form (the last value repeats), which stays compact (LazyTensor.repeating_last) instead of
+    being expanded: a 40000x30000 fill costs the few bytes the file holds.
+    """
+    tensor = nd.attr["value"].tensor
+    where = f"{label}: Const {nd.name!r}"
+    if not known_dtype(tensor.dtype):
+        raise AmpError(f"{where}: its tensor has an unknown dtype ({tensor.dtype})")
+    dtype = dtypes.as_dtype(tensor.dtype)
+    declared = nd.attr["dtype"].type if "dtype" in nd.attr else tensor.dtype
+    if declared != tensor.dtype:
+        shown = dtype_name(declared) if known_dtype(declared) else declared
+        raise AmpError(f"{where}: its dtype attr is {shown} but its tensor holds {dtype.name}")
+    if tensor.tensor_shape.unknown_rank:
+        raise AmpError(f"{where}: its tensor has an unknown rank")
+    shape = tuple(d.size for d in tensor.tensor_shape.dim)
+    if any(d < 0 for d in shape):
+        raise AmpError(f"{where}: its tensor has a negative dimension {list(shape)}")
+    elements = math.prod(shape)
+    handle = tensor
+    field_info = _VALUE_FIELDS.get(dtype)
+    if field_info is None:  # strings, resources, variants: never converted, read by TF only
+        return LazyTensor(dtype_name(tensor.dtype), shape,
+                          lambda: tensor_util.MakeNdarray(tensor), handle=handle)
+    if tensor.tensor_content:
+        needed = elements * dtype.size
+        if len(tensor.tensor_content) != needed:
+            raise AmpError(f"{where}: tensor_content holds {len(tensor.tensor_content)} bytes, "
+                           f"its shape {list(shape)} of {dtype.name} needs {needed}")
+        return LazyTensor(dtype_name(tensor.dtype), shape,
+                          lambda: tensor_util.MakeNdarray(tensor), handle=handle)
+    field, per_element = field_info
+    count = len(getattr(tensor, field))
+    if count % per_element or count // per_element > elements:
+        raise AmpError(f"{where}: its tensor holds {count // per_element} value(s), more than its "
+                       f"shape {list(shape)} has elements ({elements})")
+    stored = count // per_element
+    if stored == elements or not dtype.is_floating:
+        # Whole, or not a float (never range checked or converted, so never expanded here).
+        return LazyTensor(dtype_name(tensor.dtype), shape,
+                          lambda: tensor_util.MakeNdarray(tensor), handle=handle)
+    first = _stored_float_values(tensor, dtype, field, stored)
+    return LazyTensor.repeating_last(dtype_name(tensor.dtype), shape, first, handle=handle)
+
+
+def _stored_float_values(tensor, dtype: dtypes.DType, field: str, stored: int) -> np.ndarray:
+    """A compact float tensor's stored values (a zero when it holds none: TF's zero fill)."""
+    numpy_dtype = dtype.as_numpy_dtype
+    if not stored:
+        return np.zeros(1, numpy_dtype)
+    values = getattr(tensor, field)
+    if field == "half_val":
+        return np.asarray(values, np.int64).astype(np.uint16).view(numpy_dtype)
+    return np.asarray(values, numpy_dtype)
 
 
 def dtype_enum(name: str) -> int:
@@ -102,14 +189,47 @@ def _attr(node: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef, name: str):
     return None
 
 
+def _number(node: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef, arg) -> int:
+    """How many ports a `number_attr` arg has (AddN's N); a negative count raises AmpError."""
+    value = _attr(node, op_def, arg.number_attr)
+    count = value.i if value is not None else 0
+    if count < 0:
+        raise AmpError(f"node {node.name!r} ({node.op}): attr {arg.number_attr} is {count}")
+    return count
+
+
+def count_ports(node: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef, args) -> int:
+    """How many ports `expand_ports` would make, without making them: attributes may declare
+    any count (AddN with N = 1e9), so callers check it against what the node really has."""
+    total = 0
+    for arg in args:
+        if arg.number_attr:
+            total += _number(node, op_def, arg)
+        elif arg.type_list_attr:
+            value = _attr(node, op_def, arg.type_list_attr)
+            total += len(value.list.type) if value is not None else 0
+        else:
+            total += 1
+    return total
+
+
+def check_declared_outputs(node: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef,
+                           label: str) -> None:
+    """Refuse a node whose attributes declare an absurd number of outputs."""
+    outputs = count_ports(node, op_def, op_def.output_arg)
+    if outputs > MAX_DECLARED_OUTPUTS:
+        raise AmpError(f"{label}: node {node.name!r} ({node.op}) declares {outputs} outputs "
+                       f"through its attributes (at most {MAX_DECLARED_OUTPUTS} are accepted)")
+
+
 def expand_ports(node: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef,
                  args) -> list[Port]:
-    """One Port per actual input/output of `node` for the OpDef `args` (input_arg/output_arg)."""
+    """One Port per actual input/output of `node` for the OpDef `args` (input_arg/output_arg).
+    Check the count first (`count_ports`): attributes may declare any number."""
     ports: list[Port] = []
     for arg in args:
         if arg.number_attr:
-            value = _attr(node, op_def, arg.number_attr)
-            count = value.i if value is not None else 0
+            count = _number(node, op_def, arg)
             type_value = _attr(node, op_def, arg.type_attr) if arg.type_attr else None
             dtype = arg.type or (type_value.type if type_value is not None else 0)
             group = arg.type_attr or None
@@ -196,7 +316,8 @@ class TfLoader:
         if producer is None:
             raise AmpError(f"{self.label}: node {consumer!r}: input {ref!r} refers to no node")
         if index >= len(producer.outputs):
-            if not producer.has_schema:  # an op we know nothing about: outputs grow on demand
+            if not producer.has_schema and index < MAX_DECLARED_OUTPUTS:
+                # an op we know nothing about: outputs grow on demand
                 while len(producer.outputs) <= index:
                     self._add_output(producer, Port("output", len(producer.outputs), 0, None,
                                                     None, None))
@@ -257,6 +378,19 @@ class TfLoader:
         node.output_group.append(None)
         self.source.nodes[node.name].outputs.append(port)
 
+    def _check_attrs(self, nd: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef) -> None:
+        """Refuse a node that lacks an attribute its OpDef needs or whose type attribute holds no
+        dtype TensorFlow knows (TF's importer would refuse it too, after the conversion)."""
+        where = f"{self.label}: node {nd.name!r} ({nd.op})"
+        for attr in op_def.attr:
+            value = _attr(nd, op_def, attr.name)
+            if value is None:
+                raise AmpError(f"{where}: attr {attr.name} is missing")
+            if attr.type == "type" and not known_dtype(value.type):
+                raise AmpError(f"{where}: attr {attr.name} holds no valid dtype ({value.type})")
+            if attr.type == "list(type)" and not all(known_dtype(t) for t in value.list.type):
+                raise AmpError(f"{where}: attr {attr.name} holds an invalid dtype")
+
     def _create_node(self, nd: node_def_pb2.NodeDef, order: int) -> Node:
         graph = self.model.graph
         node = Node(nd.name, nd.op, "", graph)
@@ -275,17 +409,17 @@ class TfLoader:
                            nd.attr else 0):
                 self._add_output(node, Port("output", i, 0, None, None, None))
             return node
-        info.inputs = expand_ports(nd, op_def, op_def.input_arg)
-        if len(info.inputs) != len(data):
+        expected = count_ports(nd, op_def, op_def.input_arg)
+        if expected != len(data):
             raise AmpError(f"{self.label}: node {nd.name!r} ({nd.op}) has {len(data)} data "
-                           f"input(s), its OpDef expects {len(info.inputs)}")
+                           f"input(s), its OpDef expects {expected}")
+        check_declared_outputs(nd, op_def, self.label)
+        self._check_attrs(nd, op_def)
+        info.inputs = expand_ports(nd, op_def, op_def.input_arg)
         for port in expand_ports(nd, op_def, op_def.output_arg):
             self._add_output(node, port)
         if nd.op == "Const" and node.outputs:
-            tensor = nd.attr["value"].tensor
-            present(node.outputs[0]).const = LazyTensor(
-                dtype_name(tensor.dtype), tuple(d.size for d in tensor.tensor_shape.dim),
-                lambda: tensor_util.MakeNdarray(tensor), handle=tensor)
+            present(node.outputs[0]).const = const_tensor(nd, self.label)
         return node
 
     def _wire_and_group(self, node: Node) -> None:
@@ -376,6 +510,7 @@ def default_fetches(graph_def: graph_pb2.GraphDef) -> list[str]:
         op_def = opdefs.get(nd.op)
         if op_def is None or not op_def.output_arg:
             continue
+        check_declared_outputs(nd, op_def, "graph")
         ports = expand_ports(nd, op_def, op_def.output_arg)
         if any(p.dtype in (1, 2, 14, 19) for p in ports):  # float, double, bfloat16, half
             fetches.append(nd.name)

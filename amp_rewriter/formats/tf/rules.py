@@ -34,4 +34,25 @@ TF_RULES = FormatRules(
     # These only inspect their input (Shape, Size) or convert it anyway (Cast's source `SrcT`).
     follow_producer_inputs={"Shape": ("T",), "Size": ("T",), "Cast": ("SrcT",)},
     recurrent_edges={op: MERGE_OPS for op in BACK_EDGE_OPS},
+    compute_ops=frozenset({
+        "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D", "Conv3D",
+        "DepthwiseConv2dNative", "Conv2DBackpropInput", "Conv2DBackpropFilter",
+        "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "_FusedMatMul", "_FusedConv2D",
+        "CudnnRNN", "CudnnRNNV2", "CudnnRNNV3", "BlockLSTM", "BlockLSTMV2", "LSTMBlockCell",
+        "GRUBlockCell", "Conv",
+    }),
+    arithmetic={"Add": "add", "AddV2": "add", "Sub": "sub", "Mul": "mul", "RealDiv": "div",
+                "Div": "div", "Pow": "pow", "Tanh": "tanh", "Softmax": "softmax"},
+    # Float inputs that are sizes or bounds (TF takes most shapes as int tensors, which a float
+    # computation reaches through a Cast, itself a seed of the index-math rule).
+    index_slots=frozenset({("Range", 0), ("Range", 1), ("Range", 2), ("Reshape", 1),
+                           ("Fill", 0), ("BroadcastTo", 1), ("Tile", 1),
+                           ("ResizeBilinear", 1), ("ResizeNearestNeighbor", 1),
+                           ("StridedSlice", 1), ("StridedSlice", 2), ("StridedSlice", 3),
+                           ("Slice", 1), ("Slice", 2)}),
+    rounding_ops=frozenset({"Floor", "Ceil", "Round", "Rint"}),
+    metadata_ops=frozenset({"Shape", "ShapeN", "Size", "Rank"}),
+    lookup_ops=frozenset({"Gather", "GatherV2", "GatherNd", "ResourceGather"}),
+    # No saturate_op: the TF emitter writes only the casts a pass adds, so the attention-mask
+    # rule is off for TF graphs (their masks keep the constant-range rule).
 )

@@ -39,13 +39,17 @@ def guard_constant_ranges(ctx: PassContext) -> tuple[int, list[str]]:
     """
     target = ctx.target_dtype
     forced = 0
+    # Attention masks find_attention_masks accepted: their sums are saturated instead.
+    mask_constants = {name for plan in ctx.saturations for name in plan.constants}
     for group, slot, source in _constant_inputs(ctx):
         if group.forced_deny:
             continue
         tensor = source.const if isinstance(source, Value) else source
         assert tensor is not None
-        result = ctx.range_check(tensor, target)
         name = source.name if isinstance(source, Value) else f"{group.node.name}.value"
+        if name in mask_constants:
+            continue
+        result = ctx.range_check(tensor, target)
         divisor = (group.node.op_type, slot) in ctx.rules.divisor_slots
         if result.overflowed and not ctx.options.clamp:
             why = (f"constant {name!r} has {result.overflowed} value(s) beyond "

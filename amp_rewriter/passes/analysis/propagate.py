@@ -9,6 +9,10 @@ built, with the reason, kind and path of each decision):
    deny or infer op (so the taint reaches every op whose result it can affect before an allow op
    absorbs it).
 3. fill_between_allow: infer/clear groups both downstream and upstream of allow groups go low.
+   fill_from_constants: infer/clear groups computed only from constants and integers (embedding
+   lookups and their sums) that lead into allow groups go low.
+   fill_tail_to_outputs: infer/clear groups after the last allow groups that reach only graph
+   outputs go low where that needs fewer casts (more low inputs than outputs).
 4. infer_after_allow (bf16 only, as in Grappler): an infer group fed by an allow group and no
    deny group goes low.
 5. spread_through_clear: allow spreads through clear groups in both directions.
@@ -169,6 +173,91 @@ def fill_between_allow(p: Painting) -> int:
     return painted
 
 
+def fill_from_constants(p: Painting) -> int:
+    """Infer and clear ops computed only from constants and integer inputs (embedding lookups,
+    their sums and normalisation) that lead into an allow op go low: their fp32 sources are
+    constants, which convert offline, so running them low removes the cast in front of the
+    allow op instead of adding one."""
+    gg = p.graph
+    constant_fed: set[TypeGroup] = set()
+    members = set(gg.vertices)
+    for g in gg.vertices:  # graph order: producers first
+        if g.inner_defs or g.inner_uses or not g.input_slots:
+            continue
+        inputs = [g.node.inputs[s] for s in g.input_slots]
+        if all(v is not None and ((v.const is not None and not v.overridable)
+                                  or gg.producer_group(v) in constant_fed)
+               for v in inputs) and not any(v is not None and v.is_graph_input for v in inputs):
+            constant_fed.add(g)
+    painted = 0
+    for a in p.allow_in_order():
+        stack = [a]
+        while stack:
+            g = stack.pop()
+            for pred in gg.pred[g]:
+                if pred in members and pred in constant_fed and p.can_join(pred, (CLEAR, INFER)):
+                    p.paint(pred, decisions.PROPAGATION,
+                            f"{op_class(pred)} op computed only from constants and integers, "
+                            f"upstream of {label(a)}: its constants convert offline, so it runs "
+                            f"low precision instead of casting in front of the allow op",
+                            via=g)
+                    painted += 1
+                    stack.append(pred)
+    return painted
+
+
+def fill_tail_to_outputs(p: Painting) -> int:
+    """Infer and clear ops after the last allow ops, whose results reach only graph outputs (the
+    final residual add and normalisation), go low when that needs fewer casts: each connected
+    tail whose inputs are all low precision or constants, and which reads more low-precision
+    values than it hands to graph outputs, moves its casts to the outputs."""
+    gg = p.graph
+    tail: set[TypeGroup] = set()
+    for g in reversed(gg.vertices):  # consumers before producers
+        if p.can_join(g, (INFER, CLEAR)) and not g.inner_defs and not g.inner_uses \
+                and all(s in tail for s in gg.succ[g]):
+            tail.add(g)
+    painted = 0
+    seen: set[TypeGroup] = set()
+    for start in gg.vertices:
+        if start not in tail or start in seen:
+            continue
+        component, stack = [], [start]
+        seen.add(start)
+        while stack:  # the tail groups connected to `start`
+            g = stack.pop()
+            component.append(g)
+            for n in gg.succ[g] + gg.pred[g]:
+                if n in tail and n not in seen:
+                    seen.add(n)
+                    stack.append(n)
+        members = set(component)
+        entering: set[int] = set()
+        closed = True
+        for g in component:
+            for value in (g.node.inputs[s] for s in g.input_slots):
+                if value is None or (value.const is not None and not value.overridable):
+                    continue
+                producer = gg.producer_group(value)
+                if producer in members:
+                    continue
+                if producer is None or producer not in p.allow:
+                    closed = False
+                entering.add(id(value))
+        nodes = {id(g.node) for g in component}
+        leaving = {id(v) for g in component for v in gg.defined_values(g)
+                   if v.graph_output_uses or any(id(c) not in nodes for c, _ in v.uses)}
+        if not closed or not entering or len(leaving) >= len(entering):
+            continue
+        for g in sorted(component):
+            p.paint(g, decisions.PROPAGATION,
+                    f"{op_class(g)} op after the last allow ops, reaching only graph outputs: "
+                    f"low precision moves its {len(entering)} input casts to "
+                    f"{len(leaving)} at the output(s)")
+            painted += 1
+    return painted
+
+
 def infer_after_allow(p: Painting) -> int:
     """bf16 only (Grappler does this for oneDNN bf16): an infer op fed by an allow op and by no
     deny op goes low."""
@@ -294,7 +383,8 @@ def follow_data_group(p: Painting) -> int:
 
 
 #: The phases in Grappler's order; each returns how many groups it moved.
-PHASES: list[Phase] = [seed_allow, spread_deny, fill_between_allow, infer_after_allow,
+PHASES: list[Phase] = [seed_allow, spread_deny, fill_between_allow, fill_from_constants,
+                       fill_tail_to_outputs, infer_after_allow,
                        spread_through_clear, drop_without_kernel, drop_pins_without_barrier,
                        retarget_existing_casts, follow_producers, follow_data_group]
 

@@ -1,5 +1,5 @@
 """Rewrite passes: they apply the decisions to the graph (dtypes, casts, constants)."""
 
-from . import convert_constants, fold_casts, insert_casts
+from . import convert_constants, fold_casts, insert_casts, saturate_masks
 
-__all__ = ["convert_constants", "fold_casts", "insert_casts"]
+__all__ = ["convert_constants", "fold_casts", "insert_casts", "saturate_masks"]

@@ -19,18 +19,25 @@ from .insert_casts import CAST
 def _converted_tensor(tensor: LazyTensor, dtype: str, clamp: bool, name: str,
                       ctx: PassContext) -> LazyTensor | None:
     """The converted constant, or None when it overflows and clamping is off."""
-    array = np.asarray(tensor.numpy(), dtype=np.float32)
     result = ctx.range_check(tensor, dtype)
     if result.overflowed and not clamp:
-        ctx.constants.append(ConstantRecord(name, "kept_fp32", tensor.size, result.overflowed,
-                                            result.flushed_to_zero, "overflows; cast kept"))
+        if not any(r.name == name and r.action == "kept_fp32" for r in ctx.constants):
+            ctx.constants.append(ConstantRecord(name, "kept_fp32", tensor.size,
+                                                result.overflowed, result.flushed_to_zero,
+                                                "overflows; cast kept"))
         return None
-    converted = convert_array(array, dtype, clamp)
-    del array
-    tensor.release()
     action = "clamped" if result.overflowed else "converted"
     ctx.constants.append(ConstantRecord(name, action, tensor.size, result.overflowed,
                                         result.flushed_to_zero))
+    if tensor.streams:  # a weight in a file: converted chunk by chunk when the output is written
+        return tensor.converted(dtype, clamp)
+    # A compact tensor (its last value repeating) converts as its stored values, and stays so.
+    array = np.asarray(tensor.stored() if tensor.compact else tensor.numpy(), dtype=np.float32)
+    converted = convert_array(array, dtype, clamp)
+    del array
+    if tensor.compact:
+        return LazyTensor.repeating_last(dtype, tensor.shape, converted)
+    tensor.release()
 
     def load() -> np.ndarray:  # the same conversion again, once the emitter dropped the values
         values = convert_array(np.asarray(tensor.numpy(), dtype=np.float32), dtype, clamp)
@@ -49,7 +56,8 @@ def _convert_fill_value(node: Node, attr: str, ctx: PassContext) -> bool:
     fill = node.attrs.get(attr)
     if fill is None:  # the default fill is a float32 zero
         fill = LazyTensor(FLOAT32, (1,), lambda: np.zeros(1, np.float32))
-    node.attrs[attr] = _converted_tensor(fill, value.dtype, True, f"{node.name}.{attr}", ctx)
+    node.set_attr(attr, _converted_tensor(fill, value.dtype, True, f"{node.name}.{attr}",
+                                          ctx))
     return True
 
 

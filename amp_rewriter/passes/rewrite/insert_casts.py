@@ -34,7 +34,7 @@ class CastBuilder:
         graph = value.graph
         cast = Node(self.model.unique_name(f"{value.name}/cast_to_{short_name(dtype)}"), CAST, "",
                     graph)
-        cast.attrs["to"] = dtype
+        cast.set_attr("to", dtype)
         cast.op_class, cast.class_reason = "cast", "inserted at a precision boundary"
         output = Value(self.model.unique_name(f"{value.name}_{short_name(dtype)}"), graph, dtype,
                        value.shape)

@@ -1,0 +1,211 @@
+"""Concrete tensor shapes of a model at given input sizes, for the report's cost summary.
+
+Shape inference runs on a skeleton of the model: its nodes and small (shape-like) initializers,
+with every large or external initializer replaced by a graph input of the same type and shape,
+so models with external data or over 2 GB cost no more than their node count. onnx's shape
+inference (with data propagation, for Shape -> Gather -> Reshape chains) serves standard
+models; onnxruntime's symbolic shape inference, which knows its contrib ops, serves models with
+com.microsoft ops. A failure of either only means fewer known shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import logging
+import warnings
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from ...cost import bytes_moved
+from . import ort_registry
+from .load import dtype_name, walk_graph_protos
+from .validate import validation_shape
+
+#: Initializers up to this many elements stay in the skeleton (Reshape targets, axes, ...).
+SMALL_INITIALIZER = 64
+
+_STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
+
+
+def _elements(tensor: onnx.TensorProto) -> int:
+    count = 1
+    for dim in tensor.dims:
+        count *= dim
+    return count
+
+
+def skeleton(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
+             ) -> onnx.ModelProto:
+    """The model's graph with concrete input shapes and without its large tensors' data."""
+    sk = onnx.ModelProto()
+    sk.ir_version = max(model.ir_version, 4)  # initializers need not be listed as inputs
+    sk.opset_import.extend(model.opset_import)
+    sk.functions.extend(model.functions)
+    source, graph = model.graph, sk.graph
+    graph.name = source.name
+    graph.node.extend(source.node)
+    graph.output.extend(source.output)
+    initializer_names = set()
+    for tensor in source.initializer:
+        initializer_names.add(tensor.name)
+        if tensor.data_location != onnx.TensorProto.EXTERNAL \
+                and _elements(tensor) <= SMALL_INITIALIZER:
+            graph.initializer.append(tensor)
+        else:
+            graph.input.append(onnx.helper.make_tensor_value_info(
+                tensor.name, tensor.data_type, list(tensor.dims)))
+    for info in source.input:
+        if info.name in initializer_names:
+            continue
+        copy = graph.input.add()
+        copy.CopyFrom(info)
+        shape = input_shapes.get(info.name)
+        if shape is not None and info.type.HasField("tensor_type"):
+            dims = copy.type.tensor_type.shape.dim
+            del dims[:]
+            for size in shape:
+                dims.add().dim_value = size
+    return sk
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
+
+@cache
+def _symbolic_shape_inference() -> Any:
+    """onnxruntime's SymbolicShapeInference class. Its module is loaded from its file: importing
+    it as `onnxruntime.tools.symbolic_shape_infer` runs that package's __init__, which imports
+    torch when it is installed (seconds, for a helper this does not use)."""
+    spec = importlib.util.find_spec("onnxruntime")
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(list(spec.submodule_search_locations)[0]) / "tools" / "symbolic_shape_infer.py"
+    module_spec = importlib.util.spec_from_file_location("_amp_rewriter_symbolic_shape_infer", path)
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.SymbolicShapeInference
+
+
+def _symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxruntime's symbolic shape inference, keeping what it inferred when it cannot infer
+    everything (its `infer_shapes` then raises, after writing a debug model into the working
+    directory: these are the steps of that method without the raise and the file)."""
+    inference = _symbolic_shape_inference()(2**31 - 1, True, False, 0)
+    inference._preprocess(model)
+    while inference.run_:
+        inference._infer_impl()
+    inference._update_output_from_vi()
+    result: onnx.ModelProto = inference.out_mp_
+    return result
+
+
+def _inferred(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
+              ) -> onnx.ModelProto | None:
+    """The skeleton with its inferred value_info, or None when inference failed."""
+    sk = skeleton(model, input_shapes)
+    op_kinds = {(node.domain, node.op_type) for g in walk_graph_protos(sk.graph) for node in g.node}
+    ort_ops = any((domain not in _STANDARD_DOMAINS or not onnx.defs.has(op))
+                  and ort_registry.has_op(op, domain) for domain, op in op_kinds)
+    inferred = None
+    with _quiet():
+        if ort_ops:
+            try:
+                inferred = _symbolic_shapes(sk)
+            except Exception:  # any failure only costs us shapes
+                inferred = None
+        if inferred is None:
+            # Serialized first so the skeleton (a copy of every node) is freed before onnx's
+            # inference makes its own.
+            data = sk.SerializeToString()
+            del sk
+            try:
+                inferred = onnx.shape_inference.infer_shapes(data, strict_mode=False,
+                                                             data_prop=True)
+            except Exception:  # as above
+                return None
+    return inferred
+
+
+def _types(inferred: onnx.ModelProto | None, model: onnx.ModelProto
+           ) -> dict[str, tuple[str | None, tuple[int, ...] | None]]:
+    """Value name -> (dtype, concrete shape or None) as inferred (or, failing that, declared)."""
+    graph = inferred.graph if inferred is not None else model.graph
+    # list() first: iterating upb's repeated fields directly costs ~5x more per element.
+    infos = list(graph.input) + list(graph.value_info) + list(graph.output)
+    result: dict[str, tuple[str | None, tuple[int, ...] | None]] = {}
+    # Most values share a handful of types: each distinct TypeProto (by its bytes, one protobuf
+    # call) is read once, not field by field per value (~10 calls each, seconds at 1M values).
+    by_type: dict[bytes, tuple[str | None, tuple[int, ...] | None] | None] = {}
+    for info in infos:
+        type_proto = info.type
+        key = type_proto.SerializeToString()
+        if key in by_type:
+            known = by_type[key]
+        else:
+            known = by_type[key] = _dtype_and_shape(type_proto)
+        if known is not None:
+            result[info.name] = known
+    return result
+
+
+def _dtype_and_shape(type_proto: onnx.TypeProto
+                     ) -> tuple[str | None, tuple[int, ...] | None] | None:
+    """(dtype, concrete shape or None) of a tensor type; None for no tensor element type."""
+    tensor_type = type_proto.tensor_type
+    elem_type = tensor_type.elem_type
+    if not elem_type:
+        return None
+    dims = list(tensor_type.shape.dim)
+    shape = None
+    if tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+        shape = tuple(d.dim_value for d in dims)
+    return dtype_name(elem_type), shape
+
+
+def validation_input_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    """The shapes validation feeds the graph inputs when no inputs are given."""
+    initializers = {t.name for t in model.graph.initializer}
+    return {info.name: tuple(validation_shape(info)) for info in model.graph.input
+            if info.name not in initializers and info.type.HasField("tensor_type")}
+
+
+def activation_traffic(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
+                       ) -> dict[str, Any]:
+    """`cost.bytes_moved` for the top-level graph's float activations at `input_shapes`."""
+    types = _types(_inferred(model, input_shapes), model)
+    graph = model.graph
+    constants = {t.name for t in graph.initializer}
+    constants.update(node.output[0] for node in graph.node
+                     if node.op_type == "Constant" and node.output)
+    reads = Counter(name for node in graph.node for name in node.input if name)
+    reads.update(info.name for info in graph.output)
+    tensors = []
+    names = [info.name for info in graph.input if info.name not in constants]
+    writes = {name for node in graph.node for name in node.output if name}
+    names += [name for node in graph.node for name in node.output
+              if name and name not in constants]
+    for name in dict.fromkeys(names):
+        dtype, shape = types.get(name, (None, None))
+        if dtype is None:
+            continue
+        tensors.append((dtype, shape, int(name in writes) + reads[name]))
+    traffic = bytes_moved(tensors)
+    traffic["input_shapes"] = {name: list(shape) for name, shape in input_shapes.items()}
+    return traffic

@@ -1,0 +1,282 @@
+"""Rules decided by the graph's structure rather than by op type.
+
+- `recognize_tanh_gelu`: the cube in tanh-GELU, 0.5*x*(1 + tanh(c2*(x + c1*x^3))), runs in low
+  precision although Pow is a deny op: where x^3 overflows to +-inf, every later step keeps the
+  sign (c1, c2 > 0) and tanh(+-inf) = +-1 is the limit fp32 reaches too.
+- `keep_index_math_fp32`: float arithmetic that computes a shape, length or index (from integers
+  and constants, feeding a Cast to an integer, a comparison, Floor/Ceil or a shape input) stays
+  fp32: fp16 holds integers exactly only up to 2048.
+- `apply_pattern_rules`: the user's `[[rules]]` from the config (op, what it feeds or is fed by).
+
+Op names reach these passes through the format's `FormatRules` (roles, index slots, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from ...ir import (
+    ALLOW,
+    FLOAT32,
+    FLOAT_DTYPES,
+    FP32,
+    INFER,
+    Graph,
+    Node,
+    TypeGroup,
+    Value,
+    decisions,
+)
+from ..base import FormatRules, PassContext, StructureRecord, register_pass
+from .classify import set_class
+
+# -- tanh-GELU's cube -------------------------------------------------------------------------
+
+
+def _constant(value: Value | None) -> np.ndarray | None:
+    """The values of a constant input, or None when it is not a constant."""
+    if value is None or value.const is None or value.overridable:
+        return None
+    return np.asarray(value.const.numpy(), dtype=np.float64)
+
+
+def _positive_constant(value: Value | None) -> bool:
+    data = _constant(value)
+    return data is not None and data.size > 0 and bool(np.all(np.isfinite(data) & (data > 0)))
+
+
+def _only_consumer(value: Value | None) -> tuple[Node, int] | None:
+    """The one node reading `value`, or None when it has several readers or is a graph output."""
+    if value is None or value.graph_output_uses or len(value.uses) != 1:
+        return None
+    return value.uses[0]
+
+
+def _other_input(node: Node, slot: int) -> Value | None:
+    """For a two-input op, the input that is not `slot`."""
+    if len(node.inputs) != 2:
+        return None
+    return node.inputs[1 - slot]
+
+
+def tanh_gelu_cube(node: Node, rules: FormatRules) -> str | None:
+    """Why `node` is the cube of a tanh-GELU whose overflow is harmless, or None when it is not.
+
+    The pattern, by structure: Pow(x, 3) -> Mul(., c1) -> Add(x, .) -> Mul(., c2) -> Tanh, with
+    c1, c2 positive constants and each intermediate read only by the next step.
+    """
+    if rules.role(node.op_type) != "pow" or len(node.inputs) != 2:
+        return None
+    exponent = _constant(node.inputs[1])
+    base = node.inputs[0]
+    if exponent is None or exponent.size != 1 or float(exponent.reshape(-1)[0]) != 3.0:
+        return None
+    step = _only_consumer(node.outputs[0] if node.outputs else None)
+    if step is None or rules.role(step[0].op_type) != "mul" \
+            or not _positive_constant(_other_input(*step)):
+        return None
+    step = _only_consumer(step[0].outputs[0])
+    if step is None or rules.role(step[0].op_type) != "add" or _other_input(*step) is not base:
+        return None
+    step = _only_consumer(step[0].outputs[0])
+    if step is None or rules.role(step[0].op_type) != "mul" \
+            or not _positive_constant(_other_input(*step)):
+        return None
+    step = _only_consumer(step[0].outputs[0])
+    if step is None or rules.role(step[0].op_type) != "tanh":
+        return None
+    return (f"the cube of tanh-GELU (-> {step[0].name}): where x^3 overflows to +-inf in low "
+            f"precision, the positive scales and the add keep its sign and tanh(+-inf) = +-1, "
+            f"the limit fp32 reaches; elsewhere x^3 stays in range")
+
+
+@register_pass("recognize_tanh_gelu")
+def recognize_tanh_gelu(ctx: PassContext) -> tuple[int, list[str]]:
+    """Let the cube of a tanh-GELU (a deny-list Pow) run in low precision (see tanh_gelu_cube)."""
+    found = 0
+    for node in ctx.model.graph.walk_nodes():
+        ctx.focus = node
+        if node.op_class in (FP32, ALLOW) or node.class_kind == decisions.USER_OVERRIDE:
+            continue
+        why = tanh_gelu_cube(node, ctx.rules)
+        if why is None:
+            continue
+        set_class(ctx, node, INFER, why, decisions.STRUCTURE)
+        ctx.structures.append(StructureRecord("tanh_gelu_cube", [node.name], why))
+        found += 1
+    return found, []
+
+
+# -- index math -------------------------------------------------------------------------------
+
+
+def _is_float(value: Value | None) -> bool:
+    return value is not None and value.original_dtype in FLOAT_DTYPES
+
+
+def heavy(node: Node) -> bool:
+    """Whether `node` is a heavy compute op (allow-class by the op lists, not by a user's move):
+    its outputs are activations."""
+    return node.op_class == ALLOW and node.class_kind != decisions.USER_OVERRIDE
+
+
+def index_math_values(graph: Graph, rules: FormatRules) -> set[int]:
+    """ids of the float values of the main graph computed without a heavy (allow-class) op, a
+    table lookup (an embedding row is data) or a control-flow op: from graph inputs, constants
+    and integers (shapes, positions, lengths, boolean masks) through light arithmetic."""
+    known: set[int] = set()
+    for value in list(graph.inputs) + list(graph.initializers.values()):
+        if _is_float(value):
+            known.add(id(value))
+    for node in graph.nodes:
+        if node.subgraphs or heavy(node):
+            continue
+        if node.op_type in rules.lookup_ops and _is_float(node.inputs[0] if node.inputs
+                                                         else None):
+            continue  # an embedding row: data
+        inputs = [v for v in node.inputs if v is not None]
+        if not inputs and node.op_type not in rules.constant_fill_attrs \
+                and not (node.outputs and node.outputs[0] is not None
+                         and node.outputs[0].const is not None):
+            continue  # random ops and the like
+        if all(id(v) in known or not _is_float(v) for v in inputs):
+            for out in node.outputs:
+                if out is not None and _is_float(out):
+                    known.add(id(out))
+    return known
+
+
+def _index_seeds(graph: Graph, rules: FormatRules) -> Iterator[tuple[Node, int]]:
+    """(node, input slot) where a float value is used as a shape, size, index or integer."""
+    for node in graph.nodes:
+        if node.op_type in rules.metadata_ops or node.subgraphs:
+            continue
+        float_slots = [s for s, v in enumerate(node.inputs) if _is_float(v)]
+        if not float_slots:
+            continue
+        outputs = [v for v in node.outputs if v is not None]
+        to_integers = bool(outputs) and not any(_is_float(v) for v in outputs)
+        for slot in float_slots:
+            if to_integers or node.op_type in rules.rounding_ops \
+                    or (node.op_type, slot) in rules.index_slots:
+                yield node, slot
+
+
+@register_pass("keep_index_math_fp32")
+def keep_index_math_fp32(ctx: PassContext) -> tuple[int, list[str]]:
+    """Keep fp32 the float arithmetic that computes shapes, lengths or indices.
+
+    Walks back from every float input that becomes an integer or a shape (Cast to an integer
+    type, comparisons, Floor/Ceil/Round, the format's index slots) through the float values
+    computed without a heavy op or a lookup (`index_math_values`): fp16 represents integers
+    exactly only up to 2048 (bf16: 256), so a length, position or bucket computed there could
+    round to a neighbour. A comparison or rounding of activations (downstream of a MatMul or
+    Conv) is not index math and is left alone.
+    """
+    graph = ctx.model.graph
+    rules = ctx.rules
+    index_math = index_math_values(graph, rules)
+    follow = rules.follow_producer_inputs
+    pinned = 0
+    visited: set[int] = set()
+    for seed_node, slot in list(_index_seeds(graph, rules)):
+        ctx.focus = seed_node
+        seed = seed_node.inputs[slot]
+        if seed is None or id(seed) not in index_math or seed.const is not None:
+            continue
+        use = f"{seed_node.name} ({seed_node.op_type})"
+        why = (f"computes a shape, length or index (used by {use}), without a heavy op: "
+               f"kept fp32, which holds integers exactly up to 2^24 ({ctx.options.target}: "
+               f"{2048 if ctx.options.target == 'fp16' else 256})")
+        names: list[str] = []
+        group = seed_node.input_group[slot] if slot < len(seed_node.input_group) else None
+        if group is not None and group.name not in follow.get(seed_node.op_type, ()) \
+                and id(seed_node) not in ctx.user_rule_nodes:
+            pinned += _pin(group, why, names)
+        stack = [seed]
+        while stack:
+            value = stack.pop()
+            producer = value.producer
+            if producer is None or id(producer) in visited or producer.graph is not graph:
+                continue
+            visited.add(id(producer))
+            if id(producer) in ctx.user_rule_nodes:
+                continue  # the user's pattern rule decided this node
+            for g in producer.type_groups:
+                pinned += _pin(g, why, names)
+            stack.extend(v for v in producer.inputs
+                         if v is not None and id(v) in index_math and v.const is None)
+        if names:
+            ctx.structures.append(StructureRecord("index_math", names, why))
+    return pinned, []
+
+
+def _pin(group: TypeGroup, why: str, names: list[str]) -> int:
+    """Keep a paintable float group fp32 for the index-math rule; 1 when it changed."""
+    if not group.paintable or group.dtype != FLOAT32:
+        return 0
+    group.paintable = False
+    group.reason, group.kind = why, decisions.STRUCTURE
+    if group.node.name not in names:
+        names.append(group.node.name)
+    return 1
+
+
+# -- the user's pattern rules -----------------------------------------------------------------
+
+
+def _neighbours(node: Node, downstream: bool, through: frozenset[str]) -> Iterator[Node]:
+    """The consumers (or producers) of `node`, looking through the `through` ops."""
+    seen: set[int] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if downstream:
+            nexts = [c for v in current.outputs if v is not None for c, _ in v.uses]
+        else:
+            nexts = [v.producer for v in current.inputs if v is not None and v.producer]
+        for other in nexts:
+            if other is None or id(other) in seen:
+                continue
+            seen.add(id(other))
+            yield other
+            if other.op_type in through or other.qualified_op in through:
+                stack.append(other)
+
+
+@register_pass("apply_pattern_rules")
+def apply_pattern_rules(ctx: PassContext) -> tuple[int, list[str]]:
+    """Apply the config's `[[rules]]`: nodes of an op type that feed (or are fed by) given ops,
+    optionally through others and by name, get a precision or an op class."""
+    rules = ctx.options.overrides.rules
+    if not rules:
+        return 0, []
+    changed = 0
+    hits: dict[int, list[str]] = {}
+    for node in ctx.model.graph.walk_nodes():
+        ctx.focus = node
+        if node.pin_reason:
+            continue  # --keep-node, or a front end's pin (TF fetch nodes): stays as pinned
+        for index, rule in enumerate(rules):
+            if node.op_type != rule.op and node.qualified_op != rule.op:
+                continue
+            if rule.name is not None and not rule.name.fullmatch(node.name):
+                continue
+            if rule.feeds and not any(n.op_type in rule.feeds or n.qualified_op in rule.feeds
+                                      for n in _neighbours(node, True, rule.through)):
+                continue
+            if rule.fed_by and not any(n.op_type in rule.fed_by or n.qualified_op in rule.fed_by
+                                       for n in _neighbours(node, False, rule.through)):
+                continue
+            reason = f"{rule.describe()} ({rule.source})"
+            set_class(ctx, node, rule.op_class or FP32, reason, decisions.USER_OVERRIDE)
+            ctx.user_rule_nodes.add(id(node))
+            hits.setdefault(index, []).append(node.name)
+            changed += 1
+            break  # the first matching rule wins
+    for index, names in sorted(hits.items()):
+        ctx.structures.append(StructureRecord("pattern_rule", names, rules[index].describe()))
+    notes = [f"{rules[i].describe()}: {len(names)} node(s)" for i, names in sorted(hits.items())]
+    return changed, notes

@@ -1,0 +1,240 @@
+"""Structural rules (amp_rewriter/passes/analysis/structures.py) on tiny graphs: tanh-GELU's cube
+in low precision, index math kept fp32, and the config's producer/consumer pattern rules.
+Converted models run with real fp16 rounding (`run_as_fp16`) against fp32 in onnxruntime.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from builder import GraphBuilder, check, count_casts, precisions, run, run_as_fp16  # noqa: E402
+
+import amp_rewriter  # noqa: E402
+from amp_rewriter import AmpError  # noqa: E402
+from amp_rewriter.cli import main  # noqa: E402
+from amp_rewriter.formats.onnx.check import check_model  # noqa: E402
+from models import BUILDERS  # noqa: E402
+
+SQRT_2_OVER_PI = float(np.sqrt(2 / np.pi))
+
+
+def convert(model: onnx.ModelProto, **options):
+    converted, report = amp_rewriter.convert(model, **options)
+    check(converted)
+    return converted, report
+
+
+# -- tanh-GELU ------------------------------------------------------------------------------------
+def gelu_mlp(exponent: float = 3.0, c1: float = 0.044715, cube_readers: int = 1) -> onnx.ModelProto:
+    """x -> MatMul(I) -> tanh-GELU as GPT-2 exports it -> MatMul(I); identities keep x visible."""
+    b = GraphBuilder()
+    x = b.input("x", [2, 8])
+    eye = b.const("eye", np.eye(8, dtype=np.float32))
+    h = b.op("MatMul", x, eye, name="fc")
+    half = b.op("Mul", h, b.const("c_half", np.float32(0.5)), name="half")
+    cube = b.op("Pow", h, b.const("three", np.float32(exponent)), name="cube")
+    scaled = b.op("Mul", cube, b.const("c1", np.float32(c1)), name="scale_cube")
+    inner = b.op("Add", h, scaled, name="inner")
+    arg = b.op("Mul", inner, b.const("c2", np.float32(SQRT_2_OVER_PI)), name="scale_inner")
+    t = b.op("Tanh", arg, name="tanh")
+    one_plus = b.op("Add", t, b.const("c_one", np.float32(1)), name="one_plus")
+    gelu = b.op("Mul", half, one_plus, name="gelu")
+    b.output(b.op("MatMul", gelu, eye, name="proj"))
+    if cube_readers > 1:
+        b.output(b.op("Relu", cube, name="cube_reader"))
+    return b.build()
+
+
+def test_tanh_gelu_cube_runs_fp16_with_its_reason():
+    model = gelu_mlp()
+    converted, report = convert(model)
+    decided = precisions(report)
+    assert set(decided.values()) == {"fp16"}, decided
+    entry = report.node("cube")  # infer by structure, then painted between the MatMuls
+    assert entry["class"] == "infer" and "tanh(+-inf) = +-1" in entry["class_reason"]
+    assert [s["rule"] for s in report.structures] == ["tanh_gelu_cube"]
+    assert count_casts(converted) == 2  # only at the graph input and output
+
+
+def test_tanh_gelu_overflow_of_the_cube_gives_the_right_limits():
+    """x = +-60: x^3 = +-216000 overflows fp16 to +-inf; GELU is still x (or 0), as in fp32."""
+    model = gelu_mlp()
+    converted, _ = convert(model)
+    x = np.array([[60, -60, 45, -45, 3, -3, 0.5, 100], [-100, 41, -41, 7, 0, 12, -12, 1]],
+                 np.float32)
+    expected = run(model, {"x": x})[0]
+    actual = run_as_fp16(converted, {"x": x})[0]
+    assert np.isfinite(actual).all()
+    np.testing.assert_allclose(actual, expected, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("variant", [{"exponent": 2.0}, {"c1": -0.044715}, {"cube_readers": 2}],
+                         ids=["square", "negative-scale", "cube-read-twice"])
+def test_pow_outside_the_tanh_gelu_structure_stays_deny(variant):
+    model = gelu_mlp(**variant)
+    _, report = convert(model)
+    assert precisions(report)["cube"] == "fp32"
+    assert report.node("cube")["kind"] == "op_list"
+    assert report.structures == []
+
+
+def test_check_accepts_the_tanh_gelu_cube(tmp_path):
+    model = gelu_mlp()
+    converted, _ = convert(model)
+    path = tmp_path / "gelu16.onnx"
+    onnx.save(converted, str(path))
+    result = check_model(path)
+    assert result.ok, result.problems
+    assert any("tanh-GELU" in note for note in result.notes)
+
+
+def test_user_deny_of_pow_wins_over_the_tanh_gelu_rule():
+    _, report = convert(gelu_mlp(), deny=["Pow"])
+    assert precisions(report)["cube"] == "fp32"
+    assert report.node("cube")["kind"] == "user_override"
+
+
+# -- index math -----------------------------------------------------------------------------------
+def length_model() -> onnx.ModelProto:
+    """Frames after a stride-2 conv, from a float length: Floor((len - 3) / 2 + 1) -> int64,
+    beside an activation path (MatMul -> Greater -> Where, a leaky ReLU)."""
+    b = GraphBuilder()
+    x = b.input("x", [2, 8])
+    lengths = b.input("lengths", [2])
+    h = b.op("MatMul", x, b.weight("w", [8, 8]), name="mm")
+    positive = b.op("Greater", h, b.const("zero", np.float32(0)), name="positive")
+    leaky = b.op("Where", positive, h, b.op("Mul", h, b.const("slope", np.float32(0.1)),
+                                            name="slope_mul"), name="leaky")
+    b.output(b.op("MatMul", leaky, b.weight("w2", [8, 8]), name="mm2"))
+    shifted = b.op("Sub", lengths, b.const("kernel_minus_pad", np.float32(3)), name="shifted")
+    halved = b.op("Div", shifted, b.const("stride", np.float32(2)), name="halved")
+    plus_one = b.op("Add", halved, b.const("one", np.float32(1)), name="plus_one")
+    frames = b.op("Floor", plus_one, name="floor")
+    b.output(b.op("Cast", frames, name="frames", to=onnx.TensorProto.INT64))
+    return b.build()
+
+
+def test_float_length_arithmetic_stays_fp32_even_when_its_ops_are_allowed():
+    """With Sub/Div/Add/Floor forced onto the allow list, the length formula would run fp16,
+    where 4099 rounds to 4100; the index-math rule keeps it fp32 and the frame counts exact."""
+    model = length_model()
+    converted, report = convert(model, allow=["Sub", "Div", "Add", "Floor"])
+    decided = precisions(report)
+    for name in ("shifted", "halved", "plus_one", "floor"):
+        assert decided[name] == "fp32", name
+        assert report.node(name)["kind"] == "structure"
+    assert "computes a shape, length or index (used by floor (Floor))" in report.node("halved")["reason"]
+    # The activation path's comparison is not index math: it runs fp16.
+    assert decided["positive"] == decided["leaky"] == decided["mm"] == "fp16"
+    feeds = {"x": np.ones((2, 8), np.float32), "lengths": np.array([4099, 6001], np.float32)}
+    expected = run(model, feeds)[1]
+    np.testing.assert_array_equal(run_as_fp16(converted, feeds)[1], expected)
+    np.testing.assert_array_equal(expected, [2049, 3000])
+
+
+def test_position_buckets_from_integer_positions_stay_fp32():
+    """T5-style: integer positions -> float -> Log -> scale -> Cast to int64 (bucket index)."""
+    b = GraphBuilder()
+    positions = b.input("positions", [6], np.int64)
+    as_float = b.op("Cast", positions, name="to_float", to=onnx.TensorProto.FLOAT)
+    logged = b.op("Log", as_float, name="log")
+    scaled = b.op("Mul", logged, b.const("c_scale", np.float32(7.3)), name="scale")
+    b.output(b.op("Cast", scaled, name="bucket", to=onnx.TensorProto.INT64))
+    model = b.build()
+    _, report = convert(model, allow=["Log", "Mul"])
+    decided = precisions(report)
+    assert decided["log"] == decided["scale"] == "fp32"
+    assert [s["rule"] for s in report.structures] == ["index_math"]
+
+
+# -- pattern rules --------------------------------------------------------------------------------
+def write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "rules.toml"
+    path.write_text(text)
+    return path
+
+
+def test_pattern_rule_keeps_the_matmul_that_feeds_softmax_fp32(tmp_path):
+    config = write_config(tmp_path, """
+[[rules]]
+op = "MatMul"
+feeds = "Softmax"
+through = ["Div", "Add"]
+precision = "fp32"
+""")
+    _, report = convert(BUILDERS["transformer_block"](), config=config)
+    decided = precisions(report)
+    assert decided["attn/scores"] == "fp32"
+    assert report.node("attn/scores")["kind"] == "user_override"
+    assert "MatMul that feeds Softmax through Add/Div -> fp32" in report.node("attn/scores")["reason"]
+    others = [e for e in report.nodes if e["op"] == "MatMul" and e["name"] != "attn/scores"]
+    assert others and all(e["precision"] == "fp16" for e in others)
+    assert [s["nodes"] for s in report.structures if s["rule"] == "pattern_rule"] == [["attn/scores"]]
+
+
+def test_pattern_rule_leaves_pinned_nodes_pinned(tmp_path):
+    config = write_config(tmp_path, '[[rules]]\nop = "Pow"\nfed_by = "MatMul"\nclass = "allow"\n')
+    _, report = convert(gelu_mlp(exponent=2.0), config=config, keep_nodes=["cube"])
+    assert precisions(report)["cube"] == "fp32"
+    assert report.node("cube")["reason"].startswith("pinned to fp32 by --keep-node")
+
+
+def test_pattern_rule_without_through_matches_direct_consumers_only(tmp_path):
+    config = write_config(tmp_path, '[[rules]]\nop = "MatMul"\nfeeds = "Softmax"\n'
+                                    'precision = "fp32"\n')
+    _, report = convert(BUILDERS["transformer_block"](), config=config)
+    assert precisions(report)["attn/scores"] == "fp16"  # a Div and an Add stand between
+
+
+def test_pattern_rule_by_producer_and_name_sets_a_class(tmp_path):
+    config = write_config(tmp_path, """
+[[rules]]
+op = "Pow"
+fed_by = "MatMul"
+name = "cu.*"
+class = "infer"
+""")
+    model = gelu_mlp(exponent=2.0)  # not a tanh-GELU cube: deny unless a rule says otherwise
+    _, report = convert(model, config=config)
+    assert precisions(report)["cube"] == "fp16"
+    entry = report.node("cube")
+    assert entry["class"] == "infer" and entry["class_reason"].startswith("pattern rule: Pow")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('[[rules]]\nfeeds = "Softmax"\nprecision = "fp32"\n', "'op'"),
+    ('[[rules]]\nop = "MatMul"\nfeeds = "Softmax"\n', "exactly one of 'precision'"),
+    ('[[rules]]\nop = "MatMul"\nfeeds = "Softmax"\nprecision = "fp32"\nclass = "allow"\n',
+     "exactly one of 'precision'"),
+    ('[[rules]]\nop = "MatMul"\nfeeds = "Softmax"\nprecision = "fp16"\n', "not supported"),
+    ('[[rules]]\nop = "MatMul"\nfeeds = "Softmax"\nclass = "always"\n', "not one of"),
+    ('[[rules]]\nop = "MatMul"\nprecision = "fp32"\n', "needs 'feeds', 'fed_by' or 'name'"),
+    ('[[rules]]\nop = "MatMul"\nfeeds = 3\nprecision = "fp32"\n', "'feeds' must be"),
+    ('[[rules]]\nop = "MatMul"\nname = "(unclosed"\nprecision = "fp32"\n', "not a valid regex"),
+    ('[[rules]]\nop = "MatMul"\nfeed = "Softmax"\nprecision = "fp32"\n', "unknown key(s) 'feed'"),
+    ('rules = "MatMul"\n', "array of tables"),
+])
+def test_bad_pattern_rules_are_one_line_errors(tmp_path, text, message):
+    config = write_config(tmp_path, text)
+    with pytest.raises(AmpError, match=None) as caught:
+        amp_rewriter.Options(config=config)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+    assert "rules.toml" in str(caught.value)
+
+
+def test_bad_pattern_rule_on_the_cli_exits_2(tmp_path, capsys):
+    model = tmp_path / "m.onnx"
+    model.write_bytes(BUILDERS["transformer_block"]().SerializeToString())
+    config = write_config(tmp_path, '[[rules]]\nop = "MatMul"\nprecision = "fp32"\n')
+    out = tmp_path / "out.onnx"
+    assert main(["convert", str(model), str(out), "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "needs 'feeds'" in err
+    assert not out.exists()
