@@ -458,6 +458,9 @@ def test_cli_auto_report_and_explain(amp_cli, tmp_path):
     first_row = lines[next(i for i, line in enumerate(lines) if line.startswith("-----")) + 1]
     assert first_row.startswith(culprit), diagnosed.stdout
     assert json.loads(diag_json.read_text())["nodes"][0]["node"] == culprit
+    # The runner's work folder is removed when the run ends, not left to the collector (which
+    # warned "Implicitly cleaning up <TemporaryDirectory ...>" on stderr).
+    assert "cleaning up" not in result.stderr + diagnosed.stderr, result.stderr + diagnosed.stderr
 
 
 def _bad_inputs(tmp_path, kind):

@@ -51,10 +51,14 @@ def run_auto(runner: ModelRunner, output_path: Path, inputs: Sequence[str] | Non
 
         raise AmpError("--auto needs --max-error R (the largest metric value accepted)")
     metric = load_metric(options.metric, options.max_error)
-    calibration, warnings = calibration_for(runner, inputs, options)
-    result = auto_convert(runner, calibration, metric, options, TARGET_DTYPES[target], progress)
-    gc.collect()  # the search's last conversion and sessions, before the final one
-    report = runner.write(output_path, result.pins)
+    try:
+        calibration, warnings = calibration_for(runner, inputs, options)
+        result = auto_convert(runner, calibration, metric, options, TARGET_DTYPES[target],
+                              progress)
+        gc.collect()  # the search's last conversion and sessions, before the final one
+        report = runner.write(output_path, result.pins)
+    finally:
+        runner.close()
     report.auto = result.to_dict()
     report.warnings = warnings + report.warnings
     return report, result
@@ -64,9 +68,13 @@ def run_diagnose(runner: ModelRunner, inputs: Sequence[str] | None, options: Aut
                  target: str, backend: str) -> tuple[dict[str, Any], list[str]]:
     """Measure the plain conversion with the converted model's tensors; the JSON report and
     warnings."""
-    calibration, warnings = calibration_for(runner, inputs, options)
-    measurement = measure(runner, lambda: runner.convert({}), calibration, TARGET_DTYPES[target],
-                          ProbePlan(candidate_tensors=True), data_max=options.data_max)
+    try:
+        calibration, warnings = calibration_for(runner, inputs, options)
+        measurement = measure(runner, lambda: runner.convert({}), calibration,
+                              TARGET_DTYPES[target], ProbePlan(candidate_tensors=True),
+                              data_max=options.data_max)
+    finally:
+        runner.close()
     report = diagnose_dict(measurement, options, TARGET_DTYPES[target], backend,
                            measurement.output_errors)
     return report, warnings

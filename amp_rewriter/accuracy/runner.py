@@ -147,6 +147,10 @@ class ModelRunner(ABC):
         """Low-precision node -> the memory its lp shadow's weights take in the probe."""
         return {}
 
+    def close(self) -> None:
+        """Remove what the runner keeps on disk (its work folder); called when a run ends."""
+        return None
+
     @abstractmethod
     def input_specs(self) -> list[InputSpec]:
         """What calibration batches must provide."""

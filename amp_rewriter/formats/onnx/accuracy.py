@@ -240,6 +240,9 @@ class OnnxRunner(ModelRunner):
         self.execution_note = self.execution.description
         self._initializers = {t.name for t in self.model.graph.initializer}
 
+    def close(self) -> None:
+        self._workdir.cleanup()
+
     # -- inputs and outputs ------------------------------------------------------------------
     def input_specs(self) -> list[InputSpec]:
         specs = []
