@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Iterator
@@ -442,9 +443,44 @@ def _run_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: the run unwinds as on Ctrl-C, so its staged outputs and work
+    folders are removed (a plain termination would leave them behind)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated(signum)
+
+
+@contextlib.contextmanager
+def _unwind_on_termination() -> Iterator[None]:
+    """Turn SIGTERM / SIGHUP into `_Terminated` while the run lasts (main thread only)."""
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            previous[signum] = signal.signal(signum, _terminate)
+        except ValueError:  # not the main thread: leave the signals as they are
+            break
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     library_warnings: list[str] = []
+    try:
+        with _unwind_on_termination():
+            return _main(argv, library_warnings)
+    except _Terminated as exc:
+        print(f"{PROG}: terminated by signal {exc.args[0]} before the run finished",
+              file=sys.stderr)
+        return 128 + int(exc.args[0])
+
+
+def _main(argv: list[str] | None, library_warnings: list[str]) -> int:
     try:
         args = build_parser().parse_args(argv)
         runner = {"convert": _run_convert, "check": _run_check, "explain": _run_explain,

@@ -260,3 +260,39 @@ def test_api_convert_file_is_a_transaction_too(external_block: Path, tmp_path: P
     with pytest.raises(amp_rewriter.AmpError):
         amp_rewriter.convert_file(external_block, output, target="fp8")
     assert snapshot(tmp_path) == before
+
+
+_TERMINATE_AFTER_WRITING = """
+import importlib, os, signal, sys
+# the module (the package's `convert` attribute is the function of that name)
+convert = importlib.import_module("amp_rewriter.formats.onnx.convert")
+write = convert.save_onnx
+
+def write_then_terminate(*args, **kwargs):
+    write(*args, **kwargs)  # the model and its .data are staged: now `kill` arrives
+    os.kill(os.getpid(), signal.SIGTERM)
+
+convert.save_onnx = write_then_terminate
+from amp_rewriter.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_terminated_run_leaves_nothing_behind(external_block: Path, tmp_path: Path) -> None:
+    """SIGTERM (a CI job's timeout, `kill`) unwinds the run like Ctrl-C: the staged model and
+    data file are removed, the earlier output stays as it was, one line on stderr, exit 143."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "block_fp16.onnx").write_bytes(b"earlier output")
+    before = snapshot(out)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    result = subprocess.run([sys.executable, "-c", _TERMINATE_AFTER_WRITING, "convert",
+                             str(external_block), str(out / "block_fp16.onnx"), "--report",
+                             str(out / "report.json")],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 143, result.stderr
+    assert "terminated by signal 15" in one_error_line(result.stderr)
+    assert snapshot(out) == before
