@@ -225,6 +225,21 @@ def check_constants(constants: dict[str, LazyTensor], origins: ConstantOrigins |
     return findings
 
 
+def output_verdict(comparisons: list[OutputComparison], rtol: float
+                   ) -> tuple[list[dict], list[dict], bool]:
+    """(outputs, problems, agree) for `check --reference`: each comparison as a dict, a problem
+    for each output off by more than `rtol` or with new NaN/Inf, and whether all outputs agree
+    (False when none was compared)."""
+    outputs, problems = [], []
+    for c in comparisons:
+        outputs.append(c.to_dict())
+        if c.relative > rtol or c.nonfinite_new:
+            problems.append({"kind": "output_mismatch", "output": c.name,
+                             "message": f"output {c.name!r}: relative error {c.relative:.3g} > "
+                                        f"rtol {rtol:g}"})
+    return outputs, problems, bool(comparisons) and not problems
+
+
 def flushed_verdict(findings: ConstantFindings, target: str, outputs_agree: bool,
                     rtol: float | None) -> tuple[list[dict], list[str]]:
     """(problems, notes) for the flushed constants: notes when the outputs agree within

@@ -17,15 +17,14 @@ from ...validation import (
     default_rtol,
     flushed_verdict,
     load_inputs,
+    output_verdict,
 )
 from .convert import onnx_full_check
 from .load import load_onnx, read_model_file
 from .rules import ONNX_RULES
 from .validate import (
     ConvertedModelFailed,
-    compare_models,
     random_inputs,
-    runnable_on_cpu,
     validate_conversion,
 )
 
@@ -120,26 +119,15 @@ def check_model(path: str | os.PathLike, target: str | None = None, backend: str
     if reference is not None:
         rtol = default_rtol(target) if rtol is None else rtol
         try:
-            given = inputs is not None
-            if device == "cpu":  # reuses the parsed model for the emulation
-                with runnable_on_cpu(path, model=model) as (candidate, notes, computed):
-                    comparisons = compare_models(str(reference), candidate, feeds, "cpu",
-                                                 computed, inputs_given=given)
-            else:
-                comparisons, notes = validate_conversion(reference, path, feeds, device,
-                                                         inputs_given=given)
+            comparisons, notes = validate_conversion(  # the parsed model serves the emulation
+                reference, path, feeds, device, inputs_given=inputs is not None, model=model)
             result.notes.extend(notes)
         except ConvertedModelFailed as exc:
             result.problems.append({"kind": "run_failed", "message": str(exc)})
             comparisons = []
-        outputs_agree = bool(comparisons)
-        for c in comparisons:
-            result.outputs.append(c.to_dict())
-            if c.relative > rtol or c.nonfinite_new:
-                outputs_agree = False
-                result.problems.append({"kind": "output_mismatch", "output": c.name,
-                                        "message": f"output {c.name!r}: relative error "
-                                                   f"{c.relative:.3g} > rtol {rtol:g}"})
+        outputs, mismatches, outputs_agree = output_verdict(comparisons, rtol)
+        result.outputs.extend(outputs)
+        result.problems.extend(mismatches)
     problems, notes = flushed_verdict(constants, target, outputs_agree, rtol)
     result.problems.extend(problems)
     result.notes.extend(notes)

@@ -308,23 +308,26 @@ def runnable_on_cpu(path: Path, scratch: Path | None = None,
 
 def validate_conversion(reference: str | os.PathLike, converted: str | os.PathLike,
                         feeds: dict[str, np.ndarray], device: str = "cpu",
-                        scratch: Path | None = None, inputs_given: bool = False
+                        scratch: Path | None = None, inputs_given: bool = False,
+                        model: onnx.ModelProto | None = None
                         ) -> tuple[list[OutputComparison], list[str]]:
     """Compare a converted model file with its fp32 reference; (comparisons, notes).
 
     On the CPU the ops without a low-precision CPU kernel run emulated (`runnable_on_cpu`, a
-    model over 2 GiB staged in `scratch`) and every comparison says how its output was computed;
-    on `cuda` the converted model runs on the CUDA provider as it is.
+    model over 2 GiB staged in `scratch`; `model`: the file already parsed, rewritten in place)
+    and every comparison says how its output was computed; on `cuda` the converted model runs on
+    the CUDA provider as it is.
     """
     converted_path = Path(converted)
     if device != "cpu":
         if device not in DEVICES:
             raise AmpError(f"--device {device!r}: expected one of {', '.join(DEVICES)}")
         computed: dict[str, tuple[str, list[str]]] = {
-            o.name: (DEVICES[device], []) for o in read_model_file(converted_path).graph.output}
+            o.name: (DEVICES[device], [])
+            for o in (model or read_model_file(converted_path)).graph.output}
         return compare_models(os.fspath(reference), str(converted_path), feeds, device,
                               computed, inputs_given), []
-    with runnable_on_cpu(converted_path, scratch) as (candidate, notes, computed):
+    with runnable_on_cpu(converted_path, scratch, model) as (candidate, notes, computed):
         return compare_models(os.fspath(reference), candidate, feeds, "cpu", computed,
                               inputs_given), notes
 

@@ -27,6 +27,7 @@ from ...validation import (
     default_rtol,
     flushed_verdict,
     load_inputs,
+    output_verdict,
 )
 from .convert import meta_graph_fetches
 from .files import is_saved_model_dir, read_saved_model
@@ -109,14 +110,9 @@ def check_tf_graph(path: str | os.PathLike, target: str | None = None,
     if reference is not None:
         rtol = default_rtol(target) if rtol is None else rtol
         comparisons = _compare(Path(reference), path, ref_metas, inputs, result)
-        outputs_agree = bool(comparisons)
-        for c in comparisons:
-            result.outputs.append(c.to_dict())
-            if c.relative > rtol or c.nonfinite_new:
-                outputs_agree = False
-                result.problems.append({"kind": "output_mismatch", "output": c.name,
-                                        "message": f"output {c.name!r}: relative error "
-                                                   f"{c.relative:.3g} > rtol {rtol:g}"})
+        outputs, mismatches, outputs_agree = output_verdict(comparisons, rtol)
+        result.outputs.extend(outputs)
+        result.problems.extend(mismatches)
     problems, notes = flushed_verdict(constants, target, outputs_agree, rtol)
     result.problems.extend(problems)
     result.notes.extend(notes)
