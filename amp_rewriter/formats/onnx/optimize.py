@@ -13,11 +13,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import io
-import logging
 import os
 import tempfile
-import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,26 +45,13 @@ def options_after(options: Options) -> Options:
 
 def _optimizer_module() -> Any:
     try:
-        with _quiet():
+        with ort_registry.quiet():
             from onnxruntime.transformers import optimizer
     except ImportError:
         raise AmpError("--optimize runs onnxruntime's transformer optimizer, and onnxruntime is "
                        "not installed (pip install 'amp-rewriter[cpu]' or '[gpu]')") from None
     return optimizer
 
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """The optimizer logs each fusion, prints progress and (through the packages it imports)
-    warns; the CLI's output stays ours."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.disable(previous)
 
 
 def _too_big_for_one_file(model: onnx.ModelProto) -> bool:
@@ -101,7 +85,7 @@ def optimized_copy(source: Path | onnx.ModelProto, options: Options,
         original = onnx.load(str(source), load_external_data=False)
         external = has_external_data(original)
         try:
-            with _quiet():
+            with ort_registry.quiet():
                 fused = optimizer.optimize_model(
                     str(source), model_type=model_type, num_heads=options.num_heads or 0,
                     hidden_size=options.hidden_size or 0)

@@ -13,7 +13,11 @@ it is not installed the tables are empty (contrib ops then stay fp32 barriers, a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+import io
+import logging
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from functools import cache
 from typing import Any
 
@@ -120,3 +124,18 @@ def version() -> str | None:
     import onnxruntime
 
     return str(onnxruntime.__version__)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence onnxruntime's Python tools (the transformer optimizer, symbolic shape inference):
+    they log each step, print progress and, through the packages they import, warn; the CLI's
+    output stays ours."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)

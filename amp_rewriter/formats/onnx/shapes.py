@@ -10,13 +10,9 @@ com.microsoft ops. A failure of either only means fewer known shapes.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
-import logging
-import warnings
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -75,17 +71,6 @@ def skeleton(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
     return sk
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.disable(previous)
-
 
 @cache
 def _symbolic_shape_inference() -> Any:
@@ -124,7 +109,7 @@ def _inferred(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]
     ort_ops = any((domain not in _STANDARD_DOMAINS or not onnx.defs.has(op))
                   and ort_registry.has_op(op, domain) for domain, op in op_kinds)
     inferred = None
-    with _quiet():
+    with ort_registry.quiet():
         if ort_ops:
             try:
                 inferred = _symbolic_shapes(sk)
