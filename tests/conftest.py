@@ -58,3 +58,20 @@ def amp_cli() -> CliRunner:
 def describe_run(result: subprocess.CompletedProcess) -> str:
     """A failure message that shows what the CLI printed."""
     return f"exit code {result.returncode}\n--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
+
+
+def run_in_process(capsys: pytest.CaptureFixture, *args: str | os.PathLike
+                   ) -> tuple[int, str, str]:
+    """The CLI's `main` in this process: (exit code, stdout, stderr)."""
+    from amp_rewriter import cli
+
+    code = cli.main([str(a) for a in args])
+    printed = capsys.readouterr()
+    return code, printed.out, printed.err
+
+
+def one_error_line(err: str) -> str:
+    """The single line an error prints (asserting there is one, and no traceback)."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]

@@ -8,7 +8,6 @@ says why; the summary counts compute ops; --keep-node matches dynamo exports' mo
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -16,22 +15,11 @@ import onnx
 import onnx.version_converter
 import pytest
 from builder import GraphBuilder
+from conftest import one_error_line
+from conftest import run_in_process as run
 from onnx import TensorProto, helper, numpy_helper
 
-from amp_rewriter import cli
 from models import BUILDERS
-
-
-def run(capsys: pytest.CaptureFixture, *args: str | os.PathLike) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    printed = capsys.readouterr()
-    return code, printed.out, printed.err
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def write(model: onnx.ModelProto, path: Path) -> Path:

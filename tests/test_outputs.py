@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import one_error_line
+from conftest import run_in_process as run
 from onnx import TensorProto, helper
 
-from amp_rewriter import cli
 from models import BUILDERS
 
 
@@ -32,18 +33,6 @@ def snapshot(folder: Path) -> dict[str, tuple]:
         digest = hashlib.sha256(path.read_bytes()).hexdigest() if stat.S_ISREG(info.st_mode) else ""
         state[str(path.relative_to(folder))] = (kind, stat.S_IMODE(info.st_mode), digest)
     return state
-
-
-def run(capsys: pytest.CaptureFixture, *args: str | os.PathLike) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    printed = capsys.readouterr()
-    return code, printed.out, printed.err
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def save_external(model: onnx.ModelProto, path: Path, threshold: int = 1024) -> Path:
