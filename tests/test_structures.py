@@ -238,3 +238,68 @@ def test_bad_pattern_rule_on_the_cli_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "needs 'feeds'" in err
     assert not out.exists()
+
+
+# -- RMS norm -------------------------------------------------------------------------------------
+def rms_norm_block(form: str = "reciprocal", eps: float = 1e-6, identity_cast: bool = False
+                   ) -> onnx.ModelProto:
+    """x -> MatMul -> h; RMSNorm(h) as exports write it -> MatMul -> residual Add(h, .) -> MatMul."""
+    b = GraphBuilder()
+    x = b.input("x", [2, 3, 8])
+    eye = b.const("eye", np.eye(8, dtype=np.float32))
+    h = b.op("MatMul", x, eye, name="fc")
+    hx = b.op("Cast", h, to=onnx.TensorProto.FLOAT, name="to_float") if identity_cast else h
+    square = b.op("Pow", hx, b.const("two", np.float32(2)), name="square")
+    mean = b.op("ReduceMean", square, axes=[-1], name="mean")
+    shifted = b.op("Add", mean, b.const("eps", np.float32(eps)), name="add_eps")
+    root = b.op("Sqrt", shifted, name="root")
+    if form == "reciprocal":
+        normed = b.op("Mul", hx, b.op("Reciprocal", root, name="inverse"), name="scale")
+    elif form == "one_over":
+        inverse = b.op("Div", b.const("one", np.float32(1)), root, name="inverse")
+        normed = b.op("Mul", inverse, hx, name="scale")
+    else:
+        normed = b.op("Div", hx, root, name="scale")
+    weighted = b.op("Mul", normed, b.const("gamma", np.full(8, 0.5, np.float32)), name="gamma_mul")
+    proj = b.op("MatMul", weighted, eye, name="proj")
+    residual = b.op("Add", hx, proj, name="residual")
+    b.output(b.op("MatMul", residual, eye, name="head"))
+    return b.build()
+
+
+@pytest.mark.parametrize("form", ["reciprocal", "one_over", "div"])
+def test_rms_norm_keeps_its_statistics_fp32_and_the_residual_fp16(form):
+    model = rms_norm_block(form)
+    converted, report = convert(model)
+    decided = precisions(report)
+    assert decided["residual"] == decided["gamma_mul"] == decided["proj"] == "fp16", decided
+    assert decided["square"] == decided["mean"] == decided["scale"] == "fp32", decided
+    assert [s["rule"] for s in report.structures] == ["rms_norm"]
+    assert "RMS norm" in report.node("square")["reason"]
+    # One cast into the norm (shared by the square and the scaling), one out, plus the graph's
+    # input and output: the pattern ORT fuses into SimplifiedLayerNormalization.
+    assert count_casts(converted) == 4
+    # Values whose squares overflow fp16 (1000^2 > 65504): the fp32 statistics keep them exact.
+    x = np.linspace(-1000, 1000, 48, dtype=np.float32).reshape(2, 3, 8)
+    expected = run(model, {"x": x})[0]
+    actual = run_as_fp16(converted, {"x": x})[0]
+    assert np.isfinite(actual).all()
+    np.testing.assert_allclose(actual, expected, rtol=3e-3, atol=3e-3 * np.abs(expected).max())
+
+
+def test_identity_cast_before_an_rms_norm_is_dropped_so_the_residual_runs_fp16():
+    model = rms_norm_block(identity_cast=True)
+    converted, report = convert(model)
+    assert "to_float" not in {n.name for n in converted.graph.node}
+    assert precisions(report)["residual"] == "fp16"
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
+    np.testing.assert_allclose(run_as_fp16(converted, {"x": x})[0], run(model, {"x": x})[0],
+                               rtol=5e-3, atol=5e-3)
+
+
+def test_a_norm_like_step_without_an_epsilon_is_not_an_rms_norm():
+    """Without +eps the pattern is not recognised: the square stays deny, an fp32 barrier."""
+    _, report = convert(rms_norm_block(eps=0.0))
+    assert precisions(report)["square"] == "fp32"
+    assert report.node("square")["kind"] == "op_list"
+    assert report.structures == []

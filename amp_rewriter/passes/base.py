@@ -35,8 +35,9 @@ class FormatRules:
 
     The structural rules (passes/analysis/structures.py, attention_masks.py) read:
 
-    arithmetic: op -> its role ("add", "sub", "mul", "div", "pow", "tanh", "softmax"), for
-        patterns written in roles rather than op names.
+    arithmetic: op -> its role ("add", "sub", "mul", "div", "pow", "tanh", "softmax", "sqrt",
+        "rsqrt", "reciprocal", "mean", "square", "cast"), for patterns written in roles rather
+        than op names.
     index_slots: (op, input slot) pairs that take a shape, size, coordinate or index (Range's
         bounds, Resize's sizes/scales, Reshape's shape, Slice's starts/ends, ...).
     rounding_ops: ops that round to integers (Floor, Ceil, Round): their input is index math.
@@ -48,6 +49,8 @@ class FormatRules:
         or only selected (Reshape's data, Where's branches, Concat's inputs, ...).
     saturate_op: the op that clips a tensor to [min, max] with both bounds as inputs (ONNX Clip);
         empty: the format cannot saturate a masked sum, and the attention-mask rule is off.
+    saturate_pair: (max, min) ops that saturate in two steps (ONNX Max, Min), used where the
+        backend has no low-precision kernel for `saturate_op`.
     """
 
     name: str
@@ -64,6 +67,7 @@ class FormatRules:
     mask_build_ops: frozenset[str] = frozenset()
     mask_carry_ops: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     saturate_op: str = ""
+    saturate_pair: tuple[str, str] = ()
 
     def role(self, op: str) -> str:
         """The arithmetic role of `op` ("" for none)."""
@@ -100,7 +104,7 @@ class StructureRecord:
     """A structural rule applied to a part of the graph, for the report: which rule, on which
     nodes, and what it did (with its numeric argument)."""
 
-    rule: str  # "attention_mask", "tanh_gelu_cube", "index_math", "pattern_rule"
+    rule: str  # "attention_mask", "tanh_gelu_cube", "rms_norm", "index_math", "pattern_rule"
     nodes: list[str]
     detail: str
     #: Nodes a rewrite pass added for the rule (the attention mask's saturation).

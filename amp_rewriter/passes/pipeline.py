@@ -21,6 +21,7 @@ _TF_PASSES = [
     "pin_front_end",
     "classify_ops",
     "recognize_tanh_gelu",
+    "recognize_rms_norm",
     "apply_pattern_rules",
     "keep_index_math_fp32",
     "guard_constant_ranges",
@@ -34,10 +35,12 @@ _TF_PASSES = [
 #: Analysis first (decisions only), then the rewrite.
 PIPELINES: dict[str, list[str]] = {
     "onnx": [
+        "drop_identity_casts",
         "pin_nodes",
         "pin_front_end",
         "classify_ops",
         "recognize_tanh_gelu",
+        "recognize_rms_norm",
         "apply_pattern_rules",
         "find_attention_masks",
         "keep_index_math_fp32",

@@ -62,7 +62,8 @@ ONNX_RULES = FormatRules(
         "com.microsoft.PackedMultiHeadAttention", "com.microsoft.MatMulNBits",
     }),
     arithmetic={"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow",
-                "Tanh": "tanh", "Softmax": "softmax"},
+                "Tanh": "tanh", "Softmax": "softmax", "Sqrt": "sqrt", "Reciprocal": "reciprocal",
+                "ReduceMean": "mean", "Cast": "cast"},
     # Inputs that are shapes, sizes, coordinates or indices (float ones included: Range's
     # bounds, Resize's roi/scales); a float computation feeding them is index math.
     index_slots=frozenset({
@@ -85,4 +86,5 @@ ONNX_RULES = FormatRules(
         "Split": (0,), "Cast": (0,), "Where": (1, 2), "Concat": tuple(range(64)),
     },
     saturate_op="Clip",
+    saturate_pair=("Max", "Min"),
 )

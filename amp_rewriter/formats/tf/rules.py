@@ -42,7 +42,9 @@ TF_RULES = FormatRules(
         "GRUBlockCell", "Conv",
     }),
     arithmetic={"Add": "add", "AddV2": "add", "Sub": "sub", "Mul": "mul", "RealDiv": "div",
-                "Div": "div", "Pow": "pow", "Tanh": "tanh", "Softmax": "softmax"},
+                "Div": "div", "Pow": "pow", "Tanh": "tanh", "Softmax": "softmax",
+                "Sqrt": "sqrt", "Rsqrt": "rsqrt", "Reciprocal": "reciprocal", "Inv": "reciprocal",
+                "Mean": "mean", "Square": "square", "Cast": "cast"},
     # Float inputs that are sizes or bounds (TF takes most shapes as int tensors, which a float
     # computation reaches through a Cast, itself a seed of the index-math rule).
     index_slots=frozenset({("Range", 0), ("Range", 1), ("Range", 2), ("Reshape", 1),

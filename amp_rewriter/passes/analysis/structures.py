@@ -3,6 +3,9 @@
 - `recognize_tanh_gelu`: the cube in tanh-GELU, 0.5*x*(1 + tanh(c2*(x + c1*x^3))), runs in low
   precision although Pow is a deny op: where x^3 overflows to +-inf, every later step keeps the
   sign (c1, c2 > 0) and tanh(+-inf) = +-1 is the limit fp32 reaches too.
+- `recognize_rms_norm`: an RMS normalisation, x * 1/sqrt(mean(x^2) + eps), keeps its statistics
+  and scaling fp32 (the square overflows fp16 beyond 256) without being a barrier: the residual
+  stream it reads runs in low precision, with one cast into the norm and one out of it.
 - `keep_index_math_fp32`: float arithmetic that computes a shape, length or index (from integers
   and constants, feeding a Cast to an integer, a comparison, Floor/Ceil or a shape input) stays
   fp32: fp16 holds integers exactly only up to 2048.
@@ -19,6 +22,7 @@ import numpy as np
 
 from ...ir import (
     ALLOW,
+    DENY,
     FLOAT32,
     FLOAT_DTYPES,
     FP32,
@@ -105,6 +109,147 @@ def recognize_tanh_gelu(ctx: PassContext) -> tuple[int, list[str]]:
             continue
         set_class(ctx, node, INFER, why, decisions.STRUCTURE)
         ctx.structures.append(StructureRecord("tanh_gelu_cube", [node.name], why))
+        found += 1
+    return found, []
+
+
+# -- RMS normalisation ------------------------------------------------------------------------
+
+def _producer(value: Value | None, role: str, rules: FormatRules) -> Node | None:
+    node = value.producer if value is not None else None
+    return node if node is not None and rules.role(node.op_type) == role else None
+
+
+def _same_tensor(value: Value | None, x: Value, rules: FormatRules) -> bool:
+    """Whether `value` is `x` or a cast of `x` to its own dtype (an export's `.to(float32)`)."""
+    if value is x:
+        return True
+    cast = _producer(value, "cast", rules)
+    return (cast is not None and bool(cast.inputs) and cast.inputs[0] is x and value is not None
+            and value.original_dtype == x.original_dtype)
+
+
+def _mean_square_of(value: Value | None, x: Value, rules: FormatRules) -> bool:
+    """Whether `value` is mean(x^2): ReduceMean/Mean of Pow(x, 2), x*x or Square(x)."""
+    mean = _producer(value, "mean", rules)
+    if mean is None or not mean.inputs:
+        return False
+    square = mean.inputs[0].producer if mean.inputs[0] is not None else None
+    if square is None:
+        return False
+    role = rules.role(square.op_type)
+    if role == "pow" and len(square.inputs) == 2:
+        exponent = _constant(square.inputs[1])
+        return (exponent is not None and exponent.size == 1
+                and float(exponent.reshape(-1)[0]) == 2.0
+                and _same_tensor(square.inputs[0], x, rules))
+    if role == "mul" and len(square.inputs) == 2:
+        return all(_same_tensor(v, x, rules) for v in square.inputs)
+    return role == "square" and bool(square.inputs) and _same_tensor(square.inputs[0], x, rules)
+
+
+def _epsilon_of_root(value: Value | None, x: Value, rules: FormatRules) -> float | None:
+    """eps when `value` is sqrt(mean(x^2) + eps) with a positive constant eps."""
+    root = _producer(value, "sqrt", rules)
+    add = _producer(root.inputs[0] if root is not None and root.inputs else None, "add", rules)
+    if add is None or len(add.inputs) != 2:
+        return None
+    for slot in (0, 1):
+        eps = _constant(add.inputs[1 - slot])
+        if eps is not None and eps.size == 1 and float(eps.reshape(-1)[0]) > 0 \
+                and _mean_square_of(add.inputs[slot], x, rules):
+            return float(eps.reshape(-1)[0])
+    return None
+
+
+def _epsilon_of_inverse_root(value: Value | None, x: Value, rules: FormatRules) -> float | None:
+    """eps when `value` is 1/sqrt(mean(x^2) + eps): Reciprocal(Sqrt(.)), 1 / Sqrt(.) or
+    Rsqrt(mean(x^2) + eps)."""
+    node = value.producer if value is not None else None
+    if node is None or not node.inputs:
+        return None
+    role = rules.role(node.op_type)
+    if role == "reciprocal":
+        return _epsilon_of_root(node.inputs[0], x, rules)
+    if role == "div" and len(node.inputs) == 2:
+        one = _constant(node.inputs[0])
+        if one is not None and one.size == 1 and float(one.reshape(-1)[0]) == 1.0:
+            return _epsilon_of_root(node.inputs[1], x, rules)
+        return None
+    if role == "rsqrt":
+        add = _producer(node.inputs[0], "add", rules)
+        if add is None or len(add.inputs) != 2:
+            return None
+        for slot in (0, 1):
+            eps = _constant(add.inputs[1 - slot])
+            if eps is not None and eps.size == 1 and float(eps.reshape(-1)[0]) > 0 \
+                    and _mean_square_of(add.inputs[slot], x, rules):
+                return float(eps.reshape(-1)[0])
+    return None
+
+
+def rms_norm_scaling(node: Node, rules: FormatRules) -> tuple[Value, str] | None:
+    """(x, why) when `node` is the scaling step of an RMS norm of x, or None.
+
+    The step is x * 1/sqrt(mean(x^2) + eps) (a Mul with the inverse root as either input) or
+    x / sqrt(mean(x^2) + eps), with a positive constant eps.
+    """
+    role = rules.role(node.op_type)
+    if role not in ("mul", "div") or len(node.inputs) != 2 or any(v is None for v in node.inputs):
+        return None
+    candidates = [(0, 1), (1, 0)] if role == "mul" else [(0, 1)]
+    for data_slot, scale_slot in candidates:
+        x, scale = node.inputs[data_slot], node.inputs[scale_slot]
+        assert x is not None
+        eps = _epsilon_of_inverse_root(scale, x, rules) if role == "mul" else \
+            _epsilon_of_root(scale, x, rules)
+        if eps is None:
+            continue
+        return x, (f"the statistics and scaling of an RMS norm (eps {eps:g}) stay fp32: the "
+                   f"square overflows fp16 once |x| > 256, so the norm reads a low-precision "
+                   f"input through one cast and its normalised result is cast back, the pattern "
+                   f"ORT fuses into SimplifiedLayerNormalization; the residual stream stays low")
+    return None
+
+
+def _statistics_nodes(step: Node, x: Value) -> list[Node]:
+    """The nodes between x and the scaling step (the square, mean, +eps, root, inverse), and it."""
+    found: list[Node] = [step]
+    stack = [v for v in step.inputs if v is not None and v is not x]
+    seen: set[int] = set()
+    while stack:
+        value = stack.pop()
+        node = value.producer
+        if node is None or id(node) in seen or value.const is not None:
+            continue
+        seen.add(id(node))
+        found.append(node)
+        stack.extend(v for v in node.inputs if v is not None and v is not x)
+    return found
+
+
+@register_pass("recognize_rms_norm")
+def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
+    """Keep an RMS norm's statistics and scaling fp32 without making them a barrier: they are
+    pinned (not deny), so the painting runs the residual stream around them in low precision and
+    only they return to fp32, one cast in and one out (see rms_norm_scaling)."""
+    found = 0
+    for node in list(ctx.model.graph.walk_nodes()):
+        ctx.focus = node
+        if node.pin_reason or node.class_kind == decisions.USER_OVERRIDE:
+            continue
+        match = rms_norm_scaling(node, ctx.rules)
+        if match is None:
+            continue
+        x, why = match
+        members = _statistics_nodes(node, x)
+        if any(m.pin_reason or m.class_kind == decisions.USER_OVERRIDE for m in members):
+            continue
+        for member in members:
+            if member.op_class in (FP32, DENY):
+                set_class(ctx, member, INFER, why, decisions.STRUCTURE)
+            member.pin_reason, member.pin_kind, member.pin_barrier = why, decisions.STRUCTURE, False
+        ctx.structures.append(StructureRecord("rms_norm", [m.name for m in members], why))
         found += 1
     return found, []
 

@@ -76,3 +76,28 @@ def fold_casts(ctx: PassContext) -> tuple[int, list[str]]:
         # A cast found dead may have been made the shared twin of a later one: it stays.
         removed += graph.remove_nodes(n for n in dead if not n.is_used)
     return removed, []
+
+
+@register_pass("drop_identity_casts")
+def drop_identity_casts(ctx: PassContext) -> tuple[int, list[str]]:
+    """Drop the model's casts of a value to its own dtype before precision is decided.
+
+    Exports write them (a norm's `.to(float32)` of an fp32 tensor); left in place, each one is an
+    fp32 barrier in the middle of the graph (a cast's target is fixed), so a residual stream
+    read through one could not run in low precision. A cast that is a graph output stays.
+    """
+    removed = 0
+    for graph in list(ctx.model.graph.walk_graphs()):
+        dead: list[Node] = []
+        for node in graph.nodes:
+            target = cast_target(node)
+            source = node.inputs[0] if node.inputs else None
+            output = node.outputs[0] if node.outputs else None
+            if target is None or source is None or output is None or source.dtype != target \
+                    or output.graph_output_uses:
+                continue
+            ctx.focus = node
+            output.replace_all_uses_with(source)
+            dead.append(node)
+        removed += graph.remove_nodes(dead)
+    return removed, []
