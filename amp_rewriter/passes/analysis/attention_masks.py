@@ -283,8 +283,12 @@ def find_attention_masks(ctx: PassContext) -> tuple[int, list[str]]:
     Masks the rule cannot take (a masked sum read by anything but a Softmax, --clamp, a format
     that cannot saturate) are left to guard_constant_ranges, which keeps their path fp32.
     """
-    if ctx.options.clamp or not ctx.rules.saturate_op \
-            or not ctx.lists.has_kernel(ctx.rules.saturate_op):
+    rules = ctx.rules
+    can_saturate = bool(rules.saturate_op) and (
+        ctx.lists.has_kernel(rules.saturate_op)
+        or (bool(rules.saturate_pair)
+            and all(ctx.lists.has_kernel(op) for op in rules.saturate_pair)))
+    if ctx.options.clamp or not can_saturate:
         return 0, []
     accepted = 0
     notes = []

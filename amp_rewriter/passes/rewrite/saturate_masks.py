@@ -37,6 +37,15 @@ def _bound(ctx: PassContext, graph: Graph, dtype: str, sign: int,
     return cache[key]
 
 
+def _saturation_steps(ctx: PassContext, op: str, dtype: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The saturation as (op, bound signs) steps: one clip, or max then min where the backend has
+    no kernel for the clip in this dtype (ORT CUDA has no bf16 Clip, measured)."""
+    pair = ctx.rules.saturate_pair
+    if dtype in LOW_PRECISION_DTYPES and pair and not ctx.lists.has_kernel(op):
+        return [(pair[0], (-1,)), (pair[1], (+1,))]
+    return [(op, (-1, +1))]
+
+
 @register_pass("saturate_masked_sums")
 def saturate_masked_sums(ctx: PassContext) -> tuple[int, list[str]]:
     """Clip the input of every Softmax an accepted attention mask reaches to +-max of the target,
@@ -53,19 +62,25 @@ def saturate_masked_sums(ctx: PassContext) -> tuple[int, list[str]]:
             dtype = source.dtype if source.dtype in NUMPY_DTYPES else FLOAT32
             graph = sink.graph
             assert graph is not None
-            clip = Node(ctx.model.unique_name(f"{sink.name}/saturate"), op, "", graph)
-            clip.op_class, clip.class_reason = "saturation", plan.record.detail
-            output = Value(ctx.model.unique_name(f"{source.name}_saturated"), graph, dtype,
-                           source.shape)
-            graph.add_value(output)
-            clip.add_input(source)
-            clip.add_input(_bound(ctx, graph, dtype, -1, cache))
-            clip.add_input(_bound(ctx, graph, dtype, +1, cache))
-            clip.add_output(output)
-            clip.input_group, clip.output_group = [None, None, None], [None]
-            clip.order = sink.order
-            sink.set_input(0, output)
-            graph.insert_before(sink, [clip])
-            plan.record.added.append(clip.name)
+            steps = _saturation_steps(ctx, op, dtype)
+            value = source
+            nodes: list[Node] = []
+            for step_op, bounds in steps:
+                step = Node(ctx.model.unique_name(f"{sink.name}/saturate"), step_op, "", graph)
+                step.op_class, step.class_reason = "saturation", plan.record.detail
+                output = Value(ctx.model.unique_name(f"{source.name}_saturated"), graph, dtype,
+                               source.shape)
+                graph.add_value(output)
+                step.add_input(value)
+                for sign in bounds:
+                    step.add_input(_bound(ctx, graph, dtype, sign, cache))
+                step.add_output(output)
+                step.input_group, step.output_group = [None] * (1 + len(bounds)), [None]
+                step.order = sink.order
+                nodes.append(step)
+                value = output
+            sink.set_input(0, value)
+            graph.insert_before(sink, nodes)
+            plan.record.added.extend(n.name for n in nodes)
             added += 1
     return added, []
