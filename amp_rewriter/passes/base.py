@@ -67,7 +67,7 @@ class FormatRules:
     mask_build_ops: frozenset[str] = frozenset()
     mask_carry_ops: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     saturate_op: str = ""
-    saturate_pair: tuple[str, str] = ()
+    saturate_pair: tuple[str, ...] = ()
 
     def role(self, op: str) -> str:
         """The arithmetic role of `op` ("" for none)."""
