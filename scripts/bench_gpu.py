@@ -1,567 +1,799 @@
-"""Compare fp16 conversions of real architectures on onnxruntime's CUDA execution provider.
+#!/usr/bin/env python
+"""GPU speed of fp16/bf16 conversions on onnxruntime's CUDA execution provider, every converter in
+one run: ResNet-50, BERT-base, GPT-2 and a LLaMA-style decoder (with and without a KV cache),
+each as exported and, for the transformers, fused by ORT's transformer optimizer.
 
-For each model (ResNet-50, BERT-base, GPT-2; random weights, exported on this machine with
-``torch.onnx.export`` at opset 17) the script builds four variants:
+    python scripts/bench_gpu.py --work bench_out/gpu                  # everything (GPU host)
+    python scripts/bench_gpu.py --models bert,gpt2 --runs 200
+    python scripts/bench_gpu.py --device cpu --size small --runs 3    # a smoke run on any machine
 
-* ``fp32``: the exported model as is (on CUDA, ORT runs fp32 MatMul/Conv in TF32 by default,
-  which is the fp32 baseline a user gets);
-* ``onnxconverter-common``: ``onnxconverter_common.float16.convert_float_to_float16(m, keep_io_types=True)``;
-* ``ort-transformers``: ``onnxruntime.transformers.float16.convert_float_to_float16(m, keep_io_types=True)``;
-* ``amp_rewriter``: ``amp_rewriter.convert(m, target="fp16", backend="ort-cuda")``.
+Per model and form (unfused / fused) it builds these variants, each converting the same fp32
+export with keep_io_types:
 
-Each variant gets its own session. Inputs and outputs stay on the device (IO binding), so the
-timing covers the model run and not host/device copies: 20 warm-up runs, then the median of
-``--runs`` timed runs. Accuracy is the worst, over outputs, of max|y - y_fp32| / max|y_fp32|.
-A variant whose session cannot be created is recorded as "fails to load" with the error's first line.
+* ``fp32``: the export as is (on CUDA, ORT runs fp32 MatMul/Conv in TF32 by default: the fp32
+  baseline a user gets);
+* ``onnxconverter-common``: ``float16.convert_float_to_float16``;
+* ``ort-float16``: ``onnxruntime.transformers.float16.convert_float_to_float16``;
+* ``ort-optimizer``: ORT's transformer optimizer with ``--float16`` (fusion and its own fp16
+  conversion in one go; listed with the fused form);
+* ``autocast``: NVIDIA AutoCast (``modelopt.onnx.autocast.convert_to_mixed_precision``, fp16);
+* ``ours-fp16`` / ``ours-bf16``: ``amp_rewriter.convert`` with the ort-cuda profile, defaults.
 
-Results are printed as a Markdown table and written as JSON to ``$OUT/bench_gpu.json`` when the
-``OUT`` environment variable is set, and to ``--json`` when given (partial results are written
-after every variant, so a run cut short still leaves what it measured).
+ResNet-50 is timed twice: NCHW and with the CUDA provider's ``prefer_nhwc`` (its NHWC kernels).
 
-Examples::
+Timing: IO binding (inputs and outputs on the device), warm-up, then ``--runs`` timed runs per
+variant taken in interleaved rounds (every round runs every variant a few times, in a rotating
+order), median reported; all variants of a model are open at once, so they see the same GPU
+state. Relative error is max|y - ref| / max|ref| over outputs, the reference being the fp32 export
+with TF32 off (exact fp32). Casts counts Cast nodes. Conversions run in worker processes (in
+parallel, so their seconds are indicative only). For ours and the fastest other fp16 variant of
+each model, ORT's profiler gives the kernel time per op type and the nodes ORT placed on the CPU.
 
-    python scripts/bench_gpu.py                                   # all models on CUDA
-    python scripts/bench_gpu.py --models bert --runs 200
-    python scripts/bench_gpu.py --device cpu --runs 3 --models bert --json /tmp/smoke.json
+Writes the Markdown table to stdout and everything to ``$OUT/bench_gpu.json`` (when OUT is set)
+and ``--json``, after every model, so a run cut short keeps what it measured.
+
+On the GPU host (no package index), bring onnxruntime-gpu over as ../shared/gpu/README.md says,
+with the other converters' wheels: see docs/benchmarks.md ("GPU") for the exact commands.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import warnings
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# Import amp_rewriter from the checkout; the benchmark host has no installed copy.
 sys.path.insert(0, str(REPO_ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-# torch must be imported before onnxruntime on the GPU host: its bundled CUDA libraries are the
-# ones onnxruntime's preload_dlls() finds.
-import onnx  # noqa: E402
-import onnxruntime as ort  # noqa: E402
-import torch  # noqa: E402
+import numpy as np  # noqa: E402
 
-OPSET = 17
-SEED = 0
+MODELS = ("resnet50", "bert", "gpt2", "llama", "llama-kv")
+TRANSFORMERS = ("bert", "gpt2", "llama", "llama-kv")
 FP32 = "fp32"
-ONNXCONVERTER_COMMON = "onnxconverter-common"
-ORT_TRANSFORMERS = "ort-transformers"
-AMP_REWRITER = "amp_rewriter"
-VARIANTS = (FP32, ONNXCONVERTER_COMMON, ORT_TRANSFORMERS, AMP_REWRITER)
-OTHER_CONVERTERS = (ONNXCONVERTER_COMMON, ORT_TRANSFORMERS)
+CONVERTERS = ("fp32", "onnxconverter-common", "ort-float16", "ort-optimizer", "autocast",
+              "ours-fp16", "ours-bf16")
+OURS = "ours-fp16"
+#: fp16 variants of the other converters: the ones ours is compared against.
+OTHER_FP16 = ("onnxconverter-common", "ort-float16", "ort-optimizer", "autocast")
 
-ORT_TYPE_TO_NUMPY = {
-    "tensor(float)": np.float32,
-    "tensor(float16)": np.float16,
-    "tensor(double)": np.float64,
-    "tensor(int64)": np.int64,
-    "tensor(int32)": np.int32,
-    "tensor(bool)": np.bool_,
+#: Model sizes: base is what the issue asks for (ResNet-50 at batch 32, the transformers at batch 8
+#: and 128 tokens, a LLaMA-style decoder of about 100M parameters); small is a quick smoke run.
+SIZES: dict[str, dict[str, dict[str, int]]] = {
+    "base": {
+        "resnet50": dict(batch=32, image=224),
+        "bert": dict(vocab=30522, hidden=768, layers=12, heads=12, ffn=3072, batch=8, sequence=128),
+        "gpt2": dict(vocab=50257, hidden=768, layers=12, heads=12, ffn=3072, batch=8, sequence=128),
+        "llama": dict(vocab=32000, hidden=768, layers=8, heads=12, kv_heads=4, ffn=2048, batch=8,
+                      sequence=128),
+    },
+    "small": {
+        "resnet50": dict(batch=2, image=64),
+        "bert": dict(vocab=1000, hidden=64, layers=2, heads=4, ffn=128, batch=2, sequence=32),
+        "gpt2": dict(vocab=1000, hidden=64, layers=2, heads=4, ffn=256, batch=2, sequence=32),
+        "llama": dict(vocab=1000, hidden=64, layers=2, heads=4, kv_heads=2, ffn=172, batch=2,
+                      sequence=32),
+    },
 }
+#: ORT optimizer model types per model (its gpt2 fusions fail on some exports: bert's follow).
+FUSION_TYPES = {"bert": ("bert",), "gpt2": ("gpt2", "bert"), "llama": ("gpt2", "bert"),
+                "llama-kv": ("gpt2", "bert")}
 
 
-# ---------------------------------------------------------------------------------------------
-# Models
-# ---------------------------------------------------------------------------------------------
+def dims_of(model: str, size: str) -> dict[str, int]:
+    return SIZES[size]["llama" if model == "llama-kv" else model]
 
 
-@dataclass
-class BenchmarkModel:
-    """A torch module to export plus the inputs (by ONNX input name) it is exported and run with."""
-
-    name: str
-    module: torch.nn.Module
-    inputs: dict[str, np.ndarray]
-    output_names: list[str]
+# -------------------------------------------------------------------------------------------------
+# Exports (cached in the work folder)
+# -------------------------------------------------------------------------------------------------
 
 
-class _BertOutputs(torch.nn.Module):
-    """Return BERT's tensors as a plain tuple so the exporter sees fixed, named outputs."""
+def export(model: str, size: str, work: Path, for_fusion: bool = False) -> Path:
+    """The fp32 ONNX export of `model` (random seeded weights), written once per work folder.
 
-    def __init__(self, bert: torch.nn.Module) -> None:
-        super().__init__()
-        self.bert = bert
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        outputs = self.bert(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
-        return outputs.last_hidden_state, outputs.pooler_output
-
-
-class _Gpt2Outputs(torch.nn.Module):
-    """Return only GPT-2's last hidden state (no key/value cache outputs)."""
-
-    def __init__(self, gpt2: torch.nn.Module) -> None:
-        super().__init__()
-        self.gpt2 = gpt2
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        outputs = self.gpt2(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True)
-        return outputs.last_hidden_state
-
-
-def build_resnet50(attn_implementation: str) -> BenchmarkModel:
-    """ResNet-50 with random weights, batch 32, 3x224x224 images."""
-    del attn_implementation  # no attention in a ResNet
-    import torchvision  # optional: raises ImportError where it is not installed
-
-    torch.manual_seed(SEED)
-    module = torchvision.models.resnet50(weights=None).eval()
-    images = np.random.default_rng(SEED).standard_normal((32, 3, 224, 224), dtype=np.float32)
-    return BenchmarkModel("resnet50", module, {"images": images}, ["logits"])
-
-
-def _token_ids(vocab_size: int, batch: int, sequence: int) -> np.ndarray:
-    return np.random.default_rng(SEED).integers(0, vocab_size, size=(batch, sequence), dtype=np.int64)
-
-
-def build_bert(attn_implementation: str) -> BenchmarkModel:
-    """BERT-base with random weights, batch 8, sequence 128, with padded rows in the mask."""
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(SEED)
-    config = BertConfig(attn_implementation=attn_implementation)
-    module = _BertOutputs(BertModel(config).eval())
-    batch, sequence = 8, 128
-    attention_mask = np.ones((batch, sequence), dtype=np.int64)
-    # Row i keeps 128 - 12*i tokens: padding exercises the additive mask, which is where fp16
-    # overflow (a large negative fill value) turns into NaN or -inf in careless conversions.
-    for row in range(batch):
-        attention_mask[row, sequence - 12 * row :] = 0
-    inputs = {"input_ids": _token_ids(config.vocab_size, batch, sequence), "attention_mask": attention_mask}
-    return BenchmarkModel("bert", module, inputs, ["last_hidden_state", "pooler_output"])
-
-
-def build_gpt2(attn_implementation: str) -> BenchmarkModel:
-    """GPT-2 (124M) with random weights, batch 8, sequence 128, no cache, no padding.
-
-    The all-ones attention mask is passed explicitly: without one, transformers looks for packed
-    sequences with ``torch.diff``, which the TorchScript exporter cannot export.
+    `for_fusion`: the export ORT's transformer optimizer fuses completely, for the fused form.
+    For BERT and GPT-2 that is the TorchScript exporter with eager attention at opset 17 (its
+    fusions match those graphs: BERT gets Attention, EmbedLayerNormalization, BiasGelu and
+    SkipLayerNormalization); the LLaMA-style decoders use the default export either way.
     """
-    from transformers import GPT2Config, GPT2Model
+    torchscript = for_fusion and model in ("bert", "gpt2")
+    path = work / f"{model}_{size}{'_ts' if torchscript else ''}.onnx"
+    if path.exists():
+        return path
+    import torch
+    from torch import nn
 
-    torch.manual_seed(SEED)
-    config = GPT2Config(attn_implementation=attn_implementation, use_cache=False)
-    module = _Gpt2Outputs(GPT2Model(config).eval())
-    batch, sequence = 8, 128
-    inputs = {
-        "input_ids": _token_ids(config.vocab_size, batch, sequence),
-        "attention_mask": np.ones((batch, sequence), dtype=np.int64),
-    }
-    return BenchmarkModel("gpt2", module, inputs, ["last_hidden_state"])
+    from models import torch_export
 
-
-MODEL_BUILDERS: dict[str, Callable[[str], BenchmarkModel]] = {
-    "resnet50": build_resnet50,
-    "bert": build_bert,
-    "gpt2": build_gpt2,
-}
-
-
-def export_to_onnx(model: BenchmarkModel, path: Path) -> dict[str, Any]:
-    """Export `model` to `path`; return which exporter worked, the opset it wrote, and why others failed.
-
-    Tried in order: the TorchScript exporter (dynamo=False) at opset 17, which writes opset 17
-    natively; the dynamo exporter at opset 17, kept only if the result passes the ONNX checker (its
-    down-conversion from opset 18 can leave opset-18 attributes behind, e.g. Split's num_outputs);
-    and last the dynamo exporter at its own opset 18, so a model is still benchmarked when 17 fails.
-    """
-    example_args = tuple(torch.from_numpy(array) for array in model.inputs.values())
-    attempts = [("torchscript", False, OPSET), ("dynamo", True, OPSET), ("dynamo", True, OPSET + 1)]
-    failures = []
-    for exporter, dynamo, opset in attempts:
+    dims = dims_of(model, size)
+    torch.manual_seed(0)
+    if model == "resnet50":
         try:
-            with torch.no_grad():
-                torch.onnx.export(
-                    model.module,
-                    example_args,
-                    str(path),
-                    dynamo=dynamo,
-                    opset_version=opset,
-                    input_names=list(model.inputs),
-                    output_names=model.output_names,
-                )
-            # The path form checks models with external data (the dynamo exporter may write some).
-            onnx.checker.check_model(str(path))
-        except Exception as error:  # noqa: BLE001 - any exporter failure means: try the next one
-            failures.append(f"{exporter}@{opset}: {first_line(error)}")
-            continue
-        exported = onnx.load(str(path), load_external_data=False)
-        written_opset = next((entry.version for entry in exported.opset_import if entry.domain in ("", "ai.onnx")), None)
-        return {"exporter": exporter, "opset": written_opset, "earlier_failures": failures}
-    raise RuntimeError("all exporters failed: " + " | ".join(failures))
+            import torchvision
+        except ImportError:
+            if size == "base":
+                raise
+            # The smoke run needs no torchvision: the tests' small bottleneck ResNet stands in.
+            return torch_export.export_resnet(path, 17)
+        net = torchvision.models.resnet50(weights=None).eval()
+        images = torch.randn(2, 3, dims["image"], dims["image"])
+        return torch_export.export_module(net, (images,), path, 17, ["images"], ["logits"],
+                                          {"images": {0: "batch"}})
+    if model == "llama-kv":
+        return _export_llama_with_cache(dims, path)
+    attention = "eager" if torchscript else "sdpa"
+    with torch_export._quiet_transformers():  # noqa: SLF001  (the repo's own export helper)
+        if model == "bert":
+            from transformers import BertConfig, BertModel
+
+            net = BertModel(BertConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],
+                                       num_hidden_layers=dims["layers"],
+                                       num_attention_heads=dims["heads"],
+                                       intermediate_size=dims["ffn"],
+                                       attn_implementation=attention))
+            fields: tuple[str, ...] = ("last_hidden_state", "pooler_output")
+        elif model == "gpt2":
+            from transformers import GPT2Config, GPT2Model
+
+            net = GPT2Model(GPT2Config(vocab_size=dims["vocab"], n_embd=dims["hidden"],
+                                       n_layer=dims["layers"], n_head=dims["heads"],
+                                       n_inner=dims["ffn"], n_positions=1024, use_cache=False,
+                                       attn_implementation=attention))
+            fields = ("last_hidden_state",)
+        else:
+            from transformers import LlamaForCausalLM
+
+            net = LlamaForCausalLM(_llama_config(dims, use_cache=False))
+            fields = ("logits",)
+    net.eval()
+    use_cache = {"use_cache": False} if model == "llama" else {}
+
+    class TextModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, input_ids, attention_mask):
+            out = self.net(input_ids=input_ids, attention_mask=attention_mask, return_dict=True,
+                           **use_cache)
+            return tuple(out[f] for f in fields)
+
+    ids = torch.randint(0, dims["vocab"], (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.int64)
+    axes = {name: {0: "batch", 1: "sequence"} for name in ("input_ids", "attention_mask")}
+    return torch_export.export_module(TextModel().eval(), (ids, mask), path,
+                                      17 if torchscript else 18, ("input_ids", "attention_mask"),
+                                      fields, axes, torchscript=torchscript)
 
 
-# ---------------------------------------------------------------------------------------------
-# Converters
-# ---------------------------------------------------------------------------------------------
+def _llama_config(dims: dict[str, int], use_cache: bool) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],
+                       intermediate_size=dims["ffn"], num_hidden_layers=dims["layers"],
+                       num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"],
+                       max_position_embeddings=2048, attn_implementation="sdpa",
+                       use_cache=use_cache)
 
 
-def convert_with_onnxconverter_common(model: onnx.ModelProto) -> onnx.ModelProto:
-    from onnxconverter_common import float16
+def _export_llama_with_cache(dims: dict[str, int], path: Path) -> Path:
+    """The decoder taking past_key_values.N.key/value and returning logits and present.N.*."""
+    import torch
+    from torch import nn
+    from transformers import LlamaForCausalLM
+    from transformers.cache_utils import DynamicCache
 
-    return float16.convert_float_to_float16(model, keep_io_types=True)
+    from models import torch_export
+
+    layers, kv_heads = dims["layers"], dims["kv_heads"]
+    head_dim = dims["hidden"] // dims["heads"]
+    with torch_export._quiet_transformers():  # noqa: SLF001
+        net = LlamaForCausalLM(_llama_config(dims, use_cache=True)).eval()
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, input_ids, attention_mask, *past):
+            cache = DynamicCache()
+            for i in range(layers):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            out = self.net(input_ids=input_ids, attention_mask=attention_mask,
+                           past_key_values=cache, use_cache=True, return_dict=True)
+            presents = []
+            if hasattr(out.past_key_values, "layers"):
+                for layer in out.past_key_values.layers[:layers]:
+                    presents += [layer.keys, layer.values]
+            else:  # transformers before the cache layers
+                for i in range(layers):
+                    presents += [out.past_key_values.key_cache[i],
+                                 out.past_key_values.value_cache[i]]
+            return (out.logits, *presents)
+
+    batch, new, past_len = 2, 4, 8
+    ids = torch.randint(0, dims["vocab"], (batch, new))
+    mask = torch.ones(batch, past_len + new, dtype=torch.int64)
+    past = [torch.randn(batch, kv_heads, past_len, head_dim) for _ in range(2 * layers)]
+    past_names = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    outputs = ["logits"] + [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    axes: dict[str, dict[int, str]] = {"input_ids": {0: "batch", 1: "sequence"},
+                                       "attention_mask": {0: "batch", 1: "total_sequence"}}
+    axes.update({name: {0: "batch", 2: "past_sequence"} for name in past_names})
+    return torch_export.export_module(Decoder().eval(), (ids, mask, *past), path, 18,
+                                      ["input_ids", "attention_mask", *past_names], outputs, axes)
 
 
-def convert_with_ort_transformers(model: onnx.ModelProto) -> onnx.ModelProto:
-    from onnxruntime.transformers import float16
-
-    return float16.convert_float_to_float16(model, keep_io_types=True)
-
-
-def make_amp_rewriter_converter(backend: str) -> Callable[[onnx.ModelProto], onnx.ModelProto]:
-    """Return a converter calling ``amp_rewriter.convert`` for `backend` (the report is dropped here)."""
-
-    def convert_with_amp_rewriter(model: onnx.ModelProto) -> onnx.ModelProto:
-        import amp_rewriter
-
-        converted, _report = amp_rewriter.convert(model, target="fp16", backend=backend)
-        return converted
-
-    return convert_with_amp_rewriter
-
-
-def count_nodes(graph: onnx.GraphProto, op_type: str | None = None) -> int:
-    """Count nodes (of `op_type`, if given) in `graph` and every subgraph inside it."""
-    total = 0
-    for node in graph.node:
-        if op_type is None or node.op_type == op_type:
-            total += 1
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                total += count_nodes(attribute.g, op_type)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                total += sum(count_nodes(subgraph, op_type) for subgraph in attribute.graphs)
-    return total
+def make_inputs(model: str, size: str, graph_inputs: list[str]) -> dict[str, np.ndarray]:
+    """Benchmark inputs: BERT right-padded (row i drops 12*i tokens, as a batch of different
+    lengths is), GPT-2 and LLaMA full rows; llama-kv decodes one token after sequence-1 cached."""
+    dims = dims_of(model, size)
+    rng = np.random.default_rng(1234)
+    if model == "resnet50":
+        return {graph_inputs[0]: rng.standard_normal((dims["batch"], 3, dims["image"], dims["image"]),
+                                              dtype=np.float32)}
+    batch, sequence = dims["batch"], dims["sequence"]
+    mask = np.ones((batch, sequence), np.int64)
+    if model == "bert":
+        for row in range(batch):
+            mask[row, sequence - (12 * row * sequence) // 128:] = 0
+    new = 1 if model == "llama-kv" else sequence
+    feeds = {"input_ids": rng.integers(0, dims["vocab"], (batch, new), dtype=np.int64),
+             "attention_mask": mask}
+    head_dim = dims["hidden"] // dims["heads"]
+    for name in graph_inputs:
+        if name.startswith("past_key_values"):
+            feeds[name] = rng.standard_normal((batch, dims["kv_heads"], sequence - 1, head_dim),
+                                              dtype=np.float32)
+    return {name: feeds[name] for name in graph_inputs}
 
 
-# ---------------------------------------------------------------------------------------------
-# Running
-# ---------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
+# Conversions, each in a worker process
+# -------------------------------------------------------------------------------------------------
+
+
+def convert_in_worker(converter: str, source: str, target: str, model: str, size: str,
+                      use_gpu: bool) -> dict[str, Any]:
+    """Run one converter (inside the worker process); returns its seconds or its error."""
+    import logging
+
+    import onnx
+
+    warnings.simplefilter("ignore")
+    logging.disable(logging.WARNING)
+    try:
+        start = time.perf_counter()
+        if converter == "autocast":
+            from modelopt.onnx.autocast import convert_to_mixed_precision
+
+            converted = convert_to_mixed_precision(onnx_path=source, low_precision_type="fp16",
+                                                   keep_io_types=True)
+        elif converter == "ort-optimizer":
+            optimized = optimize(source, model, size, use_gpu)
+            optimized.convert_float_to_float16(keep_io_types=True)
+            converted = optimized.model
+        else:
+            loaded = onnx.load(source)
+            start = time.perf_counter()
+            if converter.startswith("ours-"):
+                import amp_rewriter
+
+                converted, _ = amp_rewriter.convert(loaded, target=converter.split("-")[1],
+                                                    backend="ort-cuda", keep_io_types=True)
+            elif converter == "ort-float16":
+                from onnxruntime.transformers.float16 import convert_float_to_float16
+
+                converted = convert_float_to_float16(loaded, keep_io_types=True)
+            else:
+                from onnxconverter_common import float16
+
+                converted = float16.convert_float_to_float16(loaded, keep_io_types=True)
+        seconds = time.perf_counter() - start
+        onnx.save(converted, target)
+        return {"seconds": seconds}
+    except Exception as exc:  # noqa: BLE001  (a converter's failure is a result)
+        return {"error": first_line(exc)}
+
+
+def optimize(source: str, model: str, size: str, use_gpu: bool) -> Any:
+    """ORT's transformer optimizer on `source`: the first model type whose fusions succeed."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    dims = dims_of(model, size)
+    failures = []
+    for model_type in FUSION_TYPES[model]:
+        try:
+            return optimize_model(source, model_type=model_type, num_heads=dims["heads"],
+                                  hidden_size=dims["hidden"], use_gpu=use_gpu)
+        except Exception as exc:  # noqa: BLE001  (try the next model type)
+            failures.append(f"{model_type}: {first_line(exc)}")
+    raise RuntimeError("ORT's optimizer failed: " + "; ".join(failures))
+
+
+def run_worker(converter: str, source: Path, target: Path, model: str, size: str, use_gpu: bool,
+               timeout: float) -> dict[str, Any]:
+    """One conversion in a fresh process (killed at `timeout`); reused when already written."""
+    if target.exists() and not converter.startswith("ours-"):  # ours is always fresh
+        return {"seconds": None, "cached": True}
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", converter, str(source),
+               str(target), model, "--size", size] + (["--use-gpu"] if use_gpu else [])
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:g} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"worker failed: {tail[:200]}"}
+    return json.loads(lines[-1])
+
+
+# -------------------------------------------------------------------------------------------------
+# Sessions, timing, profiles
+# -------------------------------------------------------------------------------------------------
 
 
 def first_line(error: BaseException) -> str:
-    """The first non-empty line of an exception's message, prefixed with its type, at most 300 chars."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def create_session(model_bytes: bytes, device: str) -> ort.InferenceSession:
-    """Create a session on `device`; raise if CUDA was asked for and the CUDA provider is not used."""
+def count_ops(path: Path) -> dict[str, int]:
+    import onnx
+
+    counts: dict[str, int] = defaultdict(int)
+
+    def visit(graph: Any) -> None:
+        for node in graph.node:
+            counts[node.op_type] += 1
+            for attribute in node.attribute:
+                if attribute.HasField("g"):
+                    visit(attribute.g)
+                for subgraph in attribute.graphs:
+                    visit(subgraph)
+
+    visit(onnx.load(str(path), load_external_data=False).graph)
+    return dict(counts)
+
+
+def open_session(path: Path, device: str, tf32: bool = True, nhwc: bool = False,
+                 profile_prefix: str | None = None) -> Any:
+    import onnxruntime as ort
+
     options = ort.SessionOptions()
-    options.log_severity_level = 3  # errors only: fp16 models trigger many harmless warnings
+    options.log_severity_level = 3
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
     if device == "cuda":
-        providers: list[Any] = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
+        cuda = {"device_id": "0", "use_tf32": "1" if tf32 else "0"}
+        if nhwc:
+            cuda["prefer_nhwc"] = "1"
+        providers: list[Any] = [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
     else:
         providers = ["CPUExecutionProvider"]
-    session = ort.InferenceSession(model_bytes, options, providers=providers)
+    session = ort.InferenceSession(str(path), options, providers=providers)
     if device == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
         raise RuntimeError(f"CUDAExecutionProvider not used (got {session.get_providers()})")
     return session
 
 
-def time_session(
-    session: ort.InferenceSession, inputs: dict[str, np.ndarray], device: str, warmup: int, runs: int
-) -> tuple[list[float], list[np.ndarray]]:
-    """Run with inputs and outputs bound on `device`; return per-run milliseconds and the outputs.
+class BoundSession:
+    """A session with its inputs and outputs bound on the device."""
 
-    ``run_with_iobinding`` synchronizes the device stream before returning (onnxruntime's default),
-    so wall-clock time around it is the device time of one inference.
-    """
-    binding = session.io_binding()
-    for model_input in session.get_inputs():
-        # Cast to the session's declared input type, in case a converter changed the graph inputs.
-        dtype = ORT_TYPE_TO_NUMPY.get(model_input.type, np.float32)
-        array = np.ascontiguousarray(inputs[model_input.name].astype(dtype))
-        binding.bind_ortvalue_input(model_input.name, ort.OrtValue.ortvalue_from_numpy(array, device, 0))
-    for model_output in session.get_outputs():
-        binding.bind_output(model_output.name, device, 0)
-    binding.synchronize_inputs()
+    def __init__(self, session: Any, feeds: dict[str, np.ndarray], device: str) -> None:
+        import onnxruntime as ort
 
-    for _ in range(warmup):
-        session.run_with_iobinding(binding)
-    milliseconds = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        session.run_with_iobinding(binding)
-        binding.synchronize_outputs()
-        milliseconds.append((time.perf_counter() - start) * 1000.0)
-    return milliseconds, binding.copy_outputs_to_cpu()
+        types = {"tensor(float16)": np.float16, "tensor(float)": np.float32,
+                 "tensor(double)": np.float64, "tensor(int64)": np.int64,
+                 "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+        self.session = session
+        self.binding = session.io_binding()
+        self.values = []
+        for info in session.get_inputs():
+            array = np.ascontiguousarray(feeds[info.name].astype(types.get(info.type, np.float32)))
+            value = ort.OrtValue.ortvalue_from_numpy(array, device, 0)
+            self.values.append(value)  # keep the device copies alive
+            self.binding.bind_ortvalue_input(info.name, value)
+        self.output_names = [info.name for info in session.get_outputs()]
+        for name in self.output_names:
+            self.binding.bind_output(name, device, 0)
+        self.binding.synchronize_inputs()
+
+    def run(self) -> None:
+        self.session.run_with_iobinding(self.binding)
+        self.binding.synchronize_outputs()
+
+    def timed(self, runs: int) -> list[float]:
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            self.run()
+            times.append((time.perf_counter() - start) * 1000.0)
+        return times
+
+    def outputs(self) -> dict[str, np.ndarray]:
+        return dict(zip(self.output_names, self.binding.copy_outputs_to_cpu()))
 
 
-def max_relative_error(outputs: list[np.ndarray], reference: list[np.ndarray]) -> float:
-    """Worst over outputs of max|y - ref| / max|ref| (NaN if any output holds NaN)."""
-    worst = 0.0
-    for output, expected in zip(outputs, reference):
-        expected = expected.astype(np.float32)
-        difference = np.abs(output.astype(np.float32) - expected).max()
-        scale = max(float(np.abs(expected).max()), np.finfo(np.float32).tiny)
-        worst = max(worst, float(difference) / scale) if np.isfinite(difference) else float("nan")
-        if np.isnan(worst):
-            return worst
-    return worst
+def relative_error(outputs: dict[str, np.ndarray], reference: dict[str, np.ndarray]
+                   ) -> tuple[float, int]:
+    """Worst max|y - ref| / max|ref| over outputs, and the non-finite values where ref is finite."""
+    worst, nonfinite = 0.0, 0
+    for name, expected in reference.items():
+        got = outputs[name].astype(np.float64)
+        expected = expected.astype(np.float64)
+        finite = np.isfinite(expected)
+        nonfinite += int(np.count_nonzero(finite & ~np.isfinite(got)))
+        both = finite & np.isfinite(got)
+        scale = float(np.max(np.abs(expected[finite]), initial=0.0)) or 1.0
+        worst = max(worst, float(np.max(np.abs(got[both] - expected[both]), initial=0.0)) / scale)
+    return worst, nonfinite
+
+
+def profile(path: Path, feeds: dict[str, np.ndarray], device: str, nhwc: bool, runs: int,
+            folder: Path) -> dict[str, Any]:
+    """Kernel time per op type (ms per run) from ORT's profiler, and the nodes it ran on the CPU."""
+    warmup = 3  # the first runs carry one-off set-up (cuBLAS handles, arena growth): not counted
+    session = open_session(path, device, nhwc=nhwc, profile_prefix=str(folder / path.stem))
+    bound = BoundSession(session, feeds, device)
+    for _ in range(warmup + runs):
+        bound.run()
+    profile_path = Path(session.end_profiling())
+    events = json.loads(profile_path.read_text())
+    starts = sorted(e["ts"] for e in events if e.get("name") == "model_run")
+    cutoff = starts[warmup] if len(starts) > warmup else 0
+    runs = max(1, len(starts) - warmup)
+    by_op: dict[str, float] = defaultdict(float)
+    cpu_nodes: set[str] = set()
+    for event in events:
+        if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time") \
+                or event.get("ts", 0) < cutoff:
+            continue
+        args = event.get("args", {})
+        by_op[args.get("op_name", "?")] += event.get("dur", 0) / 1000.0 / runs
+        if args.get("provider") == "CPUExecutionProvider":
+            cpu_nodes.add(f"{args.get('op_name')}:{event['name'][:-len('_kernel_time')]}")
+    top = dict(sorted(by_op.items(), key=lambda item: -item[1])[:15])
+    return {"kernel_ms_by_op": {op: round(ms, 4) for op, ms in top.items()},
+            "kernel_ms_total": round(sum(by_op.values()), 4),
+            "cpu_nodes": sorted(cpu_nodes)[:40], "cpu_node_count": len(cpu_nodes)}
+
+
+# -------------------------------------------------------------------------------------------------
+# One model
+# -------------------------------------------------------------------------------------------------
 
 
 @dataclass
-class VariantResult:
-    """Everything measured for one (model, variant) pair; `status` is "ok" or what went wrong."""
-
+class Row:
     model: str
-    variant: str
+    form: str  # unfused | fused
+    converter: str
+    layout: str = "NCHW"
     status: str = "ok"
     error: str | None = None
     convert_seconds: float | None = None
+    casts: int | None = None
     nodes: int | None = None
-    cast_nodes: int | None = None
     median_ms: float | None = None
     p10_ms: float | None = None
     p90_ms: float | None = None
     speedup_vs_fp32: float | None = None
-    ours_vs_best_other: float | None = None
-    max_relative_error: float | None = None
-    nan_or_inf: bool | None = None
+    ours_vs_fastest_other: float | None = None
+    relative_error: float | None = None
+    nonfinite: int | None = None
+    path: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def key(self) -> str:
+        return f"{self.model}/{self.form}/{self.converter}/{self.layout}"
 
-def benchmark_variant(
-    benchmark: BenchmarkModel,
-    variant: str,
-    fp32_model: onnx.ModelProto,
-    converter: Callable[[onnx.ModelProto], onnx.ModelProto] | None,
-    reference_outputs: list[np.ndarray] | None,
-    args: argparse.Namespace,
-) -> tuple[VariantResult, list[np.ndarray] | None]:
-    """Convert (unless fp32), load, time and check one variant; never raises for a variant failure."""
-    result = VariantResult(benchmark.name, variant)
-    model = fp32_model
-    if converter is not None:
-        # Converters may edit their input in place, so each one gets its own copy.
-        model_copy = onnx.ModelProto()
-        model_copy.CopyFrom(fp32_model)
-        start = time.perf_counter()
+
+def build_variants(model: str, args: argparse.Namespace, work: Path) -> tuple[list[Row], Path]:
+    """Export, fuse and convert: one row per variant with its model file (or its failure)."""
+    source = export(model, args.size, work)
+    use_gpu = args.device == "cuda"
+    forms = {"unfused": source}
+    rows: list[Row] = []
+    if model in TRANSFORMERS and "fused" in args.forms:
+        fused = work / f"{model}_{args.size}_fused.onnx"
+        if not fused.exists():
+            try:
+                fusion_source = export(model, args.size, work, for_fusion=True)
+                optimized = optimize(str(fusion_source), model, args.size, use_gpu)
+                optimized.save_model_to_file(str(fused))
+            except Exception as exc:  # noqa: BLE001
+                rows.append(Row(model, "fused", FP32, status="fusion failed", error=first_line(exc)))
+        if fused.exists():
+            forms["fused"] = fused
+    if "unfused" not in args.forms:
+        del forms["unfused"]
+    jobs = []
+    for form, path in forms.items():
+        for converter in args.converters:
+            if converter == "ort-optimizer" and (form != "fused" or model not in TRANSFORMERS):
+                continue
+            row = Row(model, form, converter)
+            rows.append(row)
+            if converter == FP32:
+                row.path = str(path)
+                continue
+            from_path = export(model, args.size, work, for_fusion=True) \
+                if converter == "ort-optimizer" else path
+            target = work / f"{model}_{args.size}_{form}_{converter}.onnx"
+            jobs.append((row, from_path, target))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(run_worker, row.converter, from_path, target, model, args.size,
+                               use_gpu, args.convert_timeout): (row, target)
+                   for row, from_path, target in jobs}
+        for future in concurrent.futures.as_completed(futures):
+            row, target = futures[future]
+            outcome = future.result()
+            if "error" in outcome:
+                row.status, row.error = "conversion failed", outcome["error"]
+            else:
+                row.convert_seconds = outcome.get("seconds")
+                row.path = str(target)
+    for row in rows:
+        if row.path is not None:
+            ops = count_ops(Path(row.path))
+            row.casts, row.nodes = ops.get("Cast", 0), sum(ops.values())
+    if model == "resnet50" and args.device == "cuda":
+        rows += [Row(row.model, row.form, row.converter, layout="NHWC", path=row.path,
+                     casts=row.casts, nodes=row.nodes, convert_seconds=row.convert_seconds,
+                     status=row.status, error=row.error) for row in list(rows)]
+    return rows, source
+
+
+def bench_model(model: str, args: argparse.Namespace, work: Path) -> tuple[list[Row], dict]:
+    start = time.perf_counter()
+    rows, source = build_variants(model, args, work)
+    import onnx
+
+    graph_inputs = [i.name for i in onnx.load(str(source), load_external_data=False).graph.input]
+    feeds = make_inputs(model, args.size, graph_inputs)
+    info: dict[str, Any] = {"build_seconds": round(time.perf_counter() - start, 1),
+                            "inputs": {k: list(v.shape) for k, v in feeds.items()}}
+    print(f"[{model}] built {len(rows)} variants in {info['build_seconds']} s", flush=True)
+
+    # The reference of each form is its own fp32 model run with TF32 off (exact fp32): the
+    # error shown is the conversion's, not the fusion's or the exporter's.
+    references: dict[str, dict[str, np.ndarray]] = {}
+    for row in rows:
+        if row.converter == FP32 and row.path is not None and row.form not in references:
+            reference_session = open_session(Path(row.path), args.device, tf32=False)
+            reference = BoundSession(reference_session, feeds, args.device)
+            reference.run()
+            references[row.form] = reference.outputs()
+            del reference, reference_session
+
+    bound: dict[str, BoundSession] = {}
+    for row in rows:
+        if row.path is None:
+            continue
         try:
-            model = converter(model_copy)
-        except Exception as error:  # noqa: BLE001 - a converter failure is a result, not a crash
-            result.status, result.error = "conversion failed", first_line(error)
-            return result, None
-        result.convert_seconds = time.perf_counter() - start
-    result.nodes = count_nodes(model.graph)
-    result.cast_nodes = count_nodes(model.graph, "Cast")
-
-    try:
-        session = create_session(model.SerializeToString(), args.device)
-    except Exception as error:  # noqa: BLE001
-        result.status, result.error = "fails to load", first_line(error)
-        return result, None
-    try:
-        milliseconds, outputs = time_session(session, benchmark.inputs, args.device, args.warmup, args.runs)
-    except Exception as error:  # noqa: BLE001
-        result.status, result.error = "run failed", first_line(error)
-        return result, None
-    finally:
-        del session
-        gc.collect()
-
-    result.median_ms = statistics.median(milliseconds)
-    result.p10_ms, result.p90_ms = (float(q) for q in np.percentile(milliseconds, [10, 90]))
-    result.nan_or_inf = not all(np.isfinite(output.astype(np.float32)).all() for output in outputs)
-    if reference_outputs is not None:
-        result.max_relative_error = max_relative_error(outputs, reference_outputs)
-    return result, outputs
-
-
-def fill_ratios(results: list[VariantResult]) -> None:
-    """Speedup of every variant over fp32, and ours against the faster of the other two converters."""
-    by_variant = {result.variant: result for result in results if result.median_ms}
-    fp32 = by_variant.get(FP32)
-    for result in by_variant.values():
-        if fp32 is not None:
-            result.speedup_vs_fp32 = fp32.median_ms / result.median_ms
-    ours = by_variant.get(AMP_REWRITER)
-    others = [by_variant[name].median_ms for name in OTHER_CONVERTERS if name in by_variant]
-    if ours is not None and others:
-        # > 1 means ours runs faster than the best of the two reference converters.
-        ours.ours_vs_best_other = min(others) / ours.median_ms
+            session = open_session(Path(row.path), args.device, nhwc=row.layout == "NHWC")
+            bound[row.key] = BoundSession(session, feeds, args.device)
+            for _ in range(args.warmup):
+                bound[row.key].run()
+            row.relative_error, row.nonfinite = relative_error(bound[row.key].outputs(),
+                                                               references[row.form])
+        except Exception as exc:  # noqa: BLE001  (a model that does not load or run is a result)
+            row.status, row.error = "fails to load or run", first_line(exc)
+            bound.pop(row.key, None)
+    times: dict[str, list[float]] = defaultdict(list)
+    keys = list(bound)
+    rounds = max(1, args.rounds)
+    per_round = max(1, -(-args.runs // rounds))
+    for round_index in range(rounds):
+        shift = round_index % max(1, len(keys))
+        for key in keys[shift:] + keys[:shift]:
+            times[key] += bound[key].timed(per_round)
+    by_key = {row.key: row for row in rows}
+    for key, samples in times.items():
+        row = by_key[key]
+        row.median_ms = statistics.median(samples)
+        row.p10_ms, row.p90_ms = (float(q) for q in np.percentile(samples, [10, 90]))
+        row.extra["timed_runs"] = len(samples)
+    bound.clear()
+    gc.collect()
+    fill_ratios(rows)
+    if args.profile_runs:
+        profiles = {}
+        with tempfile.TemporaryDirectory() as folder:
+            for row in profile_targets(rows):
+                try:
+                    profiles[row.key] = profile(Path(row.path), feeds, args.device,
+                                                row.layout == "NHWC", args.profile_runs,
+                                                Path(folder))
+                except Exception as exc:  # noqa: BLE001
+                    profiles[row.key] = {"error": first_line(exc)}
+        info["profiles"] = profiles
+    info["seconds"] = round(time.perf_counter() - start, 1)
+    return rows, info
 
 
-def _format(value: float | None, pattern: str, suffix: str = "") -> str:
+def fill_ratios(rows: list[Row]) -> None:
+    """Speed-up over fp32 (same form and layout), and ours against the fastest other fp16
+    variant of the same model and layout, either form (> 1: ours is faster)."""
+    timed = [row for row in rows if row.median_ms]
+    for row in timed:
+        base = next((r for r in timed if r.converter == FP32 and r.form == row.form
+                     and r.layout == row.layout), None)
+        if base is not None:
+            row.speedup_vs_fp32 = base.median_ms / row.median_ms  # type: ignore[operator]
+    for row in timed:
+        others = [r for r in timed if r.converter in OTHER_FP16 and r.layout == row.layout]
+        if row.converter == OURS and others:
+            fastest = min(others, key=lambda r: r.median_ms)  # type: ignore[arg-type,return-value]
+            row.ours_vs_fastest_other = fastest.median_ms / row.median_ms  # type: ignore
+            row.extra["fastest_other"] = fastest.key
+
+
+def profile_targets(rows: list[Row]) -> list[Row]:
+    """Ours (fastest form) and the fastest other fp16 variant of the model."""
+    timed = [row for row in rows if row.median_ms and row.path]
+    picks = []
+    for group in ([r for r in timed if r.converter == OURS],
+                  [r for r in timed if r.converter in OTHER_FP16]):
+        if group:
+            picks.append(min(group, key=lambda row: row.median_ms))  # type: ignore[arg-type]
+    return picks
+
+
+# -------------------------------------------------------------------------------------------------
+# Report
+# -------------------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, pattern: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, pattern) + suffix
 
 
-#: Longest error text shown in a table cell; the JSON keeps the whole first line.
-TABLE_ERROR_CHARS = 120
-
-
-def markdown_table(results: list[VariantResult]) -> str:
-    """Render all results, one row per (model, variant)."""
-    header = (
-        "| model | variant | status | median ms | speedup vs fp32 | ours vs best other "
-        "| max rel err | NaN/Inf | Casts | convert s |"
-    )
-    lines = [header, "|" + "---|" * (header.count("|") - 1)]
-    for result in results:
-        status = result.status
-        if result.error is not None:
-            status += ": " + result.error[:TABLE_ERROR_CHARS] + ("..." if len(result.error) > TABLE_ERROR_CHARS else "")
-        status = status.replace("|", "/")
-        error = "nan" if result.max_relative_error is not None and np.isnan(result.max_relative_error) else (
-            _format(result.max_relative_error, ".2e")
-        )
-        nan_or_inf = "-" if result.nan_or_inf is None else ("yes" if result.nan_or_inf else "no")
+def markdown_table(rows: list[Row]) -> str:
+    lines = ["| model | form | converter | layout | median ms | vs fp32 | ours vs fastest other "
+             "| rel. error | NaN/Inf | casts | convert s | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        status = row.status if row.error is None else f"{row.status}: {row.error[:90]}"
         lines.append(
-            f"| {result.model} | {result.variant} | {status} | {_format(result.median_ms, '.2f')} "
-            f"| {_format(result.speedup_vs_fp32, '.2f', 'x')} | {_format(result.ours_vs_best_other, '.2f', 'x')} "
-            f"| {error} | {nan_or_inf} | {_format(result.cast_nodes, 'd')} | {_format(result.convert_seconds, '.1f')} |"
-        )
+            f"| {row.model} | {row.form} | {row.converter} | {row.layout} "
+            f"| {_fmt(row.median_ms, '.3f')} | {_fmt(row.speedup_vs_fp32, '.2f', 'x')} "
+            f"| {_fmt(row.ours_vs_fastest_other, '.2f', 'x')} | {_fmt(row.relative_error, '.2e')} "
+            f"| {_fmt(row.nonfinite, 'd')} | {_fmt(row.casts, 'd')} "
+            f"| {_fmt(row.convert_seconds, '.1f')} | {status.replace('|', '/')} |")
     return "\n".join(lines)
 
 
-def environment_summary(device: str) -> dict[str, Any]:
-    """Versions and hardware, so a JSON file says where its numbers came from."""
-    summary: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "onnx": onnx.__version__,
-        "onnxruntime": ort.__version__,
-        "available_providers": ort.get_available_providers(),
-        "device": device,
-    }
-    if device == "cuda" and torch.cuda.is_available():
-        summary["gpu"] = torch.cuda.get_device_name(0)
-    for package in ("transformers", "torchvision", "onnxconverter_common"):
+def environment(device: str) -> dict[str, Any]:
+    import onnx
+    import onnxruntime as ort
+
+    summary: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform(),
+                               "onnx": onnx.__version__, "onnxruntime": ort.__version__,
+                               "providers": ort.get_available_providers(), "device": device}
+    for package in ("torch", "transformers", "torchvision", "onnxconverter_common", "modelopt"):
         try:
             summary[package] = __import__(package).__version__
-        except ImportError:
-            summary[package] = None
+        except Exception as exc:  # noqa: BLE001
+            summary[package] = f"unavailable ({first_line(exc)})"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            summary["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        summary["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                                           capture_output=True, text=True,
+                                           check=False).stdout.strip() or None
+    except OSError:
+        summary["commit"] = None
     return summary
-
-
-def write_json(payload: dict[str, Any], explicit_path: Path | None) -> list[Path]:
-    """Write `payload` to $OUT/bench_gpu.json (when OUT is set) and to `explicit_path` (when given)."""
-    paths = []
-    if os.environ.get("OUT"):
-        paths.append(Path(os.environ["OUT"]) / "bench_gpu.json")
-    if explicit_path is not None:
-        paths.append(explicit_path)
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2, default=str))
-    return paths
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="resnet50,bert,gpt2", help="comma-separated: " + ",".join(MODEL_BUILDERS))
-    parser.add_argument("--runs", type=int, default=100, help="timed runs per variant (median reported)")
-    parser.add_argument(
-        "--warmup", type=int, help="untimed runs before timing (default: 20 on cuda, 1 on cpu, where runs are slow)"
-    )
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--converters", default=",".join(CONVERTERS))
+    parser.add_argument("--forms", default="unfused,fused")
+    parser.add_argument("--size", choices=sorted(SIZES), default="base")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--json", type=Path, help="also write results here (besides $OUT/bench_gpu.json)")
-    parser.add_argument("--workdir", type=Path, help="where exported models go (default: a temp dir)")
-    parser.add_argument("--ours-backend", default="ort-cuda", help="backend passed to amp_rewriter.convert")
-    parser.add_argument(
-        "--attn-implementation",
-        default="eager",
-        help="transformers attention implementation used for export (eager exports most reliably)",
-    )
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ",".join(VARIANTS))
+    parser.add_argument("--runs", type=int, default=100, help="timed runs per variant (median)")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds the runs split into")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--profile-runs", type=int, default=10,
+                        help="profiled runs for ours and the fastest other (0: no profile)")
+    parser.add_argument("--jobs", type=int, default=6, help="conversions run at once")
+    parser.add_argument("--convert-timeout", type=float, default=600)
+    parser.add_argument("--work", type=Path, default=REPO_ROOT / "bench_out" / "gpu",
+                        help="exports and converted models (reused when present)")
+    parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    if args.warmup is None:
-        args.warmup = 20 if args.device == "cuda" else 1
-    args.models = [name.strip() for name in args.models.split(",") if name.strip()]
-    args.variants = [name.strip() for name in args.variants.split(",") if name.strip()]
-    unknown = [name for name in args.models if name not in MODEL_BUILDERS] + [
-        name for name in args.variants if name not in VARIANTS
-    ]
+    args.models = [m for m in args.models.split(",") if m]
+    args.converters = [c for c in args.converters.split(",") if c]
+    args.forms = [f for f in args.forms.split(",") if f]
+    unknown = [m for m in args.models if m not in MODELS] + \
+        [c for c in args.converters if c not in CONVERTERS]
     if unknown:
-        parser.error(f"unknown model or variant: {', '.join(unknown)}")
+        parser.error("unknown model or converter: " + ", ".join(unknown))
+    if FP32 not in args.converters:
+        args.converters.insert(0, FP32)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker = argparse.ArgumentParser()
+        for name in ("converter", "source", "target", "model"):
+            worker.add_argument(name)
+        worker.add_argument("--size", default="base")
+        worker.add_argument("--use-gpu", action="store_true")
+        w = worker.parse_args(sys.argv[2:])
+        print(json.dumps(convert_in_worker(w.converter, w.source, w.target, w.model, w.size,
+                                           w.use_gpu)))
+        return 0
     args = parse_args(argv)
+    import torch  # noqa: F401, I001  (before onnxruntime: its CUDA libraries are those ORT preloads)
+    import onnxruntime as ort
+
     if args.device == "cuda" and hasattr(ort, "preload_dlls"):
-        ort.preload_dlls()  # finds the CUDA/cuDNN libraries that came with torch
-    environment = environment_summary(args.device)
-    print(json.dumps(environment), flush=True)
+        ort.preload_dlls()
+    args.work.mkdir(parents=True, exist_ok=True)
+    payload: dict[str, Any] = {"environment": environment(args.device),
+                               "settings": {k: str(v) for k, v in vars(args).items()},
+                               "models": {}, "rows": []}
+    print(json.dumps(payload["environment"]), flush=True)
+    all_rows: list[Row] = []
+    for model in args.models:
+        try:
+            rows, info = bench_model(model, args, args.work)
+        except Exception as exc:  # noqa: BLE001  (one model's failure does not stop the run)
+            import traceback
 
-    converters: dict[str, Callable[[onnx.ModelProto], onnx.ModelProto] | None] = {
-        FP32: None,
-        ONNXCONVERTER_COMMON: convert_with_onnxconverter_common,
-        ORT_TRANSFORMERS: convert_with_ort_transformers,
-        AMP_REWRITER: make_amp_rewriter_converter(args.ours_backend),
-    }
-    all_results: list[VariantResult] = []
-    model_info: dict[str, Any] = {}
-    payload: dict[str, Any] = {"environment": environment, "settings": vars(args), "models": model_info}
-
-    def save_progress() -> None:
-        payload["results"] = [asdict(result) for result in all_results]
-        payload["markdown"] = markdown_table(all_results)
+            traceback.print_exc()
+            payload["models"][model] = {"error": first_line(exc)}
+            continue
+        all_rows += rows
+        payload["models"][model] = info
+        payload["rows"] = [asdict(row) for row in all_rows]
+        payload["markdown"] = markdown_table(all_rows)
         write_json(payload, args.json)
-
-    with tempfile.TemporaryDirectory() as default_workdir:
-        workdir = args.workdir or Path(default_workdir)
-        workdir.mkdir(parents=True, exist_ok=True)
-        for model_name in args.models:
-            try:
-                benchmark = MODEL_BUILDERS[model_name](args.attn_implementation)
-            except ImportError as error:
-                print(f"[{model_name}] skipped: {first_line(error)}", flush=True)
-                model_info[model_name] = {"skipped": first_line(error)}
-                save_progress()
-                continue
-            path = workdir / f"{model_name}.onnx"
-            start = time.perf_counter()
-            try:
-                export = export_to_onnx(benchmark, path)
-            except Exception as error:  # noqa: BLE001
-                print(f"[{model_name}] export failed: {first_line(error)}", flush=True)
-                model_info[model_name] = {"export_failed": first_line(error)}
-                save_progress()
-                continue
-            export["export_seconds"] = time.perf_counter() - start
-            fp32_model = onnx.load(str(path))
-            export["nodes"] = count_nodes(fp32_model.graph)
-            model_info[model_name] = export
-            print(f"[{model_name}] exported: {export}", flush=True)
-            del benchmark.module  # free torch's copy of the weights before the sessions start
-            gc.collect()
-
-            model_results = []
-            reference_outputs = None
-            for variant in [v for v in VARIANTS if v in args.variants]:
-                result, outputs = benchmark_variant(
-                    benchmark, variant, fp32_model, converters[variant], reference_outputs, args
-                )
-                if variant == FP32 and outputs is not None:
-                    reference_outputs = outputs
-                    result.max_relative_error = 0.0
-                model_results.append(result)
-                all_results.append(result)
-                fill_ratios(model_results)
-                summary = f"{result.median_ms:.2f} ms" if result.median_ms else f"{result.status}: {result.error}"
-                print(f"[{model_name}] {variant}: {summary}", flush=True)
-                save_progress()
-
+        print(markdown_table(rows), flush=True)
+        print(json.dumps({model: info.get("profiles")}, indent=1), flush=True)
     print()
-    print(markdown_table(all_results))
-    for path in write_json(payload, args.json):
-        print(f"wrote {path}")
+    print(markdown_table(all_rows))
+    write_json(payload, args.json)
     return 0
+
+
+def write_json(payload: dict[str, Any], explicit: Path | None) -> None:
+    paths = [Path(os.environ["OUT"]) / "bench_gpu.json"] if os.environ.get("OUT") else []
+    if explicit is not None:
+        paths.append(explicit)
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=1, default=str))
 
 
 if __name__ == "__main__":
