@@ -46,6 +46,12 @@ def _constant(value: Value | None) -> np.ndarray | None:
     return np.asarray(value.const.numpy(), dtype=np.float64)
 
 
+def _scalar(value: Value | None) -> float | None:
+    """The value of a one-element constant input, or None."""
+    data = _constant(value)
+    return float(data.reshape(-1)[0]) if data is not None and data.size == 1 else None
+
+
 def _positive_constant(value: Value | None) -> bool:
     data = _constant(value)
     return data is not None and data.size > 0 and bool(np.all(np.isfinite(data) & (data > 0)))
@@ -73,9 +79,8 @@ def tanh_gelu_cube(node: Node, rules: FormatRules) -> str | None:
     """
     if rules.role(node.op_type) != "pow" or len(node.inputs) != 2:
         return None
-    exponent = _constant(node.inputs[1])
     base = node.inputs[0]
-    if exponent is None or exponent.size != 1 or float(exponent.reshape(-1)[0]) != 3.0:
+    if _scalar(node.inputs[1]) != 3.0:
         return None
     step = _only_consumer(node.outputs[0] if node.outputs else None)
     if step is None or rules.role(step[0].op_type) != "mul" \
@@ -139,27 +144,30 @@ def _mean_square_of(value: Value | None, x: Value, rules: FormatRules) -> bool:
         return False
     role = rules.role(square.op_type)
     if role == "pow" and len(square.inputs) == 2:
-        exponent = _constant(square.inputs[1])
-        return (exponent is not None and exponent.size == 1
-                and float(exponent.reshape(-1)[0]) == 2.0
-                and _same_tensor(square.inputs[0], x, rules))
+        return _scalar(square.inputs[1]) == 2.0 and _same_tensor(square.inputs[0], x, rules)
     if role == "mul" and len(square.inputs) == 2:
         return all(_same_tensor(v, x, rules) for v in square.inputs)
     return role == "square" and bool(square.inputs) and _same_tensor(square.inputs[0], x, rules)
 
 
-def _epsilon_of_root(value: Value | None, x: Value, rules: FormatRules) -> float | None:
-    """eps when `value` is sqrt(mean(x^2) + eps) with a positive constant eps."""
-    root = _producer(value, "sqrt", rules)
-    add = _producer(root.inputs[0] if root is not None and root.inputs else None, "add", rules)
+def _epsilon_of_shifted_mean(value: Value | None, x: Value, rules: FormatRules) -> float | None:
+    """eps when `value` is mean(x^2) + eps with a positive constant eps (either order)."""
+    add = _producer(value, "add", rules)
     if add is None or len(add.inputs) != 2:
         return None
     for slot in (0, 1):
-        eps = _constant(add.inputs[1 - slot])
-        if eps is not None and eps.size == 1 and float(eps.reshape(-1)[0]) > 0 \
-                and _mean_square_of(add.inputs[slot], x, rules):
-            return float(eps.reshape(-1)[0])
+        eps = _scalar(add.inputs[1 - slot])
+        if eps is not None and eps > 0 and _mean_square_of(add.inputs[slot], x, rules):
+            return eps
     return None
+
+
+def _epsilon_of_root(value: Value | None, x: Value, rules: FormatRules) -> float | None:
+    """eps when `value` is sqrt(mean(x^2) + eps) with a positive constant eps."""
+    root = _producer(value, "sqrt", rules)
+    if root is None or not root.inputs:
+        return None
+    return _epsilon_of_shifted_mean(root.inputs[0], x, rules)
 
 
 def _epsilon_of_inverse_root(value: Value | None, x: Value, rules: FormatRules) -> float | None:
@@ -171,20 +179,10 @@ def _epsilon_of_inverse_root(value: Value | None, x: Value, rules: FormatRules) 
     role = rules.role(node.op_type)
     if role == "reciprocal":
         return _epsilon_of_root(node.inputs[0], x, rules)
-    if role == "div" and len(node.inputs) == 2:
-        one = _constant(node.inputs[0])
-        if one is not None and one.size == 1 and float(one.reshape(-1)[0]) == 1.0:
-            return _epsilon_of_root(node.inputs[1], x, rules)
-        return None
+    if role == "div" and len(node.inputs) == 2 and _scalar(node.inputs[0]) == 1.0:
+        return _epsilon_of_root(node.inputs[1], x, rules)
     if role == "rsqrt":
-        add = _producer(node.inputs[0], "add", rules)
-        if add is None or len(add.inputs) != 2:
-            return None
-        for slot in (0, 1):
-            eps = _constant(add.inputs[1 - slot])
-            if eps is not None and eps.size == 1 and float(eps.reshape(-1)[0]) > 0 \
-                    and _mean_square_of(add.inputs[slot], x, rules):
-                return float(eps.reshape(-1)[0])
+        return _epsilon_of_shifted_mean(node.inputs[0], x, rules)
     return None
 
 
