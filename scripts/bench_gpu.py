@@ -61,6 +61,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
+from bench_transformers import compare  # noqa: E402  (scripts/ is on the path when run)
 
 MODELS = ("resnet50", "bert", "gpt2", "llama", "llama-kv")
 TRANSFORMERS = ("bert", "gpt2", "llama", "llama-kv")
@@ -433,21 +434,6 @@ class BoundSession:
         return dict(zip(self.output_names, self.binding.copy_outputs_to_cpu()))
 
 
-def relative_error(outputs: dict[str, np.ndarray], reference: dict[str, np.ndarray]
-                   ) -> tuple[float, int]:
-    """Worst max|y - ref| / max|ref| over outputs, and the non-finite values where ref is finite."""
-    worst, nonfinite = 0.0, 0
-    for name, expected in reference.items():
-        got = outputs[name].astype(np.float64)
-        expected = expected.astype(np.float64)
-        finite = np.isfinite(expected)
-        nonfinite += int(np.count_nonzero(finite & ~np.isfinite(got)))
-        both = finite & np.isfinite(got)
-        scale = float(np.max(np.abs(expected[finite]), initial=0.0)) or 1.0
-        worst = max(worst, float(np.max(np.abs(got[both] - expected[both]), initial=0.0)) / scale)
-    return worst, nonfinite
-
-
 def profile(path: Path, feeds: dict[str, np.ndarray], device: str, nhwc: bool, runs: int,
             folder: Path) -> dict[str, Any]:
     """Kernel time per op type (ms per run) from ORT's profiler, and the nodes it ran on the CPU."""
@@ -595,8 +581,11 @@ def bench_model(model: str, args: argparse.Namespace, work: Path) -> tuple[list[
             bound[row.key] = BoundSession(session, feeds, args.device)
             for _ in range(args.warmup):
                 bound[row.key].run()
-            row.relative_error, row.nonfinite = relative_error(bound[row.key].outputs(),
-                                                               references[row.form])
+            # bench_transformers' comparison: max|y - ref| / max|ref| per output, and the
+            # non-finite values where the reference is finite.
+            compared = compare(references[row.form], bound[row.key].outputs())
+            row.relative_error = compared["worst_relative_error"]
+            row.nonfinite = compared["nonfinite"]
         except Exception as exc:  # noqa: BLE001  (a model that does not load or run is a result)
             row.status, row.error = "fails to load or run", first_line(exc)
             bound.pop(row.key, None)
