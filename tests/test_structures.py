@@ -273,14 +273,35 @@ def test_rms_norm_keeps_its_statistics_fp32_and_the_residual_fp16(form):
     converted, report = convert(model)
     decided = precisions(report)
     assert decided["residual"] == decided["gamma_mul"] == decided["proj"] == "fp16", decided
-    assert decided["square"] == decided["mean"] == decided["scale"] == "fp32", decided
+    assert decided["square"] == decided["mean"] == decided["root"] == "fp32", decided
+    assert decided["scale"] == "fp16", decided
     assert [s["rule"] for s in report.structures] == ["rms_norm"]
     assert "RMS norm" in report.node("square")["reason"]
-    # One cast into the norm (shared by the square and the scaling), one out, plus the graph's
-    # input and output: the pattern ORT fuses into SimplifiedLayerNormalization.
+    assert "scaling step of an RMS norm" in report.node("scale")["class_reason"]
+    # One cast of x into the statistics, one of the per-row scale out of them, plus the graph's
+    # input and output.
     assert count_casts(converted) == 4
+    scale_cast = [n for n in converted.graph.node if n.op_type == "Cast"
+                  and any(c.name == "scale" for c in converted.graph.node if n.output[0] in c.input)]
+    assert len(scale_cast) == 1  # the small per-row tensor is the one cast back down
     # Values whose squares overflow fp16 (1000^2 > 65504): the fp32 statistics keep them exact.
     x = np.linspace(-1000, 1000, 48, dtype=np.float32).reshape(2, 3, 8)
+    expected = run(model, {"x": x})[0]
+    actual = run_as_fp16(converted, {"x": x})[0]
+    assert np.isfinite(actual).all()
+    np.testing.assert_allclose(actual, expected, rtol=3e-3, atol=3e-3 * np.abs(expected).max())
+
+
+def test_rms_norm_with_an_eps_too_small_for_fp16_keeps_its_scaling_fp32():
+    """1/sqrt(1e-12) = 1e6 > 65504: an all-zero row would scale by inf in fp16."""
+    model = rms_norm_block(eps=1e-12)
+    converted, report = convert(model)
+    decided = precisions(report)
+    assert decided["scale"] == decided["square"] == "fp32", decided
+    assert decided["residual"] == "fp16"
+    assert "outside fp16's normal range" in report.node("scale")["reason"]
+    x = np.zeros((2, 3, 8), np.float32)
+    x[0] = 1e-4
     expected = run(model, {"x": x})[0]
     actual = run_as_fp16(converted, {"x": x})[0]
     assert np.isfinite(actual).all()

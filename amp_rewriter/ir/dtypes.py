@@ -22,6 +22,8 @@ NUMPY_DTYPES = {FLOAT16: np.dtype(np.float16), BFLOAT16: np.dtype(ml_dtypes.bflo
                 FLOAT32: np.dtype(np.float32)}
 #: Largest finite value of each low-precision dtype.
 FINITE_MAX = {FLOAT16: 65504.0, BFLOAT16: float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)}
+#: Smallest positive normal value of each low-precision dtype (below it precision thins out).
+SMALLEST_NORMAL = {FLOAT16: 2.0**-14, BFLOAT16: 2.0**-126}
 #: Smallest positive (subnormal) value of each low-precision dtype.
 SMALLEST_SUBNORMAL = {FLOAT16: 2.0**-24, BFLOAT16: 2.0**-133}
 

@@ -4,8 +4,9 @@
   precision although Pow is a deny op: where x^3 overflows to +-inf, every later step keeps the
   sign (c1, c2 > 0) and tanh(+-inf) = +-1 is the limit fp32 reaches too.
 - `recognize_rms_norm`: an RMS normalisation, x * 1/sqrt(mean(x^2) + eps), keeps its statistics
-  and scaling fp32 (the square overflows fp16 beyond 256) without being a barrier: the residual
-  stream it reads runs in low precision, with one cast into the norm and one out of it.
+  fp32 (the square overflows fp16 beyond 256) without being a barrier: the residual stream it
+  reads and the scaling step run in low precision, with one cast of x into the statistics and
+  one of the per-row scale out of them.
 - `keep_index_math_fp32`: float arithmetic that computes a shape, length or index (from integers
   and constants, feeding a Cast to an integer, a comparison, Floor/Ceil or a shape input) stays
   fp32: fp16 holds integers exactly only up to 2048.
@@ -32,7 +33,9 @@ from ...ir import (
     TypeGroup,
     Value,
     decisions,
+    short_name,
 )
+from ...ir.dtypes import FINITE_MAX, SMALLEST_NORMAL
 from ..base import FormatRules, PassContext, StructureRecord, register_pass
 from .classify import set_class
 
@@ -186,8 +189,8 @@ def _epsilon_of_inverse_root(value: Value | None, x: Value, rules: FormatRules) 
     return None
 
 
-def rms_norm_scaling(node: Node, rules: FormatRules) -> tuple[Value, str] | None:
-    """(x, why) when `node` is the scaling step of an RMS norm of x, or None.
+def rms_norm_scaling(node: Node, rules: FormatRules) -> tuple[Value, float] | None:
+    """(x, eps) when `node` is the scaling step of an RMS norm of x, or None.
 
     The step is x * 1/sqrt(mean(x^2) + eps) (a Mul with the inverse root as either input) or
     x / sqrt(mean(x^2) + eps), with a positive constant eps.
@@ -201,13 +204,31 @@ def rms_norm_scaling(node: Node, rules: FormatRules) -> tuple[Value, str] | None
         assert x is not None
         eps = _epsilon_of_inverse_root(scale, x, rules) if role == "mul" else \
             _epsilon_of_root(scale, x, rules)
-        if eps is None:
-            continue
-        return x, (f"the statistics and scaling of an RMS norm (eps {eps:g}) stay fp32: the "
-                   f"square overflows fp16 once |x| > 256, so the norm reads a low-precision "
-                   f"input through one cast and its normalised result is cast back, the pattern "
-                   f"ORT fuses into SimplifiedLayerNormalization; the residual stream stays low")
+        if eps is not None:
+            return x, eps
     return None
+
+
+def scaling_fits(eps: float, dtype: str) -> bool:
+    """Whether the per-row scale of an RMS norm with this eps is a normal number of `dtype`:
+    sqrt(mean(x^2) + eps) lies in [sqrt(eps), max|x|] and its inverse in [1/max|x|, 1/sqrt(eps)],
+    so eps decides both ends (an x that fits the dtype bounds the other)."""
+    root = eps ** 0.5
+    return root >= SMALLEST_NORMAL[dtype] and 1.0 / root <= FINITE_MAX[dtype]
+
+
+def _rms_norm_reasons(eps: float, dtype: str) -> tuple[str, str | None]:
+    """Why the statistics stay fp32, and why the scaling step runs low (None: it stays fp32)."""
+    statistics = (f"the statistics of an RMS norm (eps {eps:g}) stay fp32: the square overflows "
+                  f"fp16 once |x| > 256, so the norm reads its low-precision input through one "
+                  f"cast; the residual stream stays low")
+    if not scaling_fits(eps, dtype):
+        return statistics + (f"; the scaling stays fp32 too, since 1/sqrt(eps) = {eps ** -0.5:.3g}"
+                             f" is outside {short_name(dtype)}'s normal range"), None
+    return statistics, (f"the scaling step of an RMS norm (eps {eps:g}) runs in "
+                        f"{short_name(dtype)}: its per-row scale lies within [1/max|x|, "
+                        f"1/sqrt(eps) = {eps ** -0.5:.3g}], a normal {short_name(dtype)} number, "
+                        f"and the normalised output is bounded by sqrt(row length)")
 
 
 def _statistics_nodes(step: Node, x: Value) -> list[Node]:
@@ -228,9 +249,10 @@ def _statistics_nodes(step: Node, x: Value) -> list[Node]:
 
 @register_pass("recognize_rms_norm")
 def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
-    """Keep an RMS norm's statistics and scaling fp32 without making them a barrier: they are
-    pinned (not deny), so the painting runs the residual stream around them in low precision and
-    only they return to fp32, one cast in and one out (see rms_norm_scaling)."""
+    """Keep an RMS norm's statistics fp32 without making them a barrier: they are pinned (not
+    deny), so the painting runs the residual stream around them in low precision; the norm's
+    input is cast up once for the square, and the per-row scale (a small tensor) is cast down
+    for the scaling step, which runs low where eps keeps the scale in range (see scaling_fits)."""
     found = 0
     for node in list(ctx.model.graph.walk_nodes()):
         ctx.focus = node
@@ -239,15 +261,22 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
         match = rms_norm_scaling(node, ctx.rules)
         if match is None:
             continue
-        x, why = match
+        x, eps = match
         members = _statistics_nodes(node, x)
         if any(m.pin_reason or m.class_kind == decisions.USER_OVERRIDE for m in members):
             continue
+        why, scaling_why = _rms_norm_reasons(eps, ctx.target_dtype)
         for member in members:
+            if member is node and scaling_why is not None:
+                low_class = member.op_class if member.op_class in (ALLOW, INFER) else INFER
+                set_class(ctx, member, low_class, scaling_why, decisions.STRUCTURE)
+                continue
             if member.op_class in (FP32, DENY):
                 set_class(ctx, member, INFER, why, decisions.STRUCTURE)
             member.pin_reason, member.pin_kind, member.pin_barrier = why, decisions.STRUCTURE, False
-        ctx.structures.append(StructureRecord("rms_norm", [m.name for m in members], why))
+        ctx.structures.append(StructureRecord("rms_norm", [m.name for m in members],
+                                              why if scaling_why is None else
+                                              f"{why}; {scaling_why}"))
         found += 1
     return found, []
 
