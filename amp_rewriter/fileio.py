@@ -19,7 +19,8 @@ from types import TracebackType
 
 from .errors import AmpError
 
-#: Prefix of every temporary file and folder a run makes (beside its destinations).
+#: Prefix of every temporary file and folder a run makes (beside its destinations); the run's
+#: process id follows it, so a later run can tell abandoned ones (see `sweep_abandoned`).
 TEMP_PREFIX = ".amp-rewriter-"
 
 #: (path, what it is to the run) for each file or folder the run reads.
@@ -46,12 +47,76 @@ def check_output_path(path: str | os.PathLike) -> None:
         raise AmpError(f"{path}: is {kind}; refusing to replace it with the output")
 
 
+def owned_prefix(prefix: str = TEMP_PREFIX) -> str:
+    """`prefix` plus this process's id: the start of every temporary name this run makes."""
+    return f"{prefix}{os.getpid()}-"
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # someone else's process: alive
+        return False
+    return False
+
+
+def sweep_abandoned(folder: Path, prefix: str = TEMP_PREFIX) -> list[Path]:
+    """Remove the temporary files and folders (`prefix<pid>-...`, ours by owner) that runs
+    killed before they could clean up (SIGKILL, the out-of-memory killer) left in `folder`;
+    a run that is still going keeps its own. A folder holding the backup of a destination
+    (a run killed in the middle of `commit`) is left for the user. Returns what was removed."""
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        pid_text = entry.name[len(prefix):].partition("-")[0] \
+            if entry.name.startswith(prefix) else ""
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() \
+                or not _process_gone(int(pid_text)):
+            continue
+        path = Path(entry.path)
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                if any(child.name.startswith(".old-") and any(child.iterdir())
+                       for child in path.iterdir() if child.is_dir()):
+                    continue
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
+
+
+#: Prefix of the run's scratch folders in the system's temp folder.
+SCRATCH_PREFIX = "amp-rewriter-"
+
+
+def scratch_dir(kind: str, parent: Path | None = None) -> tempfile.TemporaryDirectory[str]:
+    """A temporary folder for this run's intermediate files (removed by its context manager),
+    in `parent` (hidden) or the system's temp folder; abandoned ones are swept first."""
+    if parent is None:
+        folder, prefix = Path(tempfile.gettempdir()), SCRATCH_PREFIX
+    else:
+        folder, prefix = parent, TEMP_PREFIX
+    sweep_abandoned(folder, prefix)
+    return tempfile.TemporaryDirectory(dir=folder, prefix=f"{owned_prefix(prefix)}{kind}-")
+
+
 def write_atomically(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` so that a failure never leaves a partial file behind."""
     target = Path(path)
     check_output_path(target)
     parent = Path(os.path.realpath(target)).parent
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=TEMP_PREFIX)
+    sweep_abandoned(parent)
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=owned_prefix())
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -321,8 +386,9 @@ class OutputTransaction:
         destination = Path(destination)
         self._check(destination, label, kind, replace_dir,
                     [stage.destination for stage in self._stages])
+        sweep_abandoned(destination.parent)
         try:
-            folder = Path(tempfile.mkdtemp(dir=destination.parent, prefix=TEMP_PREFIX))
+            folder = Path(tempfile.mkdtemp(dir=destination.parent, prefix=owned_prefix()))
         except OSError as exc:
             raise AmpError(f"{destination}: cannot write in {destination.parent} "
                            f"({exc.strerror})") from None

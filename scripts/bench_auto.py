@@ -9,7 +9,8 @@ Scenarios (the elementwise test onnxconverter-common uses, np.allclose, rtol 0.0
   ``convert`` (same bytes expected; time against plain convert plus one reference and one
   verification run).
 
-Calibration data, the same for both tools: 32 token sequences of length 128 from the model's
+Calibration data, the same for both tools: 32 token sequences of length 128 (``--sequences``,
+``--length``, ``--per-batch`` change that) from the model's
 vocabulary (ids 1000..30521, [CLS] first, [SEP] at the end of each sequence, padding after a
 random length between 32 and 128, attention mask to match). onnxconverter-common takes one feed
 dict (all 32); ours takes the same 32 as 8 .npz batches of 4.
@@ -60,19 +61,23 @@ METRIC = {"a": "rtol1e2_atol1e8", "b": "rtol1e2_atol2e3"}
 SEQUENCES, LENGTH, PER_BATCH = 32, 128, 4
 
 
-def calibration(folder: Path, seed: int = 0) -> dict[str, np.ndarray]:
-    """32 padded token sequences; written as 8 .npz of 4, returned as one feed."""
+def calibration(folder: Path, seed: int = 0, sequences: int = SEQUENCES, length: int = LENGTH,
+                per_batch: int = PER_BATCH) -> dict[str, np.ndarray]:
+    """`sequences` padded token sequences of `length`; written as .npz batches of `per_batch`,
+    returned as one feed."""
     rng = np.random.default_rng(seed)
-    ids = rng.integers(1000, 30522, size=(SEQUENCES, LENGTH)).astype(np.int64)
-    mask = np.ones((SEQUENCES, LENGTH), np.int64)
+    ids = rng.integers(1000, 30522, size=(sequences, length)).astype(np.int64)
+    mask = np.ones((sequences, length), np.int64)
     ids[:, 0] = 101
-    for row, length in enumerate(rng.integers(LENGTH // 4, LENGTH + 1, size=SEQUENCES)):
-        ids[row, length - 1] = 102
-        ids[row, length:] = 0
-        mask[row, length:] = 0
+    for row, used in enumerate(rng.integers(max(2, length // 4), length + 1, size=sequences)):
+        ids[row, used - 1] = 102
+        ids[row, used:] = 0
+        mask[row, used:] = 0
     folder.mkdir(parents=True, exist_ok=True)
-    for index in range(SEQUENCES // PER_BATCH):
-        rows = slice(index * PER_BATCH, (index + 1) * PER_BATCH)
+    for stale in folder.glob("batch*.npz"):
+        stale.unlink()
+    for index in range(-(-sequences // per_batch)):
+        rows = slice(index * per_batch, (index + 1) * per_batch)
         np.savez(folder / f"batch{index}.npz", input_ids=ids[rows], attention_mask=mask[rows])
     return {"input_ids": ids, "attention_mask": mask}
 
@@ -248,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--occ-timeout", type=float, default=900.0,
                         help="cap on each onnxconverter-common run, seconds (default 900)")
     parser.add_argument("--skip-occ", action="store_true")
+    parser.add_argument("--sequences", type=int, default=SEQUENCES,
+                        help=f"calibration sequences (default {SEQUENCES})")
+    parser.add_argument("--length", type=int, default=LENGTH,
+                        help=f"tokens per sequence (default {LENGTH})")
+    parser.add_argument("--per-batch", type=int, default=PER_BATCH,
+                        help=f"sequences per .npz batch for ours (default {PER_BATCH})")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench_auto_"))
@@ -260,11 +271,14 @@ def main(argv: list[str] | None = None) -> int:
         if not model.exists():
             export_minilm(model, 17)
     folder = work / "calibration"
-    feed = calibration(folder)
+    feed = calibration(folder, sequences=args.sequences, length=args.length,
+                       per_batch=args.per_batch)
     feed_path = work / "feed.npz"
     np.savez(feed_path, **feed)
-    report: dict[str, Any] = {"model": str(model), "sequences": SEQUENCES, "length": LENGTH,
-                              "batches_ours": SEQUENCES // PER_BATCH, "scenarios": {}}
+    report: dict[str, Any] = {"model": str(model), "sequences": args.sequences,
+                              "length": args.length,
+                              "batches_ours": -(-args.sequences // args.per_batch),
+                              "scenarios": {}}
     for scenario in args.scenarios.split(","):
         print(f"== scenario {scenario}", flush=True)
         entry: dict[str, Any] = {}

@@ -285,3 +285,65 @@ def test_a_terminated_run_leaves_nothing_behind(external_block: Path, tmp_path: 
     assert result.returncode == 143, result.stderr
     assert "terminated by signal 15" in one_error_line(result.stderr)
     assert snapshot(out) == before
+
+
+_KILL_AFTER_WRITING = _TERMINATE_AFTER_WRITING.replace("signal.SIGTERM", "signal.SIGKILL")
+
+
+def test_what_a_killed_run_left_is_swept_by_the_next_run(external_block: Path, tmp_path: Path,
+                                                          capsys) -> None:
+    """SIGKILL (the out-of-memory killer) leaves the staged output behind, hidden and tagged
+    with the dead run's process id; the next run writing to that folder removes it, while a
+    live process's staging and unrelated hidden files stay."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    killed = subprocess.run([sys.executable, "-c", _KILL_AFTER_WRITING, "convert",
+                             str(external_block), str(out / "block_fp16.onnx")],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert killed.returncode == -9
+    left = sorted(p.name for p in out.iterdir())
+    assert left and all(name.startswith(".amp-rewriter-") and name.split("-")[2].isdigit()
+                        for name in left), left
+    live = out / f".amp-rewriter-{os.getppid()}-staging"  # a live process: not ours to remove
+    live.mkdir()
+    (out / ".amp-rewriter-notes").write_text("not a run's")
+    code, _, _ = run(capsys, "convert", external_block, out / "again.onnx")
+    assert code == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [".amp-rewriter-notes", live.name, "again.onnx", "again.onnx.data"])
+
+
+_KILL_DURING_AUTO = """
+import importlib, os, signal, sys
+accuracy = importlib.import_module("amp_rewriter.formats.onnx.accuracy")
+accuracy.OnnxRunner.close = lambda self: os.kill(os.getpid(), signal.SIGKILL)
+from amp_rewriter.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_work_folder_of_a_killed_auto_run_is_swept_by_the_next_one(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import tempfile
+
+    model = tmp_path / "block.onnx"
+    onnx.save(BUILDERS["transformer_block"](), str(model))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    args = ["convert", str(model), str(tmp_path / "out.onnx"), "--auto", "--max-error", "0.5"]
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.glob("amp-rewriter-*"))
+    killed = subprocess.run([sys.executable, "-c", _KILL_DURING_AUTO, *args],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert killed.returncode == -9, killed.stderr
+    abandoned = set(temp.glob("amp-rewriter-*-auto-*")) - before
+    assert abandoned, "the killed run had a work folder"
+    finished = subprocess.run([sys.executable, "-m", "amp_rewriter", *args], capture_output=True,
+                              text=True, env=env, timeout=300)
+    assert finished.returncode == 0, finished.stderr
+    assert not any(folder.exists() for folder in abandoned)
+    assert not list(tmp_path.glob(".amp-rewriter-*"))

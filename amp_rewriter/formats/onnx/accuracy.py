@@ -21,7 +21,6 @@ the probe's shadows.
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from ...accuracy.runner import (
     ProbePlan,
 )
 from ...errors import AmpError
+from ...fileio import scratch_dir
 from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, TARGET_DTYPES, Graph, Node, Value
 from ...options import Options
 from ...passes.base import Pin
@@ -229,7 +229,7 @@ class OnnxRunner(ModelRunner):
         self.model = read_model_file(path)
         self.base_dir = path.resolve().parent
         #: Where the models handed to onnxruntime are written (deleted with the runner).
-        self._workdir = tempfile.TemporaryDirectory(prefix="amp-rewriter-auto-")
+        self._workdir = scratch_dir("auto")
         self.workdir = Path(self._workdir.name)
         #: Big models go to onnxruntime as files, their new tensors spilled to disk as made.
         self.on_disk = has_external_data(self.model) or self.model.ByteSize() >= SMALL_MODEL

@@ -13,7 +13,7 @@ from onnx import external_data_helper
 
 from ... import progress
 from ...errors import AmpError
-from ...fileio import OutputTransaction
+from ...fileio import OutputTransaction, owned_prefix
 from ...ir import LazyTensor, Model, Node, ValueNames
 from ...op_lists import OpLists
 from ...options import Options
@@ -323,7 +323,7 @@ def onnx_full_check(model: onnx.ModelProto | str) -> None:
         onnx.checker.check_model(copy, full_check=True)
         return
     # Beside the original, so its external data resolves; removed right after.
-    with tempfile.NamedTemporaryFile(dir=Path(model).resolve().parent, prefix=".amp-rewriter-",
+    with tempfile.NamedTemporaryFile(dir=Path(model).resolve().parent, prefix=owned_prefix(),
                                      suffix=".onnx", delete=False) as handle:
         handle.write(copy.SerializeToString())
     try:

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import gc
 import os
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ import onnx
 from onnx import external_data_helper
 
 from ...errors import AmpError
+from ...fileio import scratch_dir
 from ...options import Options
 from . import ort_registry
 from .emit import has_external_data
@@ -78,7 +78,7 @@ def optimized_copy(source: Path | onnx.ModelProto, options: Options,
     if model_type not in optimizer.MODEL_TYPES:
         raise AmpError(f"--optimize: unknown model type {model_type!r} (onnxruntime's transformer "
                        f"optimizer knows {', '.join(sorted(optimizer.MODEL_TYPES))})")
-    with tempfile.TemporaryDirectory(prefix="amp-rewriter-optimize-") as tmp:
+    with scratch_dir("optimize") as tmp:
         work = Path(tmp)
         if isinstance(source, onnx.ModelProto):
             source = _write_input(source, work / "input.onnx", base_dir)

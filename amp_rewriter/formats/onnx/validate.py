@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ import onnx
 
 from ... import progress
 from ...errors import AmpError
+from ...fileio import scratch_dir
 from ...ir import Graph, Node, TypeGroup, Value
 from ...validation import EMULATED, OutputComparison, check_random_shape, compare_outputs
 from . import ort_registry
@@ -151,7 +151,7 @@ def _model_source(model: onnx.ModelProto | str | bytes) -> Iterator[str | bytes]
     if data is not None:
         yield data
         return
-    with tempfile.TemporaryDirectory(prefix="amp-rewriter-validate-") as tmp:
+    with scratch_dir("validate") as tmp:
         path = Path(tmp) / "model.onnx"
         onnx.save_model(model, str(path), save_as_external_data=True,
                         all_tensors_to_one_file=True, location="model.onnx.data")
@@ -298,7 +298,7 @@ def runnable_on_cpu(path: Path, scratch: Path | None = None,
     if emulated.ByteSize() <= PROTOBUF_LIMIT:
         yield emulated.SerializeToString(), notes, outputs
         return
-    with tempfile.TemporaryDirectory(dir=scratch, prefix=".amp-rewriter-emulated-") as folder:
+    with scratch_dir("emulated", scratch) as folder:
         target = Path(folder) / "emulated.onnx"
         onnx.save_model(emulated, str(target), save_as_external_data=True,
                         all_tensors_to_one_file=True, location="emulated.onnx.data")
