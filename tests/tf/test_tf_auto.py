@@ -1,6 +1,7 @@
-"""convert --auto and diagnose on TF1 GraphDefs with planted hazards (fp16 on TensorFlow's CPU
-kernels): diagnose names the culprit first, --auto pins it and meets the tolerance; a
-hazard-free graph comes out as plain convert writes it; bad calibration data is one line."""
+"""convert --auto and diagnose on TF1 GraphDefs and a TF2 SavedModel with planted hazards (fp16
+on TensorFlow's CPU kernels): diagnose names the culprit first, --auto pins it and meets the
+tolerance; a hazard-free graph comes out as plain convert writes it; bad calibration data is one
+line."""
 
 from __future__ import annotations
 
@@ -126,10 +127,67 @@ def test_bad_calibration_input_is_one_line(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_saved_models_are_refused_with_a_clear_message(tmp_path, capsys):
+class _HotModule(tf.Module):
+    """matmul_overflow as a TF2 SavedModel: variables, and the compute inside a called function."""
+
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        self.w1 = tf.Variable((rng.standard_normal((16, 16)) * 0.3).astype(np.float32))
+        self.big = tf.Variable(np.full((16, 16), 1500.0, np.float32))
+        self.w2 = tf.Variable((rng.standard_normal((16, 8)) * 0.3).astype(np.float32))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 16], tf.float32, name="x")],
+                 autograph=False)
+    def __call__(self, x):
+        h = tf.nn.relu(tf.matmul(x, self.w1, name="mm1"), name="relu")
+        big = tf.matmul(h, self.big, name="hot_big")
+        t = tf.tanh(tf.multiply(big, 1e-5, name="hot_scale"), name="hot_tanh")
+        return {"y": tf.matmul(t, self.w2, name="mm_out")}
+
+
+def _saved_relative(original, converted, folder) -> float:
+    reference = tf.saved_model.load(str(original)).signatures["serving_default"]
+    candidate = tf.saved_model.load(str(converted)).signatures["serving_default"]
+    worst = 0.0
+    for path in sorted(folder.glob("*.npz")):
+        with np.load(path) as data:
+            x = tf.constant(data["x"])
+        expected, actual = reference(x=x)["y"].numpy(), candidate(x=x)["y"].numpy()
+        worst = max(worst, float(np.abs(actual.astype(np.float64) - expected).max()
+                                 / np.abs(expected).max()))
+    return worst
+
+
+def test_saved_model_diagnose_and_auto_through_the_frozen_signature(tmp_path):
+    saved = tmp_path / "saved"
+    module = _HotModule()
+    tf.saved_model.save(module, str(saved), signatures=module.__call__)
+    folder = tmp_path / "calibration"
+    folder.mkdir()
+    for index, batch in enumerate(_batches()):
+        np.savez(folder / f"batch{index}.npz", **batch)
+    before = sorted((p.relative_to(saved), p.stat().st_size) for p in saved.rglob("*"))
+    report = amp_rewriter.diagnose(saved, [folder], target="fp16")
+    first = report["nodes"][0]["node"]
+    assert first.endswith("/hot_big"), [r["node"] for r in report["nodes"][:4]]
+    plain = tmp_path / "plain"
+    amp_rewriter.convert_file(saved, plain, target="fp16")
+    assert _saved_relative(saved, plain, folder) > TOLERANCE
+    out = tmp_path / "auto"
+    auto = amp_rewriter.convert_auto(saved, out, [folder], max_error=TOLERANCE, target="fp16")
+    pinned = [entry["node"] for entry in auto.auto["pinned"]]
+    assert first in pinned and len(pinned) <= 3, pinned
+    assert _saved_relative(saved, out, folder) <= TOLERANCE
+    assert any(entry["name"] == "hot_big" and entry["kind"] == "measurement"
+               for entry in auto.nodes), "the pin reached the function's node"
+    assert sorted((p.relative_to(saved), p.stat().st_size) for p in saved.rglob("*")) == before
+
+
+def test_saved_model_with_outputs_option_is_one_line(tmp_path, capsys):
     saved = tmp_path / "saved"
     module = tf.Module()
     module.f = tf.function(lambda x: x * 2.0, input_signature=[tf.TensorSpec([2], tf.float32)])
     tf.saved_model.save(module, str(saved))
-    assert cli.main(["diagnose", str(saved)]) == 2
-    assert "freeze a signature into a GraphDef" in capsys.readouterr().err
+    assert cli.main(["diagnose", str(saved), "--outputs", "y"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--outputs is for GraphDefs" in err[0]

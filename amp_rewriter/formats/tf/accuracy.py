@@ -9,8 +9,11 @@ while loop's frame cannot be fetched from outside it: they are measured as part 
 results only. Low precision runs on TensorFlow's own CPU kernels (no emulation needed: unlike
 onnxruntime's CPU provider, TensorFlow runs fp16/bf16 ops in those types).
 
-SavedModels are not measured (freeze a signature to a GraphDef first); GraphDefs (.pb, .pbtxt) and
-the graph of a MetaGraphDef (.meta) are.
+GraphDefs (.pb, .pbtxt), the graph of a MetaGraphDef (.meta) and SavedModels are measured. A
+SavedModel is measured through its serving signature frozen into one GraphDef (variables as
+constants, function calls inlined: a node inside a called function gets the call node's name as
+a prefix); `--auto`'s pins then apply, by the node's name inside its function, to the whole
+SavedModel, written as `convert` writes one (low-precision weights included).
 """
 
 from __future__ import annotations
@@ -41,7 +44,12 @@ from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, TARGET_DTYPES, Model, Node
 from ...options import Options
 from ...passes.base import Pin
 from ...report import Report
-from .convert import convert_graph_def, convert_graph_def_ir, meta_graph_fetches
+from .convert import (
+    convert_graph_def,
+    convert_graph_def_ir,
+    convert_saved_model_dir,
+    meta_graph_fetches,
+)
 from .emit import tensor_proto
 from .files import is_saved_model_dir, read_graphdef, read_meta_graph, write_graphdef
 from .lists import default_backend
@@ -92,18 +100,72 @@ def frame_nodes(graph_def: graph_pb2.GraphDef) -> set[str]:
     return inside
 
 
+SERVING_SIGNATURE = "serving_default"
+
+
+def frozen_signature(path: Path) -> tuple[graph_pb2.GraphDef, list[str], dict[str, str]]:
+    """A SavedModel's serving signature as one GraphDef: (graph, fetch tensor names, each
+    node's name -> its name inside the function that holds it)."""
+    from tensorflow.python.framework.convert_to_constants import (
+        convert_variables_to_constants_v2,
+    )
+
+    try:
+        loaded = tf.saved_model.load(str(path))
+    except Exception as exc:
+        raise AmpError(f"{path}: TensorFlow cannot load the SavedModel: {_first_line(exc)}"
+                       ) from None
+    signatures = dict(loaded.signatures)
+    if not signatures:
+        raise AmpError(f"{path}: the SavedModel has no signature to measure")
+    name = SERVING_SIGNATURE if SERVING_SIGNATURE in signatures else sorted(signatures)[0]
+    function = signatures[name]
+    try:
+        frozen = convert_variables_to_constants_v2(function)
+    except Exception as exc:
+        raise AmpError(f"{path}: signature {name!r} cannot be frozen for measuring: "
+                       f"{_first_line(exc)}") from None
+    graph_def = frozen.graph.as_graph_def()
+    return graph_def, [t.name for t in frozen.outputs], _names_inside_functions(
+        function.graph.as_graph_def())
+
+
+def _names_inside_functions(graph_def: graph_pb2.GraphDef) -> dict[str, str]:
+    """Inlined node name ("call/inner/MatMul") -> the name inside its function ("inner/MatMul"),
+    following the signature's function calls down."""
+    library = {f.signature.name: f for f in graph_def.library.function}
+    names: dict[str, str] = {}
+    stack = [(list(graph_def.node), "")]
+    while stack:
+        nodes, prefix = stack.pop()
+        for nd in nodes:
+            names[prefix + nd.name] = nd.name
+            callee = library.get(nd.attr["f"].func.name) if "f" in nd.attr else None
+            if callee is not None:
+                stack.append((list(callee.node_def), f"{prefix}{nd.name}/"))
+    return names
+
+
 class TfRunner(ModelRunner):
-    """A TensorFlow GraphDef, converted and run for `convert --auto` and `diagnose`."""
+    """A TensorFlow GraphDef or SavedModel, converted and run for `convert --auto` and
+    `diagnose`."""
 
     format = "tf"
 
     def __init__(self, path: Path, options: Options):
-        if is_saved_model_dir(path):
-            raise AmpError("--auto and diagnose take TensorFlow GraphDefs (.pb, .pbtxt, .meta); "
-                           "for a SavedModel, freeze a signature into a GraphDef first")
         self.path = path
         self.meta = read_meta_graph(path) if path.suffix == ".meta" else None
-        self.graph_def = self.meta.graph_def if self.meta is not None else read_graphdef(path)
+        #: For a SavedModel: frozen node name -> its name inside its function.
+        self.local_names: dict[str, str] | None = None
+        if is_saved_model_dir(path):
+            if options.outputs:
+                raise AmpError("--outputs is for GraphDefs: a SavedModel's signatures name its "
+                               "outputs")
+            self.graph_def, outputs, self.local_names = frozen_signature(path)
+            options = dataclasses.replace(options, outputs=outputs)
+        else:
+            self.graph_def = self.meta.graph_def if self.meta is not None \
+                else read_graphdef(path)
         self.user_options = options
         if self.meta is not None and not options.outputs:
             options = dataclasses.replace(options,
@@ -144,8 +206,12 @@ class TfRunner(ModelRunner):
         return TfConversion(graph_def, report, ir, names, pins)
 
     def write(self, output_path: Path, pins: Mapping[str, Pin]) -> Report:
-        """As plain `convert` writes a GraphDef or a .meta file, with `pins`."""
+        """As plain `convert` writes a GraphDef, a .meta file or a SavedModel, with `pins`."""
         options = self.user_options
+        if self.local_names is not None:
+            local = {self.local_names.get(name, name): pin for name, pin in pins.items()}
+            return convert_saved_model_dir(self.path, output_path,
+                                           dataclasses.replace(options, outputs=None), local)
         if self.meta is not None:
             from tensorflow.core.protobuf import meta_graph_pb2
 

@@ -204,12 +204,14 @@ def convert_saved_model(input_dir: str | os.PathLike, output_dir: str | os.PathL
     return report
 
 
-def convert_saved_model_proto(input_dir: Path, options: Options
+def convert_saved_model_proto(input_dir: Path, options: Options,
+                              pins: Mapping[str, Pin] | None = None
                               ) -> tuple[saved_model_pb2.SavedModel, Report,
                                          Callable[[Path], None] | None]:
     """The converted saved_model.pb of a SavedModel directory (nothing written), its report,
     and what writes the variables checkpoint with low-precision weights into a copy of the
-    directory (None: the checkpoint is copied as it is)."""
+    directory (None: the checkpoint is copied as it is). `pins` maps node names to why a front
+    end keeps them fp32 (`--auto`'s measurements); they apply in every function."""
     if options.outputs:
         raise AmpError("--outputs is for GraphDefs: a SavedModel's signatures name its outputs")
     asked_keep_io_types = options.keep_io_types
@@ -228,12 +230,12 @@ def convert_saved_model_proto(input_dir: Path, options: Options
                 if not _convertible(fdef):
                     continue
                 ir_model = load_function(fdef, original)
-                reports.append(_run(ir_model, lists, options, fdef.signature.name))
+                reports.append(_run(ir_model, lists, options, fdef.signature.name, pins=pins))
                 served.append(fdef.signature.name in signature_functions
                               or not meta_graph.signature_def)
                 library.function[index].CopyFrom(emit_function(ir_model))
                 unknown_ops |= ir_model.handle.unknown_ops
-            main = _convert_main_graph(meta_graph, lists, options)
+            main = _convert_main_graph(meta_graph, lists, options, pins)
             reports.extend(main)
             served.extend(True for _ in main)
     report = merge_reports(reports, options, served)
@@ -247,10 +249,11 @@ def convert_saved_model_proto(input_dir: Path, options: Options
     return saved, report, write_variables
 
 
-def convert_saved_model_dir(input_dir: Path, output_dir: Path, options: Options) -> Report:
+def convert_saved_model_dir(input_dir: Path, output_dir: Path, options: Options,
+                            pins: Mapping[str, Pin] | None = None) -> Report:
     """Convert a SavedModel directory and write it at `output_dir`, a fresh path (the private
     path of an `OutputTransaction`), then load it back when `options.check`."""
-    saved, report, write_variables = convert_saved_model_proto(input_dir, options)
+    saved, report, write_variables = convert_saved_model_proto(input_dir, options, pins)
     write_saved_model(saved, input_dir, output_dir, write_variables)
     if options.check:
         check_saved_model(output_dir)
@@ -289,7 +292,8 @@ def _lower_weights(saved: saved_model_pb2.SavedModel, input_dir: Path, options: 
     return write_variables
 
 
-def _convert_main_graph(meta_graph, lists: OpLists, options: Options) -> list[Report]:
+def _convert_main_graph(meta_graph, lists: OpLists, options: Options,
+                        pins: Mapping[str, Pin] | None = None) -> list[Report]:
     """A MetaGraph's own graph (where TF1 SavedModels keep their compute), with the signatures'
     output tensors as preserved fetches. TF2 graphs hold only variables and calls: skipped."""
     graph_def = meta_graph.graph_def
@@ -303,7 +307,7 @@ def _convert_main_graph(meta_graph, lists: OpLists, options: Options) -> list[Re
             if node in names and info.name not in fetches:
                 fetches.append(info.name if port else node)
     ir_model = load_graphdef(graph_def, fetches, keep_fetch_nodes=True, label="main graph")
-    report = _run(ir_model, lists, options, "main graph")
+    report = _run(ir_model, lists, options, "main graph", pins=pins)
     converted = emit_graphdef(ir_model)
     graph_def.ClearField("node")
     graph_def.node.extend(converted.node)
