@@ -114,6 +114,22 @@ def test_range_check_on_bits_counts_what_the_conversion_does() -> None:
                 expected.overflowed, expected.flushed_to_zero, expected.nonzero)
 
 
+@pytest.mark.parametrize("block", [7, 1 << 18])
+def test_range_check_split_between_threads_counts_as_one_pass(monkeypatch: pytest.MonkeyPatch,
+                                                              block: int) -> None:
+    """Chunks are split between threads on block boundaries: the counts of an uneven split
+    (chunks of odd lengths, blocks that do not divide them) are those of the whole array."""
+    monkeypatch.setattr(tensors, "_BLOCK", block)
+    rng = np.random.default_rng(3)
+    values = (rng.standard_normal(1_000_003) * 3e3).astype(np.float32)
+    values[::101] = 1e-9
+    values[::997] = np.inf
+    chunks = np.split(values, [5, 400_000, 400_001, 999_000])
+    with np.errstate(all="ignore"):
+        expected = _check_range(values, "float16")
+    assert tensors.check_range_chunks(chunks, "float16") == expected
+
+
 def test_fast_fp16_cast_gives_numpys_bits() -> None:
     cast = _ort_fp16_cast()
     assert cast is not None  # onnxruntime is part of the test set-up

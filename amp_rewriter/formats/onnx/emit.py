@@ -12,6 +12,7 @@ import errno
 import os
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -333,8 +334,11 @@ def _place(tensor: onnx.TensorProto, files: _DataFiles, base: Path | None, thres
             return
         tensor.CopyFrom(_header(tensor.name, lazy))
         location, offset = files.open_for(tensor)
-        for chunk in _converted_chunks(lazy):
-            files.write(np.ascontiguousarray(chunk).view(np.uint8).data)
+        if lazy.conversion is not None:
+            _write_behind(files, _converted_chunks(lazy))
+        else:  # a stored tensor's chunks may share one buffer: each is written before the next
+            for chunk in lazy.chunks():
+                files.write(np.ascontiguousarray(chunk).view(np.uint8).data)
         _set_location(tensor, location, offset, files.end() - offset)
     elif tensor.data_location == onnx.TensorProto.EXTERNAL:
         assert base is not None  # the loader refused external data without a folder
@@ -351,6 +355,21 @@ def _place(tensor: onnx.TensorProto, files: _DataFiles, base: Path | None, thres
         length = len(tensor.raw_data)
         tensor.ClearField("raw_data")
         _set_location(tensor, location, offset, length)
+
+
+def _write_behind(files: _DataFiles, chunks: Iterator[np.ndarray]) -> None:
+    """Write each chunk (a fresh array: a conversion's result) on a writer thread while the
+    next one is read and converted, which overlaps the disk with the CPU; at most two chunks
+    are in memory."""
+    with ThreadPoolExecutor(max_workers=1) as writer:
+        pending: Future[None] | None = None
+        for chunk in chunks:
+            data = np.ascontiguousarray(chunk).view(np.uint8).data
+            if pending is not None:
+                pending.result()
+            pending = writer.submit(files.write, data)
+        if pending is not None:
+            pending.result()
 
 
 def _converted_chunks(lazy: LazyTensor) -> Iterator[np.ndarray]:
