@@ -292,6 +292,31 @@ def test_a_hazard_free_model_comes_out_as_plain_convert_writes_it(tmp_path):
     assert report.auto["pinned"] == []
 
 
+def test_release_gives_back_ranked_pins_the_metric_does_not_need(tmp_path):
+    """An error spread over a deep chain (no hazard): bisection finds a passing top-k of the
+    ranking; the trials left then give pins back, each step verified, and the model written
+    still meets the tolerance (checked independently)."""
+    rng = np.random.default_rng(0)
+    b = GraphBuilder(opset=17)
+    h = b.input("x", [4, 16])
+    for index in range(24):
+        weight = (np.eye(16) + rng.standard_normal((16, 16)) * 0.05).astype(np.float32)
+        h = b.op("MatMul", h, b.const(f"w{index}", weight), name=f"mm{index}")
+        h = b.op("Tanh", h, name=f"t{index}")
+    b.output(h)
+    batches = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(3)]
+    model, folder = _save(b, tmp_path, "deep", batches)
+    out = tmp_path / "auto.onnx"
+    report = amp_rewriter.convert_auto(model, out, [folder], max_error=1e-3)
+    trials = report.auto["trials"]
+    bisected = min(t["pinned"] for t in trials if t["step"].startswith("top") and t["passed"])
+    released = [t for t in trials if t["step"].startswith("release") and t["passed"]]
+    assert released, [(t["step"], t["pinned"], t["passed"]) for t in trials]
+    assert len(report.auto["pinned"]) == released[-1]["pinned"] < bisected
+    assert report.auto["passed"] and len(trials) <= 20
+    assert _max_relative(model, out, folder) <= 1e-3
+
+
 def test_a_tight_tolerance_ends_in_fp32_and_never_fails(tmp_path):
     (model, folder), _, _ = layernorm_large(tmp_path)
     out = tmp_path / "out.onnx"

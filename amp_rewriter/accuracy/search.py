@@ -15,6 +15,9 @@ meets the metric on the calibration data.
    the metric holds. Hazards return to fp32 alone; nodes the ranking adds are fp32 barriers, so
    fp32 regions form around them: an error spread over many nodes comes as much from rounding
    the activations between them as from the ops, and pinning lone nodes would keep that.
+   A large passing set is then thinned with the trials left (`_Search.release`): the same pins
+   without their fp32 regions, then groups of ranked pins given back from the least-ranked end,
+   each kept only when its verification run passes.
 4. Every step is bounded by `--max-trials` verification runs. All fp32 (every low-precision node
    pinned) meets any metric the fp32 model meets, so the search ends there at worst, verified;
    it never fails when a solution exists.
@@ -112,6 +115,8 @@ class _Search:
         self.trials: list[Trial] = []
         self.reasons: dict[str, str] = {}
         self.hazard_set: set[str] = set()
+        #: Ranked pins that `release` found need no fp32 region around them.
+        self.lone: set[str] = set()
         self.measurement: Measurement
 
     # -- verification ------------------------------------------------------------------------
@@ -120,7 +125,8 @@ class _Search:
         search adds are barriers, so fp32 regions form around them (removing the rounding of
         the activations between them, which pinning lone nodes would keep)."""
         return {name: Pin(self.reasons[name], decisions.MEASUREMENT,
-                          barrier=name not in self.hazard_set) for name in names}
+                          barrier=name not in self.hazard_set and name not in self.lone)
+                for name in names}
 
     def verify(self, step: str, names: list[str]) -> Trial:
         """Convert with `names` pinned and run the calibration batches; stop at the first batch
@@ -248,6 +254,40 @@ class _Search:
                 attempt = self.verify(f"without {name}", candidate)
                 if attempt.passed:
                     ranked_part, pins, trial = kept, candidate, attempt
+            return pins, trial
+        return self.release(base, ranked_part, pins, trial)
+
+    def release(self, base: list[str], ranked_part: list[str], pins: list[str], trial: Trial
+                ) -> tuple[list[str], Trial]:
+        """Give back to low precision what a passing set of many ranked pins does not need,
+        with the trials left: first the same nodes as lone pins (fp32 with casts around them,
+        their neighbours low again), then groups of ranked pins from the least-ranked end,
+        halving the group size after each sweep. Every adopted step is a passing verification,
+        so the result still meets the metric."""
+        if self.budget_left():
+            barrier_free = set(ranked_part)
+            self.lone |= barrier_free
+            attempt = self.verify("as lone pins", pins)
+            if attempt.passed:
+                trial = attempt
+            else:
+                self.lone -= barrier_free
+        group = max(1, len(ranked_part) // 4)
+        while self.budget_left() and ranked_part:
+            end = len(ranked_part)
+            while end > 0 and self.budget_left():
+                start = max(0, end - group)
+                kept = ranked_part[:start] + ranked_part[end:]
+                candidate = self.closure(base + kept)
+                if candidate != pins:
+                    attempt = self.verify(f"release {end - start} of {len(ranked_part)}",
+                                          candidate)
+                    if attempt.passed:
+                        ranked_part, pins, trial = kept, candidate, attempt
+                end = start
+            if group == 1:
+                break
+            group = max(1, group // 2)
         return pins, trial
 
 
