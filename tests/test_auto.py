@@ -566,3 +566,18 @@ def test_calibration_set_reads_batches_lazily(tmp_path):
     (folder / "batch2.npz").write_bytes(b"broken later")
     with pytest.raises(amp_rewriter.AmpError, match="batch2.npz: not an .npz file"):
         list(calibration)
+
+
+def test_error_statistics_of_mask_sized_values_do_not_overflow():
+    """An attention mask's -3.4e38 squared overflows a float32 sum (numpy warned "overflow
+    encountered in dot" on stderr); the sums are float64."""
+    import warnings
+
+    from amp_rewriter.accuracy.stats import ErrorStats
+
+    mask = np.where(np.arange(64) % 3 == 0, np.float32(-3.4e38), np.float32(0)).reshape(4, 16)
+    stats = ErrorStats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats.update(mask, mask)
+    assert np.isfinite(stats.sum_sq_ref) and stats.relative == 0.0

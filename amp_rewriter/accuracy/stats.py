@@ -176,10 +176,10 @@ class ErrorStats:
         self.elements += ref.size
         self.max_abs = max(self.max_abs, worst)
         self.ref_absmax = max(self.ref_absmax, _absmax(ref))
-        self.sum_sq_error += float(np.dot(flat_diff, flat_diff))
-        self.sum_sq_ref += float(np.dot(flat_ref, flat_ref))
-        self.sum_sq_new += float(np.dot(flat_new, flat_new))
-        self.dot += float(np.dot(flat_ref, flat_new))
+        self.sum_sq_error += _dot64(flat_diff, flat_diff)
+        self.sum_sq_ref += _dot64(flat_ref, flat_ref)
+        self.sum_sq_new += _dot64(flat_new, flat_new)
+        self.dot += _dot64(flat_ref, flat_new)
 
     @property
     def broken(self) -> bool:
@@ -222,3 +222,18 @@ class ErrorStats:
 def _json_number(value: float) -> float | str:
     """JSON has no inf: write it as the string "inf"."""
     return value if math.isfinite(value) else "inf"
+
+
+#: Elements per float64 block of `_dot64` (its memory: two such blocks).
+_DOT_BLOCK = 1 << 20
+
+
+def _dot64(left: np.ndarray, right: np.ndarray) -> float:
+    """The dot product of two flat arrays in float64, a block at a time: float32 sums of squares
+    overflow once values pass about 1e19 (an attention mask's -3.4e38 squared)."""
+    total = 0.0
+    for start in range(0, left.size, _DOT_BLOCK):
+        stop = start + _DOT_BLOCK
+        total += float(np.dot(left[start:stop].astype(np.float64),
+                              right[start:stop].astype(np.float64)))
+    return total
