@@ -255,6 +255,8 @@ class _Search:
                 if attempt.passed:
                     ranked_part, pins, trial = kept, candidate, attempt
             return pins, trial
+        if passing_k == len(order):
+            return pins, trial  # no part of the ranking passed: nothing worth giving back
         return self.release(base, ranked_part, pins, trial)
 
     def release(self, base: list[str], ranked_part: list[str], pins: list[str], trial: Trial
