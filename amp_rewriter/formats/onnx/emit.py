@@ -334,6 +334,7 @@ def _place(tensor: onnx.TensorProto, files: _DataFiles, base: Path | None, thres
             return
         tensor.CopyFrom(_header(tensor.name, lazy))
         location, offset = files.open_for(tensor)
+        files.reserve(lazy.nbytes)
         if lazy.conversion is not None:
             _write_behind(files, _converted_chunks(lazy))
         else:  # a stored tensor's chunks may share one buffer: each is written before the next
@@ -347,6 +348,7 @@ def _place(tensor: onnx.TensorProto, files: _DataFiles, base: Path | None, thres
             _load_inline(tensor, base, deferred)
             return
         location, offset = files.open_for(tensor)
+        files.reserve(length)
         files.copy_range(source, source_offset, length)
         _set_location(tensor, location, offset, length)
     elif tensor.HasField("raw_data") and _goes_external(len(tensor.raw_data), threshold):
@@ -476,6 +478,20 @@ class _DataFiles:
     def end(self) -> int:
         """The offset the next write goes to."""
         return self.offset
+
+    def reserve(self, length: int) -> None:
+        """Allocate the next `length` bytes on disk before writing them: on ext4 and the like
+        the writes then go to allocated blocks (measured several times faster for gigabytes);
+        a full disk fails here, before the data is written. Ignored where the file system
+        cannot allocate ahead."""
+        assert self.fd is not None
+        if length <= 0 or not hasattr(os, "posix_fallocate"):
+            return
+        try:
+            os.posix_fallocate(self.fd, self.offset, length)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
 
     def write(self, data: memoryview) -> None:
         assert self.fd is not None
