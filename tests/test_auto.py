@@ -317,6 +317,35 @@ def test_release_gives_back_ranked_pins_the_metric_does_not_need(tmp_path):
     assert _max_relative(model, out, folder) <= 1e-3
 
 
+def test_layer_norms_are_tried_fp32_first_and_the_matmuls_stay_low(tmp_path):
+    """A post-LN residual stream of 12 layers: fp16 rounding of the stream itself, not any one
+    node's own error, breaks a tight tolerance. Keeping the LayerNorms (which write the stream)
+    fp32 meets it, with every MatMul still fp16."""
+    rng = np.random.default_rng(0)
+    b = GraphBuilder(opset=17)
+    h = b.input("x", [4, 64])
+    for index in range(12):
+        weight = (rng.standard_normal((64, 64)) * 0.125).astype(np.float32)
+        update = b.op("Mul", b.op("MatMul", h, b.const(f"w{index}", weight), name=f"mm{index}"),
+                      b.const(f"s{index}", np.float32(0.05)), name=f"scale{index}")
+        residual = b.op("Add", h, update, name=f"residual{index}")
+        h = b.op("LayerNormalization", residual, b.const(f"g{index}", np.ones(64, np.float32)),
+                 b.const(f"b{index}", np.zeros(64, np.float32)), name=f"norm{index}", axis=-1)
+    b.output(h)
+    batches = [{"x": rng.standard_normal((4, 64)).astype(np.float32)} for _ in range(3)]
+    model, folder = _save(b, tmp_path, "post_ln", batches)
+    out = tmp_path / "auto.onnx"
+    report = amp_rewriter.convert_auto(model, out, [folder], max_error=1e-3)
+    trials = report.auto["trials"]
+    assert not trials[0]["passed"]  # the plain conversion misses the tolerance
+    assert trials[1]["step"] == "normalizations (12)" and trials[1]["passed"], trials[:2]
+    pinned = [entry["node"] for entry in report.auto["pinned"]]
+    assert pinned and all(name.startswith("norm") for name in pinned), pinned
+    assert "residual stream" in report.node(pinned[0])["reason"]
+    assert all(report.node(f"mm{index}")["precision"] == "fp16" for index in range(12))
+    assert _max_relative(model, out, folder) <= 1e-3
+
+
 def test_a_tight_tolerance_ends_in_fp32_and_never_fails(tmp_path):
     (model, folder), _, _ = layernorm_large(tmp_path)
     out = tmp_path / "out.onnx"

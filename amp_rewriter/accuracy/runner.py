@@ -142,6 +142,9 @@ class ModelRunner(ABC):
     execution_note: str
     #: The size of the model's weights (bytes), for the probe's memory bound.
     weight_bytes: int = 0
+    #: Ops (`NodeInfo.op`) that normalise a transformer's residual stream (LayerNorm and its
+    #: fused forms): `--auto` tries them fp32 first (see accuracy/search.py).
+    normalization_ops: frozenset[str] = frozenset()
 
     def shadow_bytes(self, conversion: Conversion) -> dict[str, int]:
         """Low-precision node -> the memory its lp shadow's weights take in the probe."""

@@ -7,7 +7,10 @@ meets the metric on the calibration data.
    conversion when there are none; a hazard-free model that passes is written as plain
    `convert` writes it, after exactly one reference and one verification run).
 3. If the metric fails, the other low-precision nodes are ranked by the error they add on their
-   own, and the pinned set grows along that ranking (1, 4, 16, ... nodes) until a verification
+   own, behind the layer normalisations (`ModelRunner.normalization_ops`: in a transformer
+   they write the residual stream, whose rounding accumulates over every later layer, which a
+   node's own error does not show), and the pinned set grows along that order (the
+   normalisations, then x4 each step; 1, 4, 16, ... without them) until a verification
    run passes; each pinned node also pins the producers of its low-precision inputs when their
    rounding alone breaks it (its fp32 copy fed that input rounded is off by more than
    `--local-max`). Then the set narrows: bisection between the last failing and the first
@@ -198,6 +201,26 @@ class _Search:
                 f"kept fp32 so that the metric holds ({m.info.op} is not measured on its own)"))
         return [m.info.name for m in measured + unmeasured]
 
+    def normalizations(self, order: list[str]) -> list[str]:
+        """The low-precision layer normalisations among `order`, the last one first (the
+        nearer the outputs, the less later layers dilute its rounding), with their reason. In a
+        transformer they write the residual stream: fp32 there keeps the sum every layer adds
+        to unrounded, which the ranking by local error does not see."""
+        ops = self.runner.normalization_ops
+        nodes = self.measurement.nodes
+        found = sorted((name for name in order if nodes[name].info.op in ops),
+                       key=lambda name: -nodes[name].info.order)
+        threshold = local_max(self.options, self.target)
+        for name in found:
+            node = nodes[name]
+            if node.breaks_locally or node.local_error > threshold:
+                continue  # its own error says enough (ranked's reason)
+            self.reasons[name] = (
+                f"a layer normalisation (adds {format_number(node.local_error)} relative error "
+                f"on its own in {SHORT[self.target]}), kept fp32 so that the residual stream it "
+                f"writes stays fp32: rounding there accumulates over every later layer")
+        return found
+
     # -- the search --------------------------------------------------------------------------
     def run(self) -> tuple[list[str], Trial]:
         m = self.measurement
@@ -211,11 +234,15 @@ class _Search:
         order = self.ranked(set(base))
         if not order:
             return base, first  # nothing left to pin: everything low is already pinned
+        norms = self.normalizations(order)
+        order = norms + [name for name in order if name not in set(norms)]
         best: tuple[list[str], Trial] | None = None
-        failed_k, k = 0, 1
+        failed_k, k = 0, len(norms) or 1
         while self.budget_left():
             pins = self.closure(base + order[:k])
-            trial = self.verify(f"top {k} of {len(order)}", pins)
+            step = f"normalizations ({k})" if norms and k == len(norms) else \
+                f"top {k} of {len(order)}"
+            trial = self.verify(step, pins)
             if trial.passed:
                 best = (pins, trial)
                 break

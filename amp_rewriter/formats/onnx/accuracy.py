@@ -64,6 +64,11 @@ REDUCE_OPS = frozenset({"ReduceSum", "ReduceSumSquare", "ReduceMean", "ReduceL1"
                         "ReduceLogSum", "ReduceLogSumExp", "ReduceProd", "CumSum"})
 #: Prefix of every name the probe adds.
 PREFIX = "amp_probe/"
+#: Layer normalisations, standard and onnxruntime's fused ones (as `Node.qualified_op`).
+NORMALIZATION_OPS = frozenset({
+    "LayerNormalization", "RMSNormalization", "com.microsoft.SkipLayerNormalization",
+    "com.microsoft.SkipSimplifiedLayerNormalization", "com.microsoft.EmbedLayerNormalization",
+    "SimplifiedLayerNormalization", "com.microsoft.SimplifiedLayerNormalization"})
 
 Path_ = tuple[str, ...]
 
@@ -217,6 +222,7 @@ class OnnxRunner(ModelRunner):
     """An ONNX model file, converted and run for `convert --auto` and `diagnose`."""
 
     format = "onnx"
+    normalization_ops = NORMALIZATION_OPS
     _written = 0
 
     def __init__(self, path: Path, options: Options):
