@@ -322,3 +322,28 @@ def test_user_allowed_join_before_an_fp32_softmax_gets_the_saturation_too():
     actual = probabilities(converted, feeds)
     assert np.isfinite(actual).all()
     np.testing.assert_array_equal(actual[3], UNIFORM32)
+
+
+@pytest.mark.parametrize("builder", [where_mask, mul_mask])
+def test_auto_takes_a_saturated_mask_for_no_hazard(builder, tmp_path):
+    """The mask's -3.4e38 is beyond fp16 in the fp32 reference run, but the structure rule runs
+    it as -inf and saturates the sums: `--auto` finds no data-range hazard there and writes the
+    plain conversion, fully masked rows included in the calibration."""
+    model_path = tmp_path / "masked.onnx"
+    onnx.save(scores_model(builder), str(model_path))
+    folder = tmp_path / "calibration"
+    folder.mkdir()
+    keep = keep_rows()
+    names = {i.name for i in onnx.load(str(model_path)).graph.input}
+    for index in range(2):
+        batch = {"x": scores_input(seed=index)}
+        if "keep" in names:
+            batch["keep"] = keep.astype(bool)
+        if "m" in names:
+            batch["m"] = keep
+        np.savez(folder / f"batch{index}.npz", **batch)
+    plain, auto_out = tmp_path / "plain.onnx", tmp_path / "auto.onnx"
+    amp_rewriter.convert_file(model_path, plain)
+    report = amp_rewriter.convert_auto(model_path, auto_out, [folder], max_error=5e-2)
+    assert report.auto["pinned"] == [], report.auto["pinned"]
+    assert auto_out.read_bytes() == plain.read_bytes()

@@ -101,6 +101,10 @@ def open_probe(runner: ModelRunner, make: Callable[[], Conversion], plan: ProbeP
     control-flow bodies as a whole when onnxruntime cannot run the probe of their insides."""
     conversion = make()
     infos = runner.nodes(conversion)
+    saturated = {name for record in conversion.report.structures
+                 if record["rule"] == "attention_mask" for name in record["nodes"]}
+    for info in infos:
+        info.saturated = info.name in saturated
     prepared = runner.prepare_probe(conversion, plan)
     del conversion
     gc.collect()  # the IR is full of cycles: free its weights now, not at some later collection

@@ -57,17 +57,17 @@ def node_hazard(node: NodeMeasurement, measurement: Measurement, options: AutoOp
     limit = data_max(options, target)
     batches = measurement.batches
     info = node.info
-    for name in info.outputs:
+    for name in info.outputs if not info.saturated else ():
         stats = measurement.tensors.get(name)
         if stats is not None and stats.absmax > limit:
             return (f"output {name!r} absmax {format_number(stats.absmax)} > {limit:g} on "
                     f"{stats.batches_over_limit}/{batches} calibration batches")
-    for name in info.low_inputs:
+    for name in info.low_inputs if not info.saturated else ():
         stats = measurement.tensors.get(name)
         if stats is not None and stats.absmax > limit:
             return (f"reads {name!r} in {short}: absmax {format_number(stats.absmax)} > "
                     f"{limit:g} on {stats.batches_over_limit}/{batches} calibration batches")
-    if node.breaks_locally:
+    if node.breaks_locally and not info.saturated:
         return (f"computes NaN/Inf in {short} on its own (from finite fp32 inputs) on "
                 f"{node.batches_breaking}/{batches} calibration batches")
     for name in info.divisor_inputs:

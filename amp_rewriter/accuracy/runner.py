@@ -58,6 +58,10 @@ class NodeInfo:
     #: Whether the probe measures this node's local error (False: control flow measured through
     #: its body, Scan bodies, nodes the format cannot cut out).
     measured: bool = True
+    #: Part of an attention mask the conversion saturates (a structure rule: its construction,
+    #: the masked sums, the Softmax): values beyond the target's range there are -inf by design
+    #: and saturated before the Softmax, so they are no data-range hazard.
+    saturated: bool = False
 
     @property
     def low(self) -> bool:
