@@ -346,4 +346,5 @@ def test_auto_takes_a_saturated_mask_for_no_hazard(builder, tmp_path):
     amp_rewriter.convert_file(model_path, plain)
     report = amp_rewriter.convert_auto(model_path, auto_out, [folder], max_error=5e-2)
     assert report.auto["pinned"] == [], report.auto["pinned"]
+    assert report.auto["reference_runs"] == 1 and report.auto["verification_runs"] == 1
     assert auto_out.read_bytes() == plain.read_bytes()

@@ -333,7 +333,7 @@ def auto_convert(runner: ModelRunner, calibration: CalibrationSet, metric: Metri
                           ProbePlan(rounding=frozenset()), data_max=options.data_max)
     threshold = local_max(options, target_dtype)
     large = frozenset(name for name, node in measurement.nodes.items()
-                      if node.info.low and node.info.low_inputs
+                      if node.info.low and node.info.low_inputs and not node.info.saturated
                       and (node.breaks_locally or node.local_error > threshold))
     if large:  # only then does it matter whether their inputs' rounding explains their error
         measure_rounding(runner, plain, calibration, measurement, large)
