@@ -135,14 +135,22 @@ class LazyTensor:
         source = self
 
         def load() -> np.ndarray:
-            return convert_array(np.asarray(source.numpy(), np.float32), dtype, clamp)
+            # The source is read for this conversion only: unless something else had read it,
+            # it is let go again, so the fp32 weights are not kept beside the converted ones.
+            was_read = source._array is not None
+            values = convert_array(np.asarray(source.numpy(), np.float32), dtype, clamp)
+            if not was_read:
+                source.release()
+            return values
 
         def reader() -> Iterator[np.ndarray]:
             for chunk in source.chunks():
                 yield convert_array(np.asarray(chunk, np.float32), dtype, clamp)
+        # Reloadable: the values can be computed again from the source, so an emitter's
+        # `release` frees them once they are in the output.
         if not self.streams:
-            return LazyTensor(dtype, self.shape, load)
-        result = LazyTensor(dtype, self.shape, load, reader=reader)
+            return LazyTensor(dtype, self.shape, load, reloadable=True)
+        result = LazyTensor(dtype, self.shape, load, reader=reader, reloadable=True)
         result.conversion = (self, clamp)
         return result
 
