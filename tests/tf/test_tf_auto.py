@@ -191,3 +191,34 @@ def test_saved_model_with_outputs_option_is_one_line(tmp_path, capsys):
     assert cli.main(["diagnose", str(saved), "--outputs", "y"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--outputs is for GraphDefs" in err[0]
+
+
+def test_tf1_saved_model_auto_pins_the_main_graph_node(tmp_path):
+    """A TF1 SavedModel (simple_save) keeps its compute in the MetaGraph's own graph: the
+    frozen signature's node names are the graph's, and the pin lands there."""
+    saved = tmp_path / "tf1"
+    graph = tf.Graph()
+    rng = np.random.default_rng(0)
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 16], name="x")
+        w1 = v1.get_variable("w1", initializer=(rng.standard_normal((16, 16)) * 0.3
+                                                ).astype(np.float32))
+        big = v1.get_variable("big", initializer=np.full((16, 16), 1500.0, np.float32))
+        w2 = v1.get_variable("w2", initializer=(rng.standard_normal((16, 8)) * 0.3
+                                                ).astype(np.float32))
+        h = tf.nn.relu(tf.matmul(x, w1, name="mm1"))
+        t = tf.tanh(tf.multiply(tf.matmul(h, big, name="hot_big"), 1e-5, name="hot_scale"))
+        y = tf.matmul(t, w2, name="y")
+        with v1.Session(graph=graph) as session:
+            session.run(v1.global_variables_initializer())
+            v1.saved_model.simple_save(session, str(saved), inputs={"x": x}, outputs={"y": y})
+    folder = tmp_path / "calibration"
+    folder.mkdir()
+    for index, batch in enumerate(_batches()):
+        np.savez(folder / f"batch{index}.npz", **batch)
+    report = amp_rewriter.diagnose(saved, [folder], target="fp16")
+    assert report["nodes"][0]["node"] == "hot_big"
+    auto = amp_rewriter.convert_auto(saved, tmp_path / "out", [folder], max_error=TOLERANCE,
+                                     target="fp16")
+    assert [entry["node"] for entry in auto.auto["pinned"]] == ["hot_big"]
+    assert auto.node("hot_big")["kind"] == "measurement"
