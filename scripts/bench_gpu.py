@@ -136,7 +136,7 @@ def export(model: str, size: str, work: Path, for_fusion: bool = False) -> Path:
         return torch_export.export_module(net, (images,), path, 17, ["images"], ["logits"],
                                           {"images": {0: "batch"}})
     if model == "llama-kv":
-        return _export_llama_with_cache(dims, path)
+        return torch_export.export_llama_with_cache(dims, path)
     attention = "eager" if torchscript else "sdpa"
     with torch_export._quiet_transformers():  # noqa: SLF001  (the repo's own export helper)
         if model == "bert":
@@ -159,7 +159,7 @@ def export(model: str, size: str, work: Path, for_fusion: bool = False) -> Path:
         else:
             from transformers import LlamaForCausalLM
 
-            net = LlamaForCausalLM(_llama_config(dims, use_cache=False))
+            net = LlamaForCausalLM(_llama_config(dims))
             fields = ("logits",)
     net.eval()
     use_cache = {"use_cache": False} if model == "llama" else {}
@@ -182,62 +182,15 @@ def export(model: str, size: str, work: Path, for_fusion: bool = False) -> Path:
                                       fields, axes, torchscript=torchscript)
 
 
-def _llama_config(dims: dict[str, int], use_cache: bool) -> Any:
+def _llama_config(dims: dict[str, int]) -> Any:
+    """The plain decoder's config (no KV cache; the cache variant is models.torch_export's)."""
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],
                        intermediate_size=dims["ffn"], num_hidden_layers=dims["layers"],
                        num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"],
                        max_position_embeddings=2048, attn_implementation="sdpa",
-                       use_cache=use_cache)
-
-
-def _export_llama_with_cache(dims: dict[str, int], path: Path) -> Path:
-    """The decoder taking past_key_values.N.key/value and returning logits and present.N.*."""
-    import torch
-    from torch import nn
-    from transformers import LlamaForCausalLM
-    from transformers.cache_utils import DynamicCache
-
-    from models import torch_export
-
-    layers, kv_heads = dims["layers"], dims["kv_heads"]
-    head_dim = dims["hidden"] // dims["heads"]
-    with torch_export._quiet_transformers():  # noqa: SLF001
-        net = LlamaForCausalLM(_llama_config(dims, use_cache=True)).eval()
-
-    class Decoder(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = net
-
-        def forward(self, input_ids, attention_mask, *past):
-            cache = DynamicCache()
-            for i in range(layers):
-                cache.update(past[2 * i], past[2 * i + 1], i)
-            out = self.net(input_ids=input_ids, attention_mask=attention_mask,
-                           past_key_values=cache, use_cache=True, return_dict=True)
-            presents = []
-            if hasattr(out.past_key_values, "layers"):
-                for layer in out.past_key_values.layers[:layers]:
-                    presents += [layer.keys, layer.values]
-            else:  # transformers before the cache layers
-                for i in range(layers):
-                    presents += [out.past_key_values.key_cache[i],
-                                 out.past_key_values.value_cache[i]]
-            return (out.logits, *presents)
-
-    batch, new, past_len = 2, 4, 8
-    ids = torch.randint(0, dims["vocab"], (batch, new))
-    mask = torch.ones(batch, past_len + new, dtype=torch.int64)
-    past = [torch.randn(batch, kv_heads, past_len, head_dim) for _ in range(2 * layers)]
-    past_names = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
-    outputs = ["logits"] + [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
-    axes: dict[str, dict[int, str]] = {"input_ids": {0: "batch", 1: "sequence"},
-                                       "attention_mask": {0: "batch", 1: "total_sequence"}}
-    axes.update({name: {0: "batch", 2: "past_sequence"} for name in past_names})
-    return torch_export.export_module(Decoder().eval(), (ids, mask, *past), path, 18,
-                                      ["input_ids", "attention_mask", *past_names], outputs, axes)
+                       use_cache=False)
 
 
 def make_inputs(model: str, size: str, graph_inputs: list[str]) -> dict[str, np.ndarray]:

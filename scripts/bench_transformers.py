@@ -117,7 +117,7 @@ def export(model: str, size: str, work: Path) -> Path:
                                        attn_implementation="sdpa"))
             fields = ("last_hidden_state",)
         else:
-            return _export_llama(dims, path)
+            return torch_export.export_llama_with_cache(dims, path)
     net.eval()
 
     class TextModel(nn.Module):
@@ -135,55 +135,6 @@ def export(model: str, size: str, work: Path) -> Path:
     axes = {name: {0: "batch", 1: "sequence"} for name in ("input_ids", "attention_mask")}
     torch_export.export_module(TextModel().eval(), (ids, mask), path, 18,
                                ("input_ids", "attention_mask"), fields, axes)
-    return path
-
-
-def _export_llama(dims: dict[str, int], path: Path) -> Path:
-    """A LLaMA-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) taking the KV cache
-    as inputs past_key_values.N.key/value and returning logits and present.N.key/value."""
-    import torch
-    from torch import nn
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.cache_utils import DynamicCache
-
-    from models import torch_export
-
-    layers, kv_heads = dims["layers"], dims["kv_heads"]
-    head_dim = dims["hidden"] // dims["heads"]
-    config = LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],
-                         intermediate_size=dims["ffn"], num_hidden_layers=layers,
-                         num_attention_heads=dims["heads"], num_key_value_heads=kv_heads,
-                         max_position_embeddings=2048, attn_implementation="sdpa")
-    net = LlamaForCausalLM(config).eval()
-
-    class Decoder(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = net
-
-        def forward(self, input_ids, attention_mask, *past):
-            cache = DynamicCache()
-            for i in range(layers):
-                cache.update(past[2 * i], past[2 * i + 1], i)
-            out = self.net(input_ids=input_ids, attention_mask=attention_mask,
-                           past_key_values=cache, use_cache=True, return_dict=True)
-            presents = []
-            for layer in out.past_key_values.layers[:layers]:
-                presents += [layer.keys, layer.values]
-            return (out.logits, *presents)
-
-    batch, new, past_len = 2, 16, 8
-    ids = torch.randint(0, dims["vocab"], (batch, new))
-    mask = torch.ones(batch, past_len + new, dtype=torch.int64)
-    mask[1, :5] = 0
-    past = [torch.randn(batch, kv_heads, past_len, head_dim) for _ in range(2 * layers)]
-    past_names = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
-    outputs = ["logits"] + [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
-    axes: dict[str, dict[int, str]] = {"input_ids": {0: "batch", 1: "sequence"},
-                                       "attention_mask": {0: "batch", 1: "total_sequence"}}
-    axes.update({name: {0: "batch", 2: "past_sequence"} for name in past_names})
-    torch_export.export_module(Decoder().eval(), (ids, mask, *past), path, 18,
-                               ["input_ids", "attention_mask", *past_names], outputs, axes)
     return path
 
 
