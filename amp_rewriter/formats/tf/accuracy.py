@@ -49,6 +49,7 @@ from .convert import (
     convert_graph_def_ir,
     convert_saved_model_dir,
     meta_graph_fetches,
+    refuse_outputs_for_saved_models,
 )
 from .emit import tensor_proto
 from .files import is_saved_model_dir, read_graphdef, read_meta_graph, write_graphdef
@@ -155,18 +156,16 @@ class TfRunner(ModelRunner):
     def __init__(self, path: Path, options: Options):
         self.path = path
         self.meta = read_meta_graph(path) if path.suffix == ".meta" else None
+        self.user_options = options
         #: For a SavedModel: frozen node name -> its name inside its function.
         self.local_names: dict[str, str] | None = None
         if is_saved_model_dir(path):
-            if options.outputs:
-                raise AmpError("--outputs is for GraphDefs: a SavedModel's signatures name its "
-                               "outputs")
+            refuse_outputs_for_saved_models(options)
             self.graph_def, outputs, self.local_names = frozen_signature(path)
             options = dataclasses.replace(options, outputs=outputs)
         else:
             self.graph_def = self.meta.graph_def if self.meta is not None \
                 else read_graphdef(path)
-        self.user_options = options
         if self.meta is not None and not options.outputs:
             options = dataclasses.replace(options,
                                           outputs=meta_graph_fetches(self.meta) or None)
@@ -210,8 +209,7 @@ class TfRunner(ModelRunner):
         options = self.user_options
         if self.local_names is not None:
             local = {self.local_names.get(name, name): pin for name, pin in pins.items()}
-            return convert_saved_model_dir(self.path, output_path,
-                                           dataclasses.replace(options, outputs=None), local)
+            return convert_saved_model_dir(self.path, output_path, options, local)
         if self.meta is not None:
             from tensorflow.core.protobuf import meta_graph_pb2
 

@@ -204,6 +204,12 @@ def convert_saved_model(input_dir: str | os.PathLike, output_dir: str | os.PathL
     return report
 
 
+def refuse_outputs_for_saved_models(options: Options) -> None:
+    """`--outputs` names a GraphDef's fetches; a SavedModel's signatures name its outputs."""
+    if options.outputs:
+        raise AmpError("--outputs is for GraphDefs: a SavedModel's signatures name its outputs")
+
+
 def convert_saved_model_proto(input_dir: Path, options: Options,
                               pins: Mapping[str, Pin] | None = None
                               ) -> tuple[saved_model_pb2.SavedModel, Report,
@@ -212,8 +218,7 @@ def convert_saved_model_proto(input_dir: Path, options: Options,
     and what writes the variables checkpoint with low-precision weights into a copy of the
     directory (None: the checkpoint is copied as it is). `pins` maps node names to why a front
     end keeps them fp32 (`--auto`'s measurements); they apply in every function."""
-    if options.outputs:
-        raise AmpError("--outputs is for GraphDefs: a SavedModel's signatures name its outputs")
+    refuse_outputs_for_saved_models(options)
     asked_keep_io_types = options.keep_io_types
     options, lists = _resolved(dataclasses.replace(options, keep_io_types=True))
     saved = read_saved_model(input_dir)
