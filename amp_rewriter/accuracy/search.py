@@ -235,7 +235,8 @@ class _Search:
         if not order:
             return base, first  # nothing left to pin: everything low is already pinned
         norms = self.normalizations(order)
-        order = norms + [name for name in order if name not in set(norms)]
+        tried_first = set(norms)
+        order = norms + [name for name in order if name not in tried_first]
         best: tuple[list[str], Trial] | None = None
         failed_k, k = 0, len(norms) or 1
         while self.budget_left():
