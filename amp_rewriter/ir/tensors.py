@@ -188,27 +188,30 @@ def check_range_chunks(chunks: Iterable[np.ndarray], dtype: str) -> RangeCheck:
     chunk at a time: the counts of the slices add up. Each chunk is split between the CPU's
     cores (numpy releases the GIL in its loops) and finished before the next is read."""
     workers = min(os.cpu_count() or 1, _MAX_RANGE_THREADS)
-    totals = [0, 0, 0]
 
-    def check_slice(flat: np.ndarray) -> tuple[int, int, int]:
-        counts = [0, 0, 0]
-        for start in range(0, flat.size, _BLOCK):
-            part = _check_block(flat[start:start + _BLOCK], dtype)
-            counts[0] += part.overflowed
-            counts[1] += part.flushed_to_zero
-            counts[2] += part.nonzero
-        return counts[0], counts[1], counts[2]
+    def check_slice(flat: np.ndarray) -> RangeCheck:
+        return _sum_checks(_check_block(flat[start:start + _BLOCK], dtype)
+                           for start in range(0, flat.size, _BLOCK))
 
+    parts: list[RangeCheck] = []
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for chunk in chunks:
             flat = np.asarray(chunk, np.float32).reshape(-1)
             # Slices on block boundaries, so the blocks are the same whatever the thread count.
             per_slice = -(-flat.size // (workers * _BLOCK)) * _BLOCK or _BLOCK
             slices = [flat[start:start + per_slice] for start in range(0, flat.size, per_slice)]
-            for counts in pool.map(check_slice, slices):
-                for index, count in enumerate(counts):
-                    totals[index] += count
-    return RangeCheck(totals[0], totals[1], totals[2])
+            parts.extend(pool.map(check_slice, slices))  # done before the next chunk is read
+    return _sum_checks(parts)
+
+
+def _sum_checks(parts: Iterable[RangeCheck]) -> RangeCheck:
+    """The counts of several parts of one tensor, added."""
+    overflowed = flushed = nonzero = 0
+    for part in parts:
+        overflowed += part.overflowed
+        flushed += part.flushed_to_zero
+        nonzero += part.nonzero
+    return RangeCheck(overflowed, flushed, nonzero)
 
 
 def _counted(chunks: Iterable[np.ndarray], drawn: Any) -> Iterator[np.ndarray]:
