@@ -267,29 +267,86 @@ def rms_norm_block(form: str = "reciprocal", eps: float = 1e-6, identity_cast: b
     return b.build()
 
 
+def _rms_rows() -> np.ndarray:
+    """Rows whose squares overflow fp16 (1000^2 > 65504), rows whose squares underflow it
+    (1e-3^2 < 2^-24), one dominated by a single element, and an all-zero row."""
+    x = np.zeros((2, 3, 8), np.float32)
+    x[0, 0] = np.linspace(-1000, 1000, 8)
+    x[0, 1] = np.linspace(-1e-3, 2e-3, 8)
+    x[0, 2] = [30000, 1e-2, -1e-2, 0.5, -0.5, 1, 2, 3]
+    x[1, 0] = np.random.default_rng(0).standard_normal(8) * 300
+    x[1, 1] = 7.0
+    return x  # x[1, 2] stays zero
+
+
+def assert_close_per_row(actual: np.ndarray, expected: np.ndarray, tolerance: float) -> None:
+    """Each element within `tolerance` of its row's largest |value| (rows differ by 1e6 here)."""
+    scale = np.abs(expected).max(axis=-1, keepdims=True)
+    worst = np.abs(actual - expected) - tolerance * scale
+    assert (worst <= 0).all(), np.abs(actual - expected).max(axis=-1) / np.maximum(scale[..., 0],
+                                                                                   1e-30)
+
+
+def _fp32_tensors_of_row_shape(converted: onnx.ModelProto) -> list[str]:
+    inferred = onnx.shape_inference.infer_shapes(converted)
+    return [v.name for v in inferred.graph.value_info
+            if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+            and [d.dim_value for d in v.type.tensor_type.shape.dim] == [2, 3, 8]]
+
+
 @pytest.mark.parametrize("form", ["reciprocal", "one_over", "div"])
-def test_rms_norm_keeps_its_statistics_fp32_and_the_residual_fp16(form):
+def test_rms_norm_runs_its_mean_square_fp16_on_the_rescaled_row(form):
     model = rms_norm_block(form)
     converted, report = convert(model)
     decided = precisions(report)
     assert decided["residual"] == decided["gamma_mul"] == decided["proj"] == "fp16", decided
-    assert decided["square"] == decided["mean"] == decided["root"] == "fp32", decided
+    assert decided["root"] == decided["add_eps"] == "fp32", decided
     assert decided["scale"] == "fp16", decided
     assert [s["rule"] for s in report.structures] == ["rms_norm"]
-    assert "RMS norm" in report.node("square")["reason"]
+    record = report.structures[0]
+    assert "divided by its largest |x|" in record["detail"] and record["added"]
     assert "scaling step of an RMS norm" in report.node("scale")["class_reason"]
-    # One cast of x into the statistics, one of the per-row scale out of them, plus the graph's
-    # input and output.
+    ops = [n.op_type for n in converted.graph.node]
+    assert "Pow" not in ops and ops.count("ReduceMax") == 1 and ops.count("ReduceMean") == 1
+    # No fp32 copy of the row: the statistics are fp32 on one value per row only.
+    assert _fp32_tensors_of_row_shape(converted) == []
+    # The graph's input and output, the scaled mean and the row's scale up, the inverse down.
+    assert count_casts(converted) == 5
+    x = _rms_rows()
+    expected = run(model, {"x": x})[0]
+    for actual in (run_as_fp16(converted, {"x": x})[0], run(converted, {"x": x})[0]):
+        assert np.isfinite(actual).all()
+        assert_close_per_row(actual, expected, 3e-3)
+
+
+def test_rms_norm_keeps_its_statistics_fp32_where_the_backend_cannot_rescale():
+    """bf16 on ORT's CPU provider has no kernels for the rescaled statistic's ops: the square
+    and the mean stay fp32, reading the low-precision x through one cast."""
+    model = rms_norm_block()
+    converted, report = convert(model, target="bf16", backend="ort-cpu")
+    assert "square overflows fp16" in report.structures[0]["detail"]
+    assert "ReduceMax" not in [n.op_type for n in converted.graph.node]
+    assert precisions(report)["square"] == "fp32"
+
+
+def test_rms_norm_keeps_its_statistics_fp32_on_fp16_without_the_rescale(monkeypatch):
+    """The pre-rescale form, reached by dropping the pass from the pipeline: one cast of x
+    into the fp32 statistics, one of the per-row scale out of them, plus the graph's input and
+    output; squares that overflow fp16 stay exact."""
+    from amp_rewriter.passes.pipeline import PIPELINES
+
+    model = rms_norm_block()
+    monkeypatch.setitem(PIPELINES, "onnx", [name for name in PIPELINES["onnx"]
+                                            if name != "rescale_rms_statistics"])
+    converted, report = convert(model)
+    decided = precisions(report)
+    assert decided["square"] == decided["mean"] == decided["root"] == "fp32", decided
     assert count_casts(converted) == 4
-    scale_cast = [n for n in converted.graph.node if n.op_type == "Cast"
-                  and any(c.name == "scale" for c in converted.graph.node if n.output[0] in c.input)]
-    assert len(scale_cast) == 1  # the small per-row tensor is the one cast back down
-    # Values whose squares overflow fp16 (1000^2 > 65504): the fp32 statistics keep them exact.
-    x = np.linspace(-1000, 1000, 48, dtype=np.float32).reshape(2, 3, 8)
+    x = _rms_rows()
     expected = run(model, {"x": x})[0]
     actual = run_as_fp16(converted, {"x": x})[0]
     assert np.isfinite(actual).all()
-    np.testing.assert_allclose(actual, expected, rtol=3e-3, atol=3e-3 * np.abs(expected).max())
+    assert_close_per_row(actual, expected, 3e-3)
 
 
 def test_rms_norm_with_an_eps_too_small_for_fp16_keeps_its_scaling_fp32():

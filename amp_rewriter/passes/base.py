@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..ir import LazyTensor, Model, Node, RangeCheck, TypeGroup, decisions
+from ..ir import LazyTensor, Model, Node, RangeCheck, TypeGroup, Value, decisions
 from ..ir.dtypes import TARGET_DTYPES
 from ..ir.tensors import tensor_range
 from ..op_lists import OpLists
@@ -51,6 +51,9 @@ class FormatRules:
         empty: the format cannot saturate a masked sum, and the attention-mask rule is off.
     saturate_pair: (max, min) ops that saturate in two steps (ONNX Max, Min), used where the
         backend has no low-precision kernel for `saturate_op`.
+    rescale_ops: role -> op name for the ops the RMS norm's rescaled mean square is built with
+        ("abs", "reduce_max" (the same signature as the norm's mean), "maximum", "div", "mul",
+        "cast"); empty: the format keeps an RMS norm's mean square fp32.
     """
 
     name: str
@@ -68,6 +71,7 @@ class FormatRules:
     mask_carry_ops: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     saturate_op: str = ""
     saturate_pair: tuple[str, ...] = ()
+    rescale_ops: Mapping[str, str] = field(default_factory=dict)
 
     def role(self, op: str) -> str:
         """The arithmetic role of `op` ("" for none)."""
@@ -125,6 +129,18 @@ class SaturationPlan:
 
 
 @dataclass
+class RescalePlan:
+    """An RMS norm whose mean square runs in low precision on a rescaled row (planned by
+    `recognize_rms_norm`, built by `rescale_rms_statistics` once the painting has put x in low
+    precision and the square fp32)."""
+
+    x: Value
+    square: Node
+    mean: Node
+    record: StructureRecord
+
+
+@dataclass
 class PassContext:
     """The model being rewritten plus everything a pass may read or record."""
 
@@ -145,6 +161,8 @@ class PassContext:
     #: Attention masks whose masked sums get saturated before their Softmax (see
     #: passes/analysis/attention_masks.py).
     saturations: list[SaturationPlan] = field(default_factory=list)
+    #: RMS norms whose mean square is rescaled into low precision (see RescalePlan).
+    rescales: list[RescalePlan] = field(default_factory=list)
     #: ids of nodes a user's pattern rule decided: structural rules leave them as the user said.
     user_rule_nodes: set[int] = field(default_factory=set)
 

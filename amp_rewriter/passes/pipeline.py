@@ -47,6 +47,7 @@ PIPELINES: dict[str, list[str]] = {
         "guard_constant_ranges",
         "propagate_precision",
         "insert_casts",
+        "rescale_rms_statistics",
         "saturate_masked_sums",
         "fold_casts",
         "convert_constants",

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -83,7 +84,8 @@ def _data(initializer: Value) -> LazyTensor:
 
 
 def _new_node(node: Node, opset: int) -> onnx.NodeProto:
-    """The NodeProto of a node a pass created: a cast, or the saturation of a masked sum."""
+    """The NodeProto of a node a pass created: a cast, the saturation of a masked sum, the
+    rescaled mean square of an RMS norm."""
     if node.op_type == "Cast":
         code = elem_type_code(node.attrs["to"])
         to = onnx.TensorProto.DataType.Name(code) if opset < 6 else code  # Cast-1: a type name
@@ -96,9 +98,12 @@ def _new_node(node: Node, opset: int) -> onnx.NodeProto:
         return helper.make_node("Clip", [present(node.inputs[0]).name],
                                 [present(node.outputs[0]).name], name=node.name, min=low,
                                 max=high)
+    # A pass's other nodes carry plain attributes only (a reduction's axes and keepdims).
+    attrs: dict[str, Any] = {k: list(v) if isinstance(v, tuple) else v
+                             for k, v in node.attrs.items() if isinstance(v, (int, float, tuple))}
     return helper.make_node(node.op_type, [v.name if v is not None else "" for v in node.inputs],
                             [v.name if v is not None else "" for v in node.outputs],
-                            name=node.name, domain=node.domain or None)
+                            name=node.name, domain=node.domain or None, **attrs)
 
 
 def _patch_node(node: Node, opset: int) -> onnx.NodeProto:

@@ -197,9 +197,9 @@ def _external_path(tensor: onnx.TensorProto, base_dir: Path) -> Path:
 
 
 _T = onnx.TensorProto
-_INT, _FLOAT, _TENSOR, _GRAPH, _GRAPHS = (onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT,
-                                          onnx.AttributeProto.TENSOR, onnx.AttributeProto.GRAPH,
-                                          onnx.AttributeProto.GRAPHS)
+_INT, _FLOAT, _TENSOR, _GRAPH, _GRAPHS, _INTS = (
+    onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT, onnx.AttributeProto.TENSOR,
+    onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS, onnx.AttributeProto.INTS)
 #: Bits per element of each data type whose stored size we check.
 _BITS: dict[int, int] = {
     _T.FLOAT: 32, _T.UINT8: 8, _T.INT8: 8, _T.UINT16: 16, _T.INT16: 16, _T.INT32: 32,
@@ -572,6 +572,8 @@ class OnnxLoader:
                 node.set_attr(attr.name, attr.i)
             elif kind == _FLOAT:
                 node.set_attr(attr.name, attr.f)
+            elif kind == _INTS:
+                node.set_attr(attr.name, tuple(attr.ints))
             elif kind == _TENSOR:
                 node.set_attr(attr.name, lazy_tensor(attr.t, self.base_dir))
             elif kind == _GRAPH:

@@ -87,4 +87,6 @@ ONNX_RULES = FormatRules(
     },
     saturate_op="Clip",
     saturate_pair=("Max", "Min"),
+    rescale_ops={"abs": "Abs", "reduce_max": "ReduceMax", "maximum": "Max", "div": "Div",
+                 "mul": "Mul", "cast": "Cast"},
 )

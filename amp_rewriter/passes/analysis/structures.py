@@ -6,7 +6,9 @@
 - `recognize_rms_norm`: an RMS normalisation, x * 1/sqrt(mean(x^2) + eps), keeps its statistics
   fp32 (the square overflows fp16 beyond 256) without being a barrier: the residual stream it
   reads and the scaling step run in low precision, with one cast of x into the statistics and
-  one of the per-row scale out of them.
+  one of the per-row scale out of them. Where the backend has the kernels, it plans
+  (`RescalePlan`) the mean square in fp16 on the row divided by its largest |x|, which
+  `rescale_rms_statistics` builds after the painting: only one value per row stays fp32.
 - `keep_index_math_fp32`: float arithmetic that computes a shape, length or index (from integers
   and constants, feeding a Cast to an integer, a comparison, Floor/Ceil or a shape input) stays
   fp32: fp16 holds integers exactly only up to 2048.
@@ -24,6 +26,7 @@ import numpy as np
 from ...ir import (
     ALLOW,
     DENY,
+    FLOAT16,
     FLOAT32,
     FLOAT_DTYPES,
     FP32,
@@ -36,7 +39,7 @@ from ...ir import (
     short_name,
 )
 from ...ir.dtypes import FINITE_MAX, SMALLEST_NORMAL
-from ..base import FormatRules, PassContext, StructureRecord, register_pass
+from ..base import FormatRules, PassContext, RescalePlan, StructureRecord, register_pass
 from .classify import set_class
 
 # -- tanh-GELU's cube -------------------------------------------------------------------------
@@ -217,11 +220,20 @@ def scaling_fits(eps: float, dtype: str) -> bool:
     return root >= SMALLEST_NORMAL[dtype] and 1.0 / root <= FINITE_MAX[dtype]
 
 
-def _rms_norm_reasons(eps: float, dtype: str) -> tuple[str, str | None]:
-    """Why the statistics stay fp32, and why the scaling step runs low (None: it stays fp32)."""
-    statistics = (f"the statistics of an RMS norm (eps {eps:g}) stay fp32: the square overflows "
-                  f"fp16 once |x| > 256, so the norm reads its low-precision input through one "
-                  f"cast; the residual stream stays low")
+def _rms_norm_reasons(eps: float, dtype: str, rescaled: bool) -> tuple[str, str | None]:
+    """Why the statistics stay fp32, and why the scaling step runs low (None: it stays fp32).
+    `rescaled`: whether the mean square runs in low precision on a rescaled row."""
+    if rescaled:
+        statistics = (f"the statistics of an RMS norm (eps {eps:g}) stay fp32 on one value per "
+                      f"row (+eps, root, inverse); the mean square runs in "
+                      f"{short_name(dtype)} on the row divided by its largest |x| (each square "
+                      f"lies in [0, 1]: no overflow; the squares sum to at least 1, and what "
+                      f"underflows is below 2^-25 each), accumulated in fp32 by the reduction "
+                      f"and scaled back in fp32")
+    else:
+        statistics = (f"the statistics of an RMS norm (eps {eps:g}) stay fp32: the square "
+                      f"overflows fp16 once |x| > 256, so the norm reads its low-precision input "
+                      f"through one cast; the residual stream stays low")
     if not scaling_fits(eps, dtype):
         return statistics + (f"; the scaling stays fp32 too, since 1/sqrt(eps) = {eps ** -0.5:.3g}"
                              f" is outside {short_name(dtype)}'s normal range"), None
@@ -229,6 +241,24 @@ def _rms_norm_reasons(eps: float, dtype: str) -> tuple[str, str | None]:
                         f"{short_name(dtype)}: its per-row scale lies within [1/max|x|, "
                         f"1/sqrt(eps) = {eps ** -0.5:.3g}], a normal {short_name(dtype)} number, "
                         f"and the normalised output is bounded by sqrt(row length)")
+
+
+def _square_and_mean(members: list[Node], rules: FormatRules) -> tuple[Node, Node] | None:
+    """The square and the mean of an RMS norm's statistics (members from _statistics_nodes)."""
+    for mean in members:
+        if rules.role(mean.op_type) == "mean" and mean.inputs and mean.inputs[0] is not None:
+            square = mean.inputs[0].producer
+            if square is not None and any(square is m for m in members):
+                return square, mean
+    return None
+
+
+def can_rescale(ctx: PassContext, mean_op: str) -> bool:
+    """Whether the mean square of an RMS norm can run in the target dtype on a rescaled row:
+    fp16 (bf16's range holds any square), a format that names the ops, kernels for all."""
+    ops = ctx.rules.rescale_ops
+    return (ctx.target_dtype == FLOAT16 and bool(ops)
+            and all(ctx.lists.has_kernel(op) for op in (*ops.values(), mean_op)))
 
 
 def _statistics_nodes(step: Node, x: Value) -> list[Node]:
@@ -265,7 +295,9 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
         members = _statistics_nodes(node, x)
         if any(m.pin_reason or m.class_kind == decisions.USER_OVERRIDE for m in members):
             continue
-        why, scaling_why = _rms_norm_reasons(eps, ctx.target_dtype)
+        parts = _square_and_mean(members, ctx.rules)
+        rescaled = parts is not None and can_rescale(ctx, parts[1].op_type)
+        why, scaling_why = _rms_norm_reasons(eps, ctx.target_dtype, rescaled)
         for member in members:
             if member is node and scaling_why is not None:
                 low_class = member.op_class if member.op_class in (ALLOW, INFER) else INFER
@@ -274,9 +306,11 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
             if member.op_class in (FP32, DENY):
                 set_class(ctx, member, INFER, why, decisions.STRUCTURE)
             member.pin_reason, member.pin_kind, member.pin_barrier = why, decisions.STRUCTURE, False
-        ctx.structures.append(StructureRecord("rms_norm", [m.name for m in members],
-                                              why if scaling_why is None else
-                                              f"{why}; {scaling_why}"))
+        record = StructureRecord("rms_norm", [m.name for m in members],
+                                 why if scaling_why is None else f"{why}; {scaling_why}")
+        ctx.structures.append(record)
+        if rescaled and parts is not None:
+            ctx.rescales.append(RescalePlan(x, parts[0], parts[1], record))
         found += 1
     return found, []
 

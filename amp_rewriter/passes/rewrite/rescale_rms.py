@@ -1,0 +1,151 @@
+"""Compute an RMS norm's mean square in low precision on a rescaled row (`RescalePlan`).
+
+mean(x^2) overflows fp16 once |x| > 256, so `recognize_rms_norm` keeps the square and the mean
+fp32 during the painting, which costs a copy of the row in fp32 and an fp32 square: the biggest
+fp32 tensors left in a converted decoder. Once x is fp16 this pass replaces
+
+    Cast(x -> fp32) -> square -> mean                    (two fp32 tensors of x's shape)
+
+by the same statistic computed on y = x / s, s = max(max|x| over the reduced axes, 2^-14):
+
+    s = Max(ReduceMax(Abs(x)), 2^-14)                    fp16, one value per row
+    mean(x^2) = Cast32(mean(y * y)) * Cast32(s)^2        y, y * y fp16; the product fp32
+
+Why it holds to fp16's precision for any row length n: s is an element of the row (or the
+smallest normal number), so |y| <= 1 and every square lies in [0, 1] (no overflow); the largest
+square is 1, so the squares sum to at least 1, and those below fp16's normal range lose at most
+2^-25 each, n * 2^-25 of the sum in all (2^-11 at n = 16384). The mean accumulates in fp32 (ORT's
+CUDA and CPU reductions do) and rounds once; s is exact in fp16 and scales back in fp32. An
+all-zero row gives 0 / 2^-14 = 0 and a mean of 0, as fp32 does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...ir import FLOAT32, LOW_PRECISION_DTYPES, Graph, LazyTensor, Node, Value, decisions
+from ...ir.dtypes import NUMPY_DTYPES, SMALLEST_NORMAL
+from ..base import PassContext, RescalePlan, register_pass
+from .insert_casts import CAST
+
+#: The class the report gives the nodes this pass builds.
+RESCALE_CLASS = "rescale"
+
+
+class _Builder:
+    """Makes the new nodes of one plan, in order, in the mean's graph."""
+
+    def __init__(self, ctx: PassContext, plan: RescalePlan, graph: Graph):
+        self.ctx, self.plan, self.graph = ctx, plan, graph
+        self.nodes: list[Node] = []
+
+    def node(self, op: str, inputs: list[Value | None], dtype: str, shape: tuple | None,
+             attrs: dict | None = None) -> Value:
+        """One new node reading `inputs`, with one output of `dtype` and `shape`."""
+        ctx, graph = self.ctx, self.graph
+        node = Node(ctx.model.unique_name(f"{self.plan.mean.name}/rescaled_{op.lower()}"), op,
+                    "", graph)
+        node.op_class, node.class_kind = RESCALE_CLASS, decisions.STRUCTURE
+        node.class_reason = self.plan.record.detail
+        for name, value in (attrs or {}).items():
+            node.set_attr(name, value)
+        for value in inputs:
+            node.add_input(value)
+        output = Value(ctx.model.unique_name(f"{node.name}_out"), graph, dtype, shape)
+        graph.add_value(output)
+        node.add_output(output)
+        node.input_group, node.output_group = [None] * len(inputs), [None]
+        node.order = self.plan.mean.order
+        self.nodes.append(node)
+        return output
+
+    def constant(self, label: str, value: float, dtype: str) -> Value:
+        """A scalar constant of `dtype`."""
+        data = np.asarray(value, dtype=NUMPY_DTYPES[dtype])
+        constant = Value(self.ctx.model.unique_name(f"{self.plan.mean.name}/rescale_{label}"),
+                         self.graph, dtype, ())
+        constant.const = LazyTensor(dtype, (), lambda: data)
+        self.graph.add_initializer(constant)
+        return constant
+
+
+def _cast_source(value: Value | None, x: Value) -> Node | None:
+    """The cast that reads x and produces `value` (the painting's, or the model's own)."""
+    cast = value.producer if value is not None else None
+    if cast is None or cast.op_type != CAST or not cast.inputs or cast.inputs[0] is not x:
+        return None
+    return cast
+
+
+def _applies(plan: RescalePlan) -> list[Node] | None:
+    """The casts of x the square reads, when the painting left the plan's shape: x low, the
+    square and mean fp32, the square reading x only through casts and read only by the mean."""
+    x, square, mean = plan.x, plan.square, plan.mean
+    squared = square.outputs[0] if square.outputs else None
+    averaged = mean.outputs[0] if mean.outputs else None
+    if x.dtype not in LOW_PRECISION_DTYPES or squared is None or averaged is None \
+            or squared.dtype != FLOAT32 or averaged.dtype != FLOAT32 \
+            or squared.graph_output_uses or len(squared.uses) != 1 or mean.inputs[0] is not squared:
+        return None
+    data_slots = range(len(square.inputs)) if len(square.inputs) == 2 and \
+        square.inputs[0] is square.inputs[1] else range(1)
+    casts = [_cast_source(square.inputs[slot], x) for slot in data_slots]
+    if any(cast is None for cast in casts):
+        return None
+    return [cast for cast in casts if cast is not None]
+
+
+def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], doomed: list[Node]) -> None:
+    """Build the rescaled mean square of one plan; the nodes it replaces go to `doomed`."""
+    x, mean = plan.x, plan.mean
+    averaged = mean.outputs[0]
+    assert x.dtype is not None and averaged is not None and mean.graph is not None
+    ops, low = ctx.rules.rescale_ops, x.dtype
+    build = _Builder(ctx, plan, mean.graph)
+    row = averaged.shape
+    reduce_attrs = {k: v for k, v in mean.attrs.items() if isinstance(v, (int, float, tuple))}
+    axes_inputs = list(mean.inputs[1:])
+
+    def widen(value: Value) -> Value:
+        return build.node(ops["cast"], [value], FLOAT32, row, {"to": FLOAT32})
+
+    magnitude = build.node(ops["abs"], [x], low, x.shape)
+    largest = build.node(ops["reduce_max"], [magnitude, *axes_inputs], low, row, reduce_attrs)
+    scale = build.node(ops["maximum"], [largest, build.constant(
+        "floor", SMALLEST_NORMAL[low], low)], low, row)
+    scaled = build.node(ops["div"], [x, scale], low, x.shape)
+    squares = build.node(ops["mul"], [scaled, scaled], low, x.shape)
+    scaled_mean = build.node(mean.op_type, [squares, *axes_inputs], low, row, reduce_attrs)
+    wide_scale = widen(scale)
+    scale_squared = build.node(ops["mul"], [wide_scale, wide_scale], FLOAT32, row)
+    result = build.node(ops["mul"], [widen(scaled_mean), scale_squared], FLOAT32, row)
+    averaged.replace_all_uses_with(result)
+    mean.graph.insert_before(mean, build.nodes)
+    mean.detach_inputs()
+    plan.square.detach_inputs()
+    doomed.extend([mean, plan.square])
+    doomed.extend(cast for cast in casts if not cast.is_used)
+    plan.record.added.extend(n.name for n in build.nodes)
+
+
+@register_pass("rescale_rms_statistics")
+def rescale_rms_statistics(ctx: PassContext) -> tuple[int, list[str]]:
+    """Compute each planned RMS norm's mean square in low precision on its row divided by the
+    row's largest |x| (no fp32 copy of the row, no fp32 square)."""
+    done = 0
+    doomed: list[Node] = []
+    for plan in ctx.rescales:
+        ctx.focus = plan.mean
+        casts = _applies(plan)
+        if casts is None:
+            continue
+        _rescale(ctx, plan, casts, doomed)
+        done += 1
+    ctx.focus = None
+    by_graph: dict[int, tuple[Graph, list[Node]]] = {}
+    for node in {id(n): n for n in doomed}.values():
+        assert node.graph is not None
+        by_graph.setdefault(id(node.graph), (node.graph, []))[1].append(node)
+    for graph, nodes in by_graph.values():
+        graph.remove_nodes(nodes)
+    return done, []
