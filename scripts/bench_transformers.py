@@ -10,8 +10,10 @@ Per model, variant and converter it reports:
 
 - casts: Cast nodes in the converted model (the export's own included);
 - fp32 compute ops: MatMul/Gemm/Conv/attention ops whose data input is fp32 (names in the JSON);
-- low-precision byte share: bytes of the fp16 activations / bytes of all float activations, from
-  shapes inferred at the benchmark's input sizes (ORT's symbolic shape inference);
+- low-precision byte share: activation bytes moved in fp16 / all float activation bytes moved,
+  as amp-rewriter's report counts them (amp_rewriter/cost.py): each float node output is written
+  once and read once per consumer (a graph output once by the caller); shapes inferred at the
+  benchmark's input sizes (ORT's symbolic shape inference);
 - relative error: max|converted - fp32| / max|fp32| per output (the table shows the worst output),
   on inputs with padding (fully masked rows included). The converted model runs with fp16
   rounding at every fp16 tensor ("emulated": fp32 compute and a Cast down and back at each fp16
@@ -319,6 +321,12 @@ def analyse(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, Any]:
                           and n.domain in ("", "ai.onnx"))
     types, shapes = _inferred(model, feeds)
     fp32_ops = []
+    reads: dict[str, int] = {}
+    for node in _all_nodes(model.graph):
+        for name in node.input:
+            reads[name] = reads.get(name, 0) + 1
+    for out in model.graph.output:
+        reads[out.name] = reads.get(out.name, 0) + 1
     low_bytes = all_bytes = 0
     unknown = 0
     for node in _all_nodes(model.graph):
@@ -334,8 +342,9 @@ def analyse(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, Any]:
             if shape is None:
                 unknown += 1
                 continue
-            size = int(np.prod(shape, dtype=np.int64)) * (2 if elem == onnx.TensorProto.FLOAT16
-                                                          else 4)
+            accesses = 1 + reads.get(out, 0)  # written once, read by every consumer
+            size = int(np.prod(shape, dtype=np.int64)) * accesses * \
+                (2 if elem == onnx.TensorProto.FLOAT16 else 4)
             all_bytes += size
             low_bytes += size if elem == onnx.TensorProto.FLOAT16 else 0
     result["fp32_compute_ops"] = fp32_ops
@@ -371,8 +380,8 @@ def _inferred(model, feeds: dict[str, np.ndarray]) -> tuple[dict[str, int], dict
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             inferred = SymbolicShapeInference.infer_shapes(fixed, auto_merge=True)
-    except Exception:  # noqa: BLE001  (fall back to onnx's inference)
-        inferred = onnx.shape_inference.infer_shapes(fixed)
+    except Exception:  # noqa: BLE001  (it knows no ReduceMax with axes as an input, ...)
+        return _observed(fixed, feeds)
     types: dict[str, int] = {}
     shapes: dict[str, list[int]] = {}
     for info in list(inferred.graph.input) + list(inferred.graph.output) + \
@@ -383,6 +392,41 @@ def _inferred(model, feeds: dict[str, np.ndarray]) -> tuple[dict[str, int], dict
         if tensor.HasField("shape") and all(d is not None for d in dims):
             shapes[info.name] = dims  # type: ignore[assignment]
     for tensor in inferred.graph.initializer:
+        types[tensor.name] = tensor.data_type
+    return types, shapes
+
+
+def _observed(model, feeds: dict[str, np.ndarray]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """elem type and shape of every node output as one ORT CPU run at the feeds' sizes produces
+    them (each made a graph output, graph optimizations off so none is fused away); for models
+    ORT's symbolic shape inference cannot follow."""
+    import onnx
+    import onnxruntime as ort
+
+    typed = onnx.shape_inference.infer_shapes(model)
+    types = {info.name: info.type.tensor_type.elem_type
+             for info in list(typed.graph.input) + list(typed.graph.output) +
+             list(typed.graph.value_info)}
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    present = {o.name for o in probe.graph.output}
+    for node in probe.graph.node:
+        for name in node.output:
+            if name and name not in present and types.get(name):
+                probe.graph.output.append(onnx.helper.make_value_info(
+                    name, onnx.helper.make_tensor_type_proto(types[name], None)))
+                present.add(name)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(probe.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    dtypes = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
+    prepared = {i.name: feeds[i.name].astype(dtypes.get(i.type, feeds[i.name].dtype))
+                for i in session.get_inputs()}
+    names = [o.name for o in session.get_outputs()]
+    shapes = {name: list(array.shape) for name, array in zip(names, session.run(names, prepared))}
+    for tensor in probe.graph.initializer:
         types[tensor.name] = tensor.data_type
     return types, shapes
 
