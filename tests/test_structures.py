@@ -305,6 +305,8 @@ def test_rms_norm_runs_its_mean_square_fp16_on_the_rescaled_row(form):
     assert [s["rule"] for s in report.structures] == ["rms_norm"]
     record = report.structures[0]
     assert "divided by its largest |x|" in record["detail"] and record["added"]
+    assert decided["square"] == decided["mean"] == "fp16", decided  # what replaced them
+    assert "replaced by the rescaled mean square" in report.node("mean")["reason"]
     assert "scaling step of an RMS norm" in report.node("scale")["class_reason"]
     ops = [n.op_type for n in converted.graph.node]
     assert "Pow" not in ops and ops.count("ReduceMax") == 1 and ops.count("ReduceMean") == 1
@@ -354,7 +356,8 @@ def test_rms_norm_with_an_eps_too_small_for_fp16_keeps_its_scaling_fp32():
     model = rms_norm_block(eps=1e-12)
     converted, report = convert(model)
     decided = precisions(report)
-    assert decided["scale"] == decided["square"] == "fp32", decided
+    assert decided["scale"] == decided["root"] == "fp32", decided
+    assert decided["square"] == "fp16", decided  # the mean square is still rescaled
     assert decided["residual"] == "fp16"
     assert "outside fp16's normal range" in report.node("scale")["reason"]
     x = np.zeros((2, 3, 8), np.float32)

@@ -23,7 +23,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...ir import FLOAT32, LOW_PRECISION_DTYPES, Graph, LazyTensor, Node, Value, decisions
+from ...ir import (
+    FLOAT32,
+    LOW_PRECISION_DTYPES,
+    Graph,
+    LazyTensor,
+    Node,
+    Value,
+    decisions,
+    short_name,
+)
 from ...ir.dtypes import NUMPY_DTYPES, SMALLEST_NORMAL
 from ..base import PassContext, RescalePlan, register_pass
 from .insert_casts import CAST
@@ -119,6 +128,12 @@ def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], doomed: lis
     wide_scale = widen(scale)
     scale_squared = build.node(ops["mul"], [wide_scale, wide_scale], FLOAT32, row)
     result = build.node(ops["mul"], [widen(scaled_mean), scale_squared], FLOAT32, row)
+    replaced = (f"replaced by the rescaled mean square ({', '.join(n.name for n in build.nodes)}):"
+                f" {short_name(low)} on the row divided by its largest |x|, fp32 on one value "
+                f"per row")
+    for node in (plan.square, mean):
+        for group in node.float_groups():  # for the report: the node is gone from the graph
+            group.decide(low, decisions.STRUCTURE, replaced)
     averaged.replace_all_uses_with(result)
     mean.graph.insert_before(mean, build.nodes)
     mean.detach_inputs()
