@@ -241,16 +241,22 @@ def test_bad_pattern_rule_on_the_cli_exits_2(tmp_path, capsys):
 
 
 # -- RMS norm -------------------------------------------------------------------------------------
-def rms_norm_block(form: str = "reciprocal", eps: float = 1e-6, identity_cast: bool = False
-                   ) -> onnx.ModelProto:
-    """x -> MatMul -> h; RMSNorm(h) as exports write it -> MatMul -> residual Add(h, .) -> MatMul."""
-    b = GraphBuilder()
+def rms_norm_block(form: str = "reciprocal", eps: float = 1e-6, identity_cast: bool = False,
+                   opset: int = 17) -> onnx.ModelProto:
+    """x -> MatMul -> h; RMSNorm(h) as exports write it -> MatMul -> residual Add(h, .) -> MatMul.
+    From opset 18 on, the mean takes its axes as an input (torch's exports: a Constant node)."""
+    b = GraphBuilder(opset=opset)
     x = b.input("x", [2, 3, 8])
     eye = b.const("eye", np.eye(8, dtype=np.float32))
     h = b.op("MatMul", x, eye, name="fc")
     hx = b.op("Cast", h, to=onnx.TensorProto.FLOAT, name="to_float") if identity_cast else h
     square = b.op("Pow", hx, b.const("two", np.float32(2)), name="square")
-    mean = b.op("ReduceMean", square, axes=[-1], name="mean")
+    if opset >= 18:
+        axes = b.op("Constant", value=onnx.numpy_helper.from_array(np.array([-1], np.int64)),
+                    name="axes")
+        mean = b.op("ReduceMean", square, axes, name="mean")
+    else:
+        mean = b.op("ReduceMean", square, axes=[-1], name="mean")
     shifted = b.op("Add", mean, b.const("eps", np.float32(eps)), name="add_eps")
     root = b.op("Sqrt", shifted, name="root")
     if form == "reciprocal":
@@ -294,9 +300,10 @@ def _fp32_tensors_of_row_shape(converted: onnx.ModelProto) -> list[str]:
             and [d.dim_value for d in v.type.tensor_type.shape.dim] == [2, 3, 8]]
 
 
-@pytest.mark.parametrize("form", ["reciprocal", "one_over", "div"])
-def test_rms_norm_runs_its_mean_square_fp16_on_the_rescaled_row(form):
-    model = rms_norm_block(form)
+@pytest.mark.parametrize("form,opset", [("reciprocal", 17), ("one_over", 17), ("div", 17),
+                                        ("reciprocal", 18)])
+def test_rms_norm_runs_its_mean_square_fp16_on_the_rescaled_row(form, opset):
+    model = rms_norm_block(form, opset=opset)
     converted, report = convert(model)
     decided = precisions(report)
     assert decided["residual"] == decided["gamma_mul"] == decided["proj"] == "fp16", decided

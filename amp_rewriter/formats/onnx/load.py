@@ -572,7 +572,9 @@ class OnnxLoader:
                 node.set_attr(attr.name, attr.i)
             elif kind == _FLOAT:
                 node.set_attr(attr.name, attr.f)
-            elif kind == _INTS:
+            elif kind == _INTS and attr.name == "axes":
+                # A reduction's axes (before opset 18): the RMS rescale reduces along them
+                # again. Other int lists stay in the proto, not on every node.
                 node.set_attr(attr.name, tuple(attr.ints))
             elif kind == _TENSOR:
                 node.set_attr(attr.name, lazy_tensor(attr.t, self.base_dir))
