@@ -389,12 +389,14 @@ class Graph:
         self.nodes.append(node)
 
     def insert_nodes(self, after: dict[int, list[Node]] | None = None,
-                     at_start: Iterable[Node] = ()) -> None:
-        """Insert many nodes in one sweep: `after` maps id(anchor node) -> nodes to put right
-        after it (in order); `at_start` go before every node."""
-        after = after or {}
+                     at_start: Iterable[Node] = (),
+                     before: dict[int, list[Node]] | None = None) -> None:
+        """Insert many nodes in one sweep: `after` / `before` map id(anchor node) -> nodes to
+        put right after / before it (in order); `at_start` go before every node."""
+        after, before = after or {}, before or {}
         nodes = list(at_start)
         for node in self.nodes:
+            nodes.extend(before.get(id(node), ()))
             nodes.append(node)
             nodes.extend(after.get(id(node), ()))
         for node in nodes:

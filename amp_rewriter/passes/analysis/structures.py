@@ -253,12 +253,13 @@ def _square_and_mean(members: list[Node], rules: FormatRules) -> tuple[Node, Nod
     return None
 
 
-def can_rescale(ctx: PassContext, mean_op: str) -> bool:
+def can_rescale(ctx: PassContext, mean: Node) -> bool:
     """Whether the mean square of an RMS norm can run in the target dtype on a rescaled row:
-    fp16 (bf16's range holds any square), a format that names the ops, kernels for all."""
+    fp16 (bf16's range holds any square), a format that names the ops, kernels for all, and a
+    mean that keeps the reduced axes (the row's scale then broadcasts against the row)."""
     ops = ctx.rules.rescale_ops
-    return (ctx.target_dtype == FLOAT16 and bool(ops)
-            and all(ctx.lists.has_kernel(op) for op in (*ops.values(), mean_op)))
+    return (ctx.target_dtype == FLOAT16 and bool(ops) and mean.attrs.get("keepdims", 1) != 0
+            and all(ctx.lists.has_kernel(op) for op in (*ops.values(), mean.op_type)))
 
 
 def _statistics_nodes(step: Node, x: Value) -> list[Node]:
@@ -296,7 +297,7 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
         if any(m.pin_reason or m.class_kind == decisions.USER_OVERRIDE for m in members):
             continue
         parts = _square_and_mean(members, ctx.rules)
-        rescaled = parts is not None and can_rescale(ctx, parts[1].op_type)
+        rescaled = parts is not None and can_rescale(ctx, parts[1])
         why, scaling_why = _rms_norm_reasons(eps, ctx.target_dtype, rescaled)
         for member in members:
             if member is node and scaling_why is not None:

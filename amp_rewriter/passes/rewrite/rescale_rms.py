@@ -104,8 +104,10 @@ def _applies(plan: RescalePlan) -> list[Node] | None:
     return [cast for cast in casts if cast is not None]
 
 
-def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], doomed: list[Node]) -> None:
-    """Build the rescaled mean square of one plan; the nodes it replaces go to `doomed`."""
+def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], doomed: list[Node],
+             inserts: dict[int, tuple[Graph, dict[int, list[Node]]]]) -> None:
+    """Build the rescaled mean square of one plan: the new nodes go to `inserts` (graph ->
+    mean -> nodes to put before it), the nodes they replace to `doomed`."""
     x, mean = plan.x, plan.mean
     averaged = mean.outputs[0]
     assert x.dtype is not None and averaged is not None and mean.graph is not None
@@ -135,7 +137,7 @@ def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], doomed: lis
         for group in node.float_groups():  # for the report: the node is gone from the graph
             group.decide(low, decisions.STRUCTURE, replaced)
     averaged.replace_all_uses_with(result)
-    mean.graph.insert_before(mean, build.nodes)
+    inserts.setdefault(id(mean.graph), (mean.graph, {}))[1][id(mean)] = build.nodes
     mean.detach_inputs()
     plan.square.detach_inputs()
     doomed.extend([mean, plan.square])
@@ -149,14 +151,17 @@ def rescale_rms_statistics(ctx: PassContext) -> tuple[int, list[str]]:
     row's largest |x| (no fp32 copy of the row, no fp32 square)."""
     done = 0
     doomed: list[Node] = []
+    inserts: dict[int, tuple[Graph, dict[int, list[Node]]]] = {}
     for plan in ctx.rescales:
         ctx.focus = plan.mean
         casts = _applies(plan)
         if casts is None:
             continue
-        _rescale(ctx, plan, casts, doomed)
+        _rescale(ctx, plan, casts, doomed, inserts)
         done += 1
     ctx.focus = None
+    for graph, before in inserts.values():  # one sweep per graph, not one search per norm
+        graph.insert_nodes(before=before)
     by_graph: dict[int, tuple[Graph, list[Node]]] = {}
     for node in {id(n): n for n in doomed}.values():
         assert node.graph is not None
