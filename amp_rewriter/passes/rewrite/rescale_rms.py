@@ -138,10 +138,15 @@ def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], doomed: lis
             group.decide(low, decisions.STRUCTURE, replaced)
     averaged.replace_all_uses_with(result)
     inserts.setdefault(id(mean.graph), (mean.graph, {}))[1][id(mean)] = build.nodes
+    square_inputs = [v for v in plan.square.inputs if v is not None]
     mean.detach_inputs()
     plan.square.detach_inputs()
     doomed.extend([mean, plan.square])
     doomed.extend(cast for cast in casts if not cast.is_used)
+    # The square's exponent, when a Constant node made it for the square alone.
+    doomed.extend(v.producer for v in square_inputs
+                  if v.const is not None and v.producer is not None and not v.producer.inputs
+                  and not v.producer.is_used)
     plan.record.added.extend(n.name for n in build.nodes)
 
 
