@@ -391,3 +391,16 @@ def test_a_norm_like_step_without_an_epsilon_is_not_an_rms_norm():
     assert precisions(report)["square"] == "fp32"
     assert report.node("square")["kind"] == "op_list"
     assert report.structures == []
+
+
+def test_symbolic_shape_inference_follows_the_rescaled_norm_at_opset_18():
+    """ORT's symbolic shape inference (the cost summary's, for models with contrib ops) has no
+    rule for ReduceMax with axes as an input; ours adds it, so shapes go on past the norm."""
+    from amp_rewriter.formats.onnx.shapes import _symbolic_shapes
+
+    converted, _ = convert(rms_norm_block(opset=18))
+    assert "ReduceMax" in [n.op_type for n in converted.graph.node]
+    inferred = _symbolic_shapes(converted)
+    shaped = {v.name for v in inferred.graph.value_info if v.type.tensor_type.HasField("shape")}
+    outputs = {o for n in converted.graph.node for o in n.output}
+    assert outputs - {o.name for o in converted.graph.output} <= shaped

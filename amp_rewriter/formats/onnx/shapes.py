@@ -21,7 +21,7 @@ import onnx
 
 from ...cost import bytes_moved
 from . import ort_registry
-from .load import dtype_name, walk_graph_protos
+from .load import dtype_name, model_opsets, walk_graph_protos
 from .validate import validation_shape
 
 #: Initializers up to this many elements stay in the skeleton (Reshape targets, axes, ...).
@@ -88,11 +88,22 @@ def _symbolic_shape_inference() -> Any:
     return module.SymbolicShapeInference
 
 
+#: Reductions that take their axes as an input from opset 18 on.
+_AXES_INPUT_REDUCTIONS = ("ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+                          "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")
+
+
 def _symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """onnxruntime's symbolic shape inference, keeping what it inferred when it cannot infer
     everything (its `infer_shapes` then raises, after writing a debug model into the working
     directory: these are the steps of that method without the raise and the file)."""
     inference = _symbolic_shape_inference()(2**31 - 1, True, False, 0)
+    if model_opsets(model).get("", 0) >= 18:
+        # From opset 18 every reduction takes its axes as an input, as ReduceSum does since 13;
+        # the inference has that rule for ReduceSum and ReduceMean only (a ReduceMax, which the
+        # RMS norm's rescale writes, would leave every later shape unknown).
+        for op in _AXES_INPUT_REDUCTIONS:
+            inference.dispatcher_.setdefault(op, inference._infer_ReduceSum)
     inference._preprocess(model)
     while inference.run_:
         inference._infer_impl()
