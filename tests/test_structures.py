@@ -311,7 +311,7 @@ def test_rms_norm_runs_its_mean_square_fp16_on_the_rescaled_row(form, opset):
     assert decided["scale"] == "fp16", decided
     assert [s["rule"] for s in report.structures] == ["rms_norm"]
     record = report.structures[0]
-    assert "divided by its largest |x|" in record["detail"] and record["added"]
+    assert "divided by 2^-7 of its largest |x|" in record["detail"] and record["added"]
     assert decided["square"] == decided["mean"] == "fp16", decided  # what replaced them
     assert "replaced by the rescaled mean square" in report.node("mean")["reason"]
     assert "scaling step of an RMS norm" in report.node("scale")["class_reason"]
@@ -404,3 +404,91 @@ def test_symbolic_shape_inference_follows_the_rescaled_norm_at_opset_18():
     shaped = {v.name for v in inferred.graph.value_info if v.type.tensor_type.HasField("shape")}
     outputs = {o for n in converted.graph.node for o in n.output}
     assert outputs - {o.name for o in converted.graph.output} <= shaped
+
+
+def test_rms_rescale_keeps_fp32s_nonfinite_pattern_and_long_rows_exact():
+    """An infinite element: NaN there only and 0 elsewhere, as fp32 gives (the row's scale is
+    clipped to a finite number). A row of 384000 elements with one large element: its mean
+    square stays a normal fp16 number (squares scaled up to 2^14, not to 1)."""
+    b = GraphBuilder()
+    x_in = b.input("x", [2, 8])
+    shift = b.input("shift", [8])
+    h = b.op("Add", b.op("MatMul", x_in, b.const("eye8", np.eye(8, dtype=np.float32)),
+                         name="fc"), shift, name="shifted")
+    mean = b.op("ReduceMean", b.op("Pow", h, b.const("two", np.float32(2)), name="square"),
+                axes=[-1], name="mean")
+    root = b.op("Sqrt", b.op("Add", mean, b.const("eps", np.float32(1e-6)), name="add_eps"),
+                name="root")
+    normed = b.op("Div", h, root, name="scale")
+    b.output(normed)
+    b.output(b.op("MatMul", normed, b.const("eye8b", np.eye(8, dtype=np.float32)), name="proj"))
+    inf_model = b.build()
+    inf_converted, _ = convert(inf_model)
+    assert "ReduceMax" in [n.op_type for n in inf_converted.graph.node]
+    feeds = {"x": np.arange(16, dtype=np.float32).reshape(2, 8),
+             "shift": np.array([0, 0, 0, np.inf, 0, 0, 0, 0], np.float32)}
+    expected = run(inf_model, feeds)[0]
+    assert np.isnan(expected).sum() == 2
+    for actual in (run_as_fp16(inf_converted, feeds)[0], run(inf_converted, feeds)[0]):
+        np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected))
+    b = GraphBuilder(opset=18)
+    x_in = b.input("x", [1, 384, 1000])
+    h = b.op("MatMul", x_in, b.const("eye", np.eye(1000, dtype=np.float32)), name="fc")
+    square = b.op("Mul", h, h, name="square")
+    mean = b.op("ReduceMean", square, b.const("axes", np.array([-2, -1], np.int64)),
+                name="mean")
+    root = b.op("Sqrt", b.op("Add", mean, b.const("eps", np.float32(1e-6)), name="add_eps"),
+                name="root")
+    b.output(b.op("Div", h, root, name="scale"))
+    long_model = b.build()
+    long_converted, _ = convert(long_model)
+    assert "ReduceMax" in [n.op_type for n in long_converted.graph.node]
+    row = np.zeros((1, 384, 1000), np.float32)
+    row[0, 0, 0] = 1000.0
+    expected = run(long_model, {"x": row})[0]
+    actual = run_as_fp16(long_converted, {"x": row})[0]
+    assert abs(actual[0, 0, 0] - expected[0, 0, 0]) <= 2e-3 * expected[0, 0, 0]
+
+
+def test_rms_norms_sharing_a_mean_each_keep_their_statistics_fp32():
+    """Two norms (eps 1e-6 and 1e-5) read one mean square: the second's +eps, root and inverse
+    stay fp32 too (the mean square of a row holding 30000 overflows fp16)."""
+    b = GraphBuilder()
+    x = b.input("x", [2, 8])
+    h = b.op("MatMul", x, b.const("eye", np.eye(8, dtype=np.float32)), name="fc")
+    mean = b.op("ReduceMean", b.op("Pow", h, b.const("two", np.float32(2)), name="square"),
+                axes=[-1], name="mean")
+    for index, eps in enumerate((1e-6, 1e-5)):
+        root = b.op("Sqrt", b.op("Add", mean, b.const(f"eps{index}", np.float32(eps)),
+                                 name=f"add_eps{index}"), name=f"root{index}")
+        scaled = b.op("Mul", h, b.op("Reciprocal", root, name=f"inverse{index}"),
+                      name=f"scale{index}")
+        b.output(b.op("MatMul", scaled, b.const(f"eye{index}", np.eye(8, dtype=np.float32)),
+                      name=f"proj{index}"))
+    model = b.build()
+    converted, report = convert(model)
+    decided = precisions(report)
+    assert decided["add_eps1"] == decided["root1"] == decided["inverse1"] == "fp32", decided
+    x_value = np.ones((2, 8), np.float32)
+    x_value[0, 0] = 30000.0
+    expected = run(model, {"x": x_value})
+    for actual, wanted in zip(run_as_fp16(converted, {"x": x_value}), expected):
+        assert_close_per_row(actual, wanted, 3e-3)
+
+
+def test_rms_rescale_leaves_a_mean_that_is_a_graph_output_alone():
+    b = GraphBuilder()
+    x = b.input("x", [2, 8])
+    h = b.op("MatMul", x, b.const("eye", np.eye(8, dtype=np.float32)), name="fc")
+    mean = b.op("ReduceMean", b.op("Pow", h, b.const("two", np.float32(2)), name="square"),
+                axes=[-1], name="mean")
+    root = b.op("Sqrt", b.op("Add", mean, b.const("eps", np.float32(1e-6)), name="add_eps"),
+                name="root")
+    b.output(b.op("Div", h, root, name="scale"))
+    b.output(mean)
+    model = b.build()
+    converted, _ = convert(model)
+    assert "ReduceMax" not in [n.op_type for n in converted.graph.node]
+    x_value = np.linspace(-500, 500, 16, dtype=np.float32).reshape(2, 8)
+    for actual, wanted in zip(run_as_fp16(converted, {"x": x_value}), run(model, {"x": x_value})):
+        np.testing.assert_allclose(actual, wanted, rtol=3e-3)

@@ -87,6 +87,6 @@ ONNX_RULES = FormatRules(
     },
     saturate_op="Clip",
     saturate_pair=("Max", "Min"),
-    rescale_ops={"abs": "Abs", "reduce_max": "ReduceMax", "maximum": "Max", "div": "Div",
+    rescale_ops={"abs": "Abs", "reduce_max": "ReduceMax", "clip": "Clip", "div": "Div",
                  "mul": "Mul", "cast": "Cast"},
 )

@@ -7,7 +7,7 @@
   fp32 (the square overflows fp16 beyond 256) without being a barrier: the residual stream it
   reads and the scaling step run in low precision, with one cast of x into the statistics and
   one of the per-row scale out of them. Where the backend has the kernels, it plans
-  (`RescalePlan`) the mean square in fp16 on the row divided by its largest |x|, which
+  (`RescalePlan`) the mean square in fp16 on the row divided by 2^-7 of its largest |x|, which
   `rescale_rms_statistics` builds after the painting: only one value per row stays fp32.
 - `keep_index_math_fp32`: float arithmetic that computes a shape, length or index (from integers
   and constants, feeding a Cast to an integer, a comparison, Floor/Ceil or a shape input) stays
@@ -226,10 +226,10 @@ def _rms_norm_reasons(eps: float, dtype: str, rescaled: bool) -> tuple[str, str 
     if rescaled:
         statistics = (f"the statistics of an RMS norm (eps {eps:g}) stay fp32 on one value per "
                       f"row (+eps, root, inverse); the mean square runs in "
-                      f"{short_name(dtype)} on the row divided by its largest |x| (each square "
-                      f"lies in [0, 1]: no overflow; the squares sum to at least 1, and what "
-                      f"underflows is below 2^-25 each), accumulated in fp32 by the reduction "
-                      f"and scaled back in fp32")
+                      f"{short_name(dtype)} on the row divided by 2^-7 of its largest |x| "
+                      f"(each square below 18500: no overflow; the largest above 14000, so the "
+                      f"mean stays normal and what underflows is negligible), accumulated in "
+                      f"fp32 by the reduction and scaled back in fp32")
     else:
         statistics = (f"the statistics of an RMS norm (eps {eps:g}) stay fp32: the square "
                       f"overflows fp16 once |x| > 256, so the norm reads its low-precision input "
@@ -285,6 +285,9 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
     input is cast up once for the square, and the per-row scale (a small tensor) is cast down
     for the scaling step, which runs low where eps keeps the scale in range (see scaling_fits)."""
     found = 0
+    #: ids of the nodes an RMS norm pinned: two norms may share a square or a mean, and the
+    #: second still needs its own +eps, root and inverse pinned.
+    claimed: set[int] = set()
     for node in list(ctx.model.graph.walk_nodes()):
         ctx.focus = node
         if node.pin_reason or node.class_kind == decisions.USER_OVERRIDE:
@@ -294,7 +297,8 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
             continue
         x, eps = match
         members = _statistics_nodes(node, x)
-        if any(m.pin_reason or m.class_kind == decisions.USER_OVERRIDE for m in members):
+        if any((m.pin_reason and id(m) not in claimed)
+               or m.class_kind == decisions.USER_OVERRIDE for m in members):
             continue
         parts = _square_and_mean(members, ctx.rules)
         rescaled = parts is not None and can_rescale(ctx, parts[1])
@@ -304,9 +308,12 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
                 low_class = member.op_class if member.op_class in (ALLOW, INFER) else INFER
                 set_class(ctx, member, low_class, scaling_why, decisions.STRUCTURE)
                 continue
+            if id(member) in claimed:
+                continue  # shared with a norm recognised before: pinned with its reason
             if member.op_class in (FP32, DENY):
                 set_class(ctx, member, INFER, why, decisions.STRUCTURE)
             member.pin_reason, member.pin_kind, member.pin_barrier = why, decisions.STRUCTURE, False
+            claimed.add(id(member))
         record = StructureRecord("rms_norm", [m.name for m in members],
                                  why if scaling_why is None else f"{why}; {scaling_why}")
         ctx.structures.append(record)

@@ -6,17 +6,21 @@ fp32 tensors left in a converted decoder. Once x is fp16 this pass replaces
 
     Cast(x -> fp32) -> square -> mean                    (two fp32 tensors of x's shape)
 
-by the same statistic computed on y = x / s, s = max(max|x| over the reduced axes, 2^-14):
+by the same statistic computed on y = x / s, where (fp16, one value per row)
 
-    s = Max(ReduceMax(Abs(x)), 2^-14)                    fp16, one value per row
+    s = Clip(ReduceMax(Abs(x)), 2^-14, 65504) * 2^-7
     mean(x^2) = Cast32(mean(y * y)) * Cast32(s)^2        y, y * y fp16; the product fp32
 
-Why it holds to fp16's precision for any row length n: s is an element of the row (or the
-smallest normal number), so |y| <= 1 and every square lies in [0, 1] (no overflow); the largest
-square is 1, so the squares sum to at least 1, and those below fp16's normal range lose at most
-2^-25 each, n * 2^-25 of the sum in all (2^-11 at n = 16384). The mean accumulates in fp32 (ORT's
-CUDA and CPU reductions do) and rounds once; s is exact in fp16 and scales back in fp32. An
-all-zero row gives 0 / 2^-14 = 0 and a mean of 0, as fp32 does.
+Why it holds to fp16's precision: s >= 2^-21 is nonzero and within 2^-4 of its exact value
+(3 significant bits at worst, as a subnormal), and the same fp16 s divides the row and scales the
+mean back, so only the bounds on y matter. |y| <= 2^7 * (1 + 2^-4): every square is below 18500,
+far from fp16's 65504. Where max|x| >= 2^-14 the largest square is above 14000, so the mean of n
+squares is a normal fp16 number up to n = 2^27, and the squares that fall below fp16's normal
+range (each losing at most 2^-25) add up to less than n * 2^-38 of the sum. The mean accumulates
+in fp32 (ORT's CUDA and CPU reductions do) and rounds once. A row of only subnormal values
+(max|x| < 2^-14) has a mean square below 2^-28, under any eps it is added to. An all-zero row
+gives 0 / s = 0, as fp32 does; an infinite element gives an infinite mean square, so, as in
+fp32, the finite elements scale to 0 and the infinite one to NaN (the clip keeps s finite).
 """
 
 from __future__ import annotations
@@ -33,12 +37,16 @@ from ...ir import (
     decisions,
     short_name,
 )
-from ...ir.dtypes import NUMPY_DTYPES, SMALLEST_NORMAL
+from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES, SMALLEST_NORMAL
 from ..base import PassContext, RescalePlan, register_pass
 from .insert_casts import CAST
 
 #: The class the report gives the nodes this pass builds.
 RESCALE_CLASS = "rescale"
+
+#: The scaled row's largest |y| (see above): its square, 2^14, keeps the mean of a long row a
+#: normal fp16 number and stays far from fp16's 65504.
+HEADROOM = 2.0**7
 
 
 class _Builder:
@@ -94,7 +102,8 @@ def _applies(plan: RescalePlan) -> list[Node] | None:
     averaged = mean.outputs[0] if mean.outputs else None
     if x.dtype not in LOW_PRECISION_DTYPES or squared is None or averaged is None \
             or squared.dtype != FLOAT32 or averaged.dtype != FLOAT32 \
-            or squared.graph_output_uses or len(squared.uses) != 1 or mean.inputs[0] is not squared:
+            or squared.graph_output_uses or len(squared.uses) != 1 \
+            or mean.inputs[0] is not squared or averaged.graph_output_uses:
         return None
     data_slots = range(len(square.inputs)) if len(square.inputs) == 2 and \
         square.inputs[0] is square.inputs[1] else range(1)
@@ -122,8 +131,10 @@ def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], doomed: lis
 
     magnitude = build.node(ops["abs"], [x], low, x.shape)
     largest = build.node(ops["reduce_max"], [magnitude, *axes_inputs], low, row, reduce_attrs)
-    scale = build.node(ops["maximum"], [largest, build.constant(
-        "floor", SMALLEST_NORMAL[low], low)], low, row)
+    bounded = build.node(ops["clip"], [largest, build.constant("floor", SMALLEST_NORMAL[low], low),
+                                       build.constant("ceiling", FINITE_MAX[low], low)], low, row)
+    scale = build.node(ops["mul"], [bounded, build.constant("step", 1.0 / HEADROOM, low)], low,
+                       row)
     scaled = build.node(ops["div"], [x, scale], low, x.shape)
     squares = build.node(ops["mul"], [scaled, scaled], low, x.shape)
     scaled_mean = build.node(mean.op_type, [squares, *axes_inputs], low, row, reduce_attrs)
@@ -131,8 +142,8 @@ def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], doomed: lis
     scale_squared = build.node(ops["mul"], [wide_scale, wide_scale], FLOAT32, row)
     result = build.node(ops["mul"], [widen(scaled_mean), scale_squared], FLOAT32, row)
     replaced = (f"replaced by the rescaled mean square ({', '.join(n.name for n in build.nodes)}):"
-                f" {short_name(low)} on the row divided by its largest |x|, fp32 on one value "
-                f"per row")
+                f" {short_name(low)} on the row divided by 2^-7 of its largest |x|, fp32 on one "
+                f"value per row")
     for node in (plan.square, mean):
         for group in node.float_groups():  # for the report: the node is gone from the graph
             group.decide(low, decisions.STRUCTURE, replaced)
