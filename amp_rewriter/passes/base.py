@@ -53,7 +53,8 @@ class FormatRules:
         backend has no low-precision kernel for `saturate_op`.
     rescale_ops: role -> op name for the ops the RMS norm's rescaled mean square is built with
         ("abs", "reduce_max" (the same signature as the norm's mean), "clip" (bounds as inputs),
-        "div", "mul", "cast"); empty: the format keeps an RMS norm's mean square fp32.
+        "div", "mul"; casts are the IR's own); empty: the format keeps an RMS norm's mean
+        square fp32.
     """
 
     name: str

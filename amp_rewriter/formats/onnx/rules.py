@@ -88,5 +88,5 @@ ONNX_RULES = FormatRules(
     saturate_op="Clip",
     saturate_pair=("Max", "Min"),
     rescale_ops={"abs": "Abs", "reduce_max": "ReduceMax", "clip": "Clip", "div": "Div",
-                 "mul": "Mul", "cast": "Cast"},
+                 "mul": "Mul"},
 )

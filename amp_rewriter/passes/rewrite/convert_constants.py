@@ -13,6 +13,7 @@ import numpy as np
 
 from ...ir import FLOAT32, LOW_PRECISION_DTYPES, LazyTensor, Node, Value, convert_array
 from ..base import ConstantRecord, PassContext, register_pass
+from .building import remove_everywhere
 from .insert_casts import CAST
 
 
@@ -108,9 +109,5 @@ def convert_constants(ctx: PassContext) -> tuple[int, list[str]]:
             dead.append(node)
             converted += 1
         graph.remove_nodes(dead)
-    by_graph: dict[int, list[Node]] = {}
-    for node in dropped:
-        by_graph.setdefault(id(node.graph), []).append(node)
-    for graph in ctx.model.graph.walk_graphs():
-        graph.remove_nodes(by_graph.get(id(graph), ()))
+    remove_everywhere(ctx.model, dropped)
     return converted, []

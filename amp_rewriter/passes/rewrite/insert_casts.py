@@ -7,8 +7,9 @@ whose producer now runs low precision gets a cast that takes over the output's n
 
 from __future__ import annotations
 
-from ...ir import FLOAT_DTYPES, Graph, Model, Node, Value, short_name
+from ...ir import FLOAT_DTYPES, Graph, Model, Node, Value, present, short_name
 from ..base import PassContext, register_pass
+from .building import new_node
 
 #: The IR's cast op: every loader reads its format's cast as this, every emitter writes it back.
 CAST = "Cast"
@@ -31,21 +32,17 @@ class CastBuilder:
         cached = self.cache.get(key)
         if cached is not None:
             return cached
-        graph = value.graph
-        cast = Node(self.model.unique_name(f"{value.name}/cast_to_{short_name(dtype)}"), CAST, "",
-                    graph)
-        cast.set_attr("to", dtype)
-        cast.op_class, cast.class_reason = "cast", "inserted at a precision boundary"
-        output = Value(self.model.unique_name(f"{value.name}_{short_name(dtype)}"), graph, dtype,
-                       value.shape)
-        graph.add_value(output)
-        cast.add_input(value)
-        cast.add_output(output)
-        cast.input_group, cast.output_group = [None], [None]
-        if value.producer is not None and value.producer.graph is graph:
-            cast.order = value.producer.order
+        graph, producer = value.graph, value.producer
+        in_graph = producer is not None and producer.graph is graph
+        cast = new_node(self.model, graph, f"{value.name}/cast_to_{short_name(dtype)}", CAST,
+                        [value], f"{value.name}_{short_name(dtype)}", dtype, value.shape,
+                        op_class="cast", reason="inserted at a precision boundary",
+                        order=producer.order if producer is not None and in_graph else 0,
+                        attrs={"to": dtype})
+        output = present(cast.outputs[0])
+        if in_graph:
             self.after_node.setdefault(id(graph), {}).setdefault(
-                id(value.producer), []).append(cast)
+                id(producer), []).append(cast)
         else:
             self.at_start.setdefault(id(graph), []).append(cast)
         self.cache[key] = output

@@ -25,20 +25,10 @@ fp32, the finite elements scale to 0 and the infinite one to NaN (the clip keeps
 
 from __future__ import annotations
 
-import numpy as np
-
-from ...ir import (
-    FLOAT32,
-    LOW_PRECISION_DTYPES,
-    Graph,
-    LazyTensor,
-    Node,
-    Value,
-    decisions,
-    short_name,
-)
-from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES, SMALLEST_NORMAL
+from ...ir import FLOAT32, LOW_PRECISION_DTYPES, Graph, Node, Value, decisions, present, short_name
+from ...ir.dtypes import FINITE_MAX, SMALLEST_NORMAL
 from ..base import PassContext, RescalePlan, register_pass
+from .building import new_node, remove_everywhere, scalar_constant
 from .insert_casts import CAST
 
 #: The class the report gives the nodes this pass builds.
@@ -59,31 +49,17 @@ class _Builder:
     def node(self, op: str, inputs: list[Value | None], dtype: str, shape: tuple | None,
              attrs: dict | None = None) -> Value:
         """One new node reading `inputs`, with one output of `dtype` and `shape`."""
-        ctx, graph = self.ctx, self.graph
-        node = Node(ctx.model.unique_name(f"{self.plan.mean.name}/rescaled_{op.lower()}"), op,
-                    "", graph)
-        node.op_class, node.class_kind = RESCALE_CLASS, decisions.STRUCTURE
-        node.class_reason = self.plan.record.detail
-        for name, value in (attrs or {}).items():
-            node.set_attr(name, value)
-        for value in inputs:
-            node.add_input(value)
-        output = Value(ctx.model.unique_name(f"{node.name}_out"), graph, dtype, shape)
-        graph.add_value(output)
-        node.add_output(output)
-        node.input_group, node.output_group = [None] * len(inputs), [None]
-        node.order = self.plan.mean.order
+        name = f"{self.plan.mean.name}/rescaled_{op.lower()}"
+        node = new_node(self.ctx.model, self.graph, name, op, inputs, None, dtype, shape,
+                        op_class=RESCALE_CLASS, reason=self.plan.record.detail,
+                        kind=decisions.STRUCTURE, order=self.plan.mean.order, attrs=attrs)
         self.nodes.append(node)
-        return output
+        return present(node.outputs[0])
 
     def constant(self, label: str, value: float, dtype: str) -> Value:
         """A scalar constant of `dtype`."""
-        data = np.asarray(value, dtype=NUMPY_DTYPES[dtype])
-        constant = Value(self.ctx.model.unique_name(f"{self.plan.mean.name}/rescale_{label}"),
-                         self.graph, dtype, ())
-        constant.const = LazyTensor(dtype, (), lambda: data)
-        self.graph.add_initializer(constant)
-        return constant
+        return scalar_constant(self.ctx.model, self.graph,
+                               f"{self.plan.mean.name}/rescale_{label}", value, dtype)
 
 
 def _cast_source(value: Value | None, x: Value) -> Node | None:
@@ -127,7 +103,7 @@ def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], doomed: lis
     axes_inputs = list(mean.inputs[1:])
 
     def widen(value: Value) -> Value:
-        return build.node(ops["cast"], [value], FLOAT32, row, {"to": FLOAT32})
+        return build.node(CAST, [value], FLOAT32, row, {"to": FLOAT32})
 
     magnitude = build.node(ops["abs"], [x], low, x.shape)
     largest = build.node(ops["reduce_max"], [magnitude, *axes_inputs], low, row, reduce_attrs)
@@ -163,8 +139,8 @@ def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], doomed: lis
 
 @register_pass("rescale_rms_statistics")
 def rescale_rms_statistics(ctx: PassContext) -> tuple[int, list[str]]:
-    """Compute each planned RMS norm's mean square in low precision on its row divided by the
-    row's largest |x| (no fp32 copy of the row, no fp32 square)."""
+    """Compute each planned RMS norm's mean square in low precision on its row divided by 2^-7
+    of the row's largest |x| (no fp32 copy of the row, no fp32 square)."""
     done = 0
     doomed: list[Node] = []
     inserts: dict[int, tuple[Graph, dict[int, list[Node]]]] = {}
@@ -178,10 +154,5 @@ def rescale_rms_statistics(ctx: PassContext) -> tuple[int, list[str]]:
     ctx.focus = None
     for graph, before in inserts.values():  # one sweep per graph, not one search per norm
         graph.insert_nodes(before=before)
-    by_graph: dict[int, tuple[Graph, list[Node]]] = {}
-    for node in {id(n): n for n in doomed}.values():
-        assert node.graph is not None
-        by_graph.setdefault(id(node.graph), (node.graph, []))[1].append(node)
-    for graph, nodes in by_graph.values():
-        graph.remove_nodes(nodes)
+    remove_everywhere(ctx.model, doomed)
     return done, []

@@ -8,17 +8,10 @@ masked row is uniform as in fp32. See passes/analysis/attention_masks.py for the
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import numpy as np
-
-from ...ir import FLOAT32, LOW_PRECISION_DTYPES, Graph, LazyTensor, Node, Value, present
+from ...ir import FLOAT32, LOW_PRECISION_DTYPES, Graph, Node, Value, present
 from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES
 from ..base import PassContext, register_pass
-
-
-def _returning(data: np.ndarray) -> Callable[[], np.ndarray]:
-    return lambda: data
+from .building import new_node, scalar_constant
 
 
 def _bound(ctx: PassContext, graph: Graph, dtype: str, sign: int,
@@ -26,14 +19,9 @@ def _bound(ctx: PassContext, graph: Graph, dtype: str, sign: int,
     """The constant -max or +max of the target, in `dtype`, one per graph."""
     key = (id(graph), dtype, sign)
     if key not in cache:
-        limit = sign * FINITE_MAX[ctx.target_dtype]
-        data = np.asarray(limit, dtype=NUMPY_DTYPES[dtype])
-        name = ctx.model.unique_name(f"mask_saturation_{'max' if sign > 0 else 'min'}_"
-                                     f"{dtype}")
-        value = Value(name, graph, dtype, ())
-        value.const = LazyTensor(dtype, (), _returning(data))
-        graph.add_initializer(value)
-        cache[key] = value
+        cache[key] = scalar_constant(
+            ctx.model, graph, f"mask_saturation_{'max' if sign > 0 else 'min'}_{dtype}",
+            sign * FINITE_MAX[ctx.target_dtype], dtype)
     return cache[key]
 
 
@@ -66,19 +54,14 @@ def saturate_masked_sums(ctx: PassContext) -> tuple[int, list[str]]:
             value = source
             nodes: list[Node] = []
             for step_op, bounds in steps:
-                step = Node(ctx.model.unique_name(f"{sink.name}/saturate"), step_op, "", graph)
-                step.op_class, step.class_reason = "saturation", plan.record.detail
-                output = Value(ctx.model.unique_name(f"{source.name}_saturated"), graph, dtype,
-                               source.shape)
-                graph.add_value(output)
-                step.add_input(value)
-                for sign in bounds:
-                    step.add_input(_bound(ctx, graph, dtype, sign, cache))
-                step.add_output(output)
-                step.input_group, step.output_group = [None] * (1 + len(bounds)), [None]
-                step.order = sink.order
+                step = new_node(ctx.model, graph, f"{sink.name}/saturate", step_op,
+                                [value, *(_bound(ctx, graph, dtype, sign, cache)
+                                          for sign in bounds)],
+                                f"{source.name}_saturated", dtype, source.shape,
+                                op_class="saturation", reason=plan.record.detail,
+                                order=sink.order)
                 nodes.append(step)
-                value = output
+                value = present(step.outputs[0])
             sink.set_input(0, value)
             graph.insert_before(sink, nodes)
             plan.record.added.extend(n.name for n in nodes)
