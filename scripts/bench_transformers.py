@@ -275,12 +275,16 @@ def make_inputs(model: str, size: str, fp32_path: Path) -> dict[str, np.ndarray]
     return {name: feeds[name] for name in graph_inputs}
 
 
-def run_model(model_or_path: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Outputs by name from ORT's CPU provider (inputs cast to the model's input dtypes)."""
+def run_model(model_or_path: Any, feeds: dict[str, np.ndarray], optimize: bool = True
+              ) -> dict[str, np.ndarray]:
+    """Outputs by name from ORT's CPU provider (inputs cast to the model's input dtypes);
+    `optimize=False` turns ORT's graph optimizations off."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     source = model_or_path if isinstance(model_or_path, str) else \
         model_or_path.SerializeToString()
     session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
@@ -401,7 +405,6 @@ def _observed(model, feeds: dict[str, np.ndarray]) -> tuple[dict[str, int], dict
     them (each made a graph output, graph optimizations off so none is fused away); for models
     ORT's symbolic shape inference cannot follow."""
     import onnx
-    import onnxruntime as ort
 
     typed = onnx.shape_inference.infer_shapes(model)
     types = {info.name: info.type.tensor_type.elem_type
@@ -416,16 +419,8 @@ def _observed(model, feeds: dict[str, np.ndarray]) -> tuple[dict[str, int], dict
                 probe.graph.output.append(onnx.helper.make_value_info(
                     name, onnx.helper.make_tensor_type_proto(types[name], None)))
                 present.add(name)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(probe.SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
-    dtypes = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
-    prepared = {i.name: feeds[i.name].astype(dtypes.get(i.type, feeds[i.name].dtype))
-                for i in session.get_inputs()}
-    names = [o.name for o in session.get_outputs()]
-    shapes = {name: list(array.shape) for name, array in zip(names, session.run(names, prepared))}
+    shapes = {name: list(array.shape)
+              for name, array in run_model(probe, feeds, optimize=False).items()}
     for tensor in probe.graph.initializer:
         types[tensor.name] = tensor.data_type
     return types, shapes
