@@ -374,3 +374,53 @@ def test_cost_summary_bytes_compute_ops_and_casts(capsys, tmp_path):
     line = next(line for line in stdout.splitlines() if line.startswith("cost:"))
     assert "29% of" in line and "compute ops fp32 0/1" in line
     assert "1 graph input kept fp32" in line
+
+
+def test_activation_accesses_from_the_ir_match_the_emitted_model():
+    """The cost summary counts accesses on the IR before it is released; the count must be the
+    one read off the emitted model: Constant outputs and initializers left out, a value read
+    twice by one node counted twice, a graph output read by the caller, reads inside an If
+    branch not counted at the top level."""
+    from onnx import helper
+
+    from amp_rewriter.cost import activation_accesses
+    from amp_rewriter.formats.onnx.convert import convert_model_ir
+    from amp_rewriter.formats.onnx.shapes import (
+        _proto_accesses,
+        activation_traffic,
+        validation_input_shapes,
+    )
+    from amp_rewriter.options import Options
+
+    branch_out = helper.make_tensor_value_info("b", TensorProto.FLOAT, ["n", 4])
+    then_branch = helper.make_graph([helper.make_node("Relu", ["h"], ["b"])], "then", [],
+                                    [branch_out])
+    else_branch = helper.make_graph([helper.make_node("Neg", ["h"], ["b"])], "else", [],
+                                    [branch_out])
+    nodes = [
+        helper.make_node("Constant", [], ["c"], value=helper.make_tensor(
+            "c", TensorProto.FLOAT, [4], [1.0, 2.0, 3.0, 4.0])),
+        helper.make_node("MatMul", ["x", "w"], ["m"]),
+        helper.make_node("Add", ["m", "c"], ["h"]),
+        helper.make_node("Mul", ["h", "h"], ["sq"]),
+        helper.make_node("ReduceSum", ["sq"], ["s"], keepdims=0),
+        helper.make_node("Greater", ["s", "zero"], ["p"]),
+        helper.make_node("If", ["p"], ["y"], then_branch=then_branch, else_branch=else_branch),
+        helper.make_node("Softmax", ["h"], ["z"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, ["n", 4]),
+         helper.make_tensor_value_info("h", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor("w", TensorProto.FLOAT, [4, 4], np.eye(4, dtype=np.float32).ravel()),
+         helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    converted, report, kept = convert_model_ir(model, Options(target="fp16"))
+    from_ir = activation_accesses(kept.model)
+    assert from_ir == _proto_accesses(converted.graph)
+    assert "c" not in from_ir and "w" not in from_ir and from_ir["sq"] == 2
+    shapes = {"x": (3, 4)}
+    assert activation_traffic(converted, shapes, from_ir) == activation_traffic(converted, shapes)
+    at_validation_sizes = validation_input_shapes(converted)
+    assert report.cost["activation_bytes"] == activation_traffic(converted, at_validation_sizes)

@@ -12,6 +12,7 @@ import onnx
 from onnx import external_data_helper
 
 from ... import progress
+from ...cost import activation_accesses
 from ...errors import AmpError
 from ...fileio import OutputTransaction, owned_prefix
 from ...ir import LazyTensor, Model, Node, ValueNames
@@ -150,6 +151,8 @@ def _convert_owned(model: onnx.ModelProto, options: Options, base: Path | None,
         override_warnings = _override_warnings(options, [n for n, _ in original_nodes])
         schema_warnings = _schema_warnings(ir_model)
         del original_nodes, ctx
+        accesses = activation_accesses(ir_model) if report.cost is not None else None
+        op_kinds = {(node.domain, node.op_type) for node in ir_model.graph.walk_nodes()}
         kept = None
         if original_names is not None:
             kept = ConvertedIR(ir_model, original_names)
@@ -158,7 +161,8 @@ def _convert_owned(model: onnx.ModelProto, options: Options, base: Path | None,
         del ir_model
         if report.cost is not None:
             report.cost["activation_bytes"] = activation_traffic(
-                converted, validation_input_shapes(converted))
+                converted, validation_input_shapes(converted), accesses, op_kinds)
+        del accesses
         report.warnings = override_warnings
         report.warnings += bf16_advice(report, lists, opset)
         report.warnings += schema_warnings

@@ -112,11 +112,14 @@ def _symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     return result
 
 
-def _inferred(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
-              ) -> onnx.ModelProto | None:
-    """The skeleton with its inferred value_info, or None when inference failed."""
+def _inferred(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
+              op_kinds: set[tuple[str, str]] | None = None) -> onnx.ModelProto | None:
+    """The skeleton with its inferred value_info, or None when inference failed. `op_kinds`:
+    the model's (domain, op type) pairs, when the caller knows them."""
     sk = skeleton(model, input_shapes)
-    op_kinds = {(node.domain, node.op_type) for g in walk_graph_protos(sk.graph) for node in g.node}
+    if op_kinds is None:
+        op_kinds = {(node.domain, node.op_type) for g in walk_graph_protos(sk.graph)
+                    for node in g.node}
     ort_ops = any((domain not in _STANDARD_DOMAINS or not onnx.defs.has(op))
                   and ort_registry.has_op(op, domain) for domain, op in op_kinds)
     inferred = None
@@ -182,26 +185,41 @@ def validation_input_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]
             if info.name not in initializers and info.type.HasField("tensor_type")}
 
 
-def activation_traffic(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
-                       ) -> dict[str, Any]:
-    """`cost.bytes_moved` for the top-level graph's float activations at `input_shapes`."""
-    types = _types(_inferred(model, input_shapes), model)
-    graph = model.graph
+def _proto_accesses(graph: onnx.GraphProto) -> dict[str, int]:
+    """`cost.activation_accesses`, counted on a graph proto (top-level nodes only)."""
     constants = {t.name for t in graph.initializer}
-    constants.update(node.output[0] for node in graph.node
-                     if node.op_type == "Constant" and node.output)
-    reads = Counter(name for node in graph.node for name in node.input if name)
+    # One read of each node's fields: every access to a protobuf repeated field builds new
+    # Python objects.
+    reads: Counter[str] = Counter()
+    produced: list[str] = []
+    for node in list(graph.node):
+        outputs = list(node.output)
+        if node.op_type == "Constant" and outputs:
+            constants.add(outputs[0])
+        reads.update(name for name in node.input if name)
+        produced.extend(name for name in outputs if name)
     reads.update(info.name for info in graph.output)
-    tensors = []
+    writes = set(produced)
     names = [info.name for info in graph.input if info.name not in constants]
-    writes = {name for node in graph.node for name in node.output if name}
-    names += [name for node in graph.node for name in node.output
-              if name and name not in constants]
-    for name in dict.fromkeys(names):
+    names += [name for name in produced if name not in constants]
+    return {name: int(name in writes) + reads[name] for name in dict.fromkeys(names)}
+
+
+def activation_traffic(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
+                       accesses: Mapping[str, int] | None = None,
+                       op_kinds: set[tuple[str, str]] | None = None) -> dict[str, Any]:
+    """`cost.bytes_moved` for the top-level graph's float activations at `input_shapes`.
+    `accesses` (`cost.activation_accesses` of the IR the model was emitted from) and `op_kinds`
+    (its nodes' (domain, op type) pairs, nested graphs included) save reading them off the
+    model's nodes, which costs seconds at a million nodes."""
+    types = _types(_inferred(model, input_shapes, op_kinds), model)
+    if accesses is None:
+        accesses = _proto_accesses(model.graph)
+    tensors = []
+    for name, count in accesses.items():
         dtype, shape = types.get(name, (None, None))
-        if dtype is None:
-            continue
-        tensors.append((dtype, shape, int(name in writes) + reads[name]))
+        if dtype is not None:
+            tensors.append((dtype, shape, count))
     traffic = bytes_moved(tensors)
     traffic["input_shapes"] = {name: list(shape) for name, shape in input_shapes.items()}
     return traffic
