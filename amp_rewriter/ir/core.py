@@ -14,7 +14,7 @@ read freely but changed only through the methods here (`Node.add_input`, `Node.s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -56,8 +56,9 @@ class Value:
         #: (consumer node, input slot); consumers may sit in nested graphs (captured values).
         #: Read-only outside the IR: change it through Node.set_input and friends.
         self.uses: list[tuple[Node, int]] = []
-        #: (graph, output index) for every graph output this value is.
-        self.graph_output_uses: list[tuple[Graph, int]] = []
+        #: (graph, output index) for every graph output this value is. A shared empty tuple
+        #: until the value becomes one (few do): an empty list per value costs 56 bytes.
+        self.graph_output_uses: Sequence[tuple[Graph, int]] = ()
         #: Set for initializers and Constant-node outputs whose data is known.
         self.const: LazyTensor | None = None
         self.is_graph_input = False
@@ -90,6 +91,10 @@ class Value:
             consumer.inputs[slot] = new
             new.uses.append((consumer, slot))
         self.uses = []
+
+    def add_graph_output_use(self, graph: Graph, index: int) -> None:
+        """Record that this value is output `index` of `graph` (use `Graph.add_output`)."""
+        self.graph_output_uses = [*self.graph_output_uses, (graph, index)]
 
     def rename(self, new_name: str) -> None:
         """Give the value a new name (its graph's name table follows)."""
@@ -372,14 +377,14 @@ class Graph:
 
     def add_output(self, value: Value) -> None:
         """Append a graph output."""
-        value.graph_output_uses.append((self, len(self.outputs)))
+        value.add_graph_output_use(self, len(self.outputs))
         self.outputs.append(value)
 
     def set_output(self, index: int, value: Value) -> None:
         """Make graph output `index` be `value`."""
         old = self.outputs[index]
-        old.graph_output_uses.remove((self, index))
-        value.graph_output_uses.append((self, index))
+        old.graph_output_uses = [use for use in old.graph_output_uses if use != (self, index)]
+        value.add_graph_output_use(self, index)
         self.outputs[index] = value
 
     # -- node order -------------------------------------------------------------------------
@@ -473,7 +478,7 @@ class Model:
                 node.handle = None
             for value in list(graph.values.values()) + graph.inputs + graph.outputs:
                 value.uses.clear()
-                value.graph_output_uses.clear()
+                value.graph_output_uses = ()
                 value.producer = None
                 value.origin = None
             graph.nodes = []
