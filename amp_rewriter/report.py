@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from .cost import casts_by_reason, compute_ops_left_fp32
 from .errors import AmpError
@@ -30,8 +31,15 @@ def to_json(data: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=False, default=_as_text) + "\n"
 
 
-def node_entry(node: Node, graph_name: str) -> dict[str, Any]:
-    """One node's precision, class and reasons for the report."""
+#: One node's entry, compact: (name, op, precision, class, kind, reason, graph or None,
+#: op-list reason or None, groups), each group (group, precision, kind, reason, via node or
+#: None, via group or None). A tuple per node and group instead of dicts: a third of the
+#: memory, which counts at a million nodes.
+NodeRecord = tuple
+
+
+def node_record(node: Node, graph_name: str) -> NodeRecord:
+    """One node's precision, class and reasons for the report, as a compact record."""
     decided = [g for g in node.type_groups if g.precision is not None]
     dtypes = {g.precision for g in decided}
     if not decided:
@@ -48,22 +56,93 @@ def node_entry(node: Node, graph_name: str) -> dict[str, Any]:
         precision = "mixed"
         reason = "; ".join(f"{g.name}: {g.reason}" for g in decided)
         kind = decided[0].kind
-    entry: dict[str, Any] = {"name": node.name, "op": node.qualified_op, "precision": precision,
-                             "class": node.op_class, "kind": kind, "reason": reason}
-    if graph_name != "main":
-        entry["graph"] = graph_name
-    groups = []
-    for g in decided:
-        group: dict[str, Any] = {"group": g.name, "precision": short_name(g.precision),
-                                 "kind": g.kind, "reason": g.reason}
-        if g.via is not None:  # the decision this one followed; explain walks these links
-            group["via"] = {"node": g.via.node.name, "group": g.via.name}
-        groups.append(group)
+    groups = tuple((g.name, short_name(g.precision), g.kind, g.reason,
+                    g.via.node.name if g.via is not None else None,
+                    g.via.name if g.via is not None else None) for g in decided)
+    class_reason = node.class_reason if node.class_reason and node.class_reason != reason \
+        else None
+    return (node.name, node.qualified_op, precision, node.op_class, kind, reason,
+            graph_name if graph_name != "main" else None, class_reason, groups)
+
+
+def _entry(record: NodeRecord | dict[str, Any]) -> dict[str, Any]:
+    """A record as the dict the report's JSON holds (a dict entry is returned as it is)."""
+    if isinstance(record, dict):
+        return record
+    name, op, precision, op_class, kind, reason, graph, class_reason, groups = record
+    entry: dict[str, Any] = {"name": name, "op": op, "precision": precision, "class": op_class,
+                             "kind": kind, "reason": reason}
+    if graph is not None:
+        entry["graph"] = graph
     if groups:
-        entry["groups"] = groups
-    if node.class_reason and node.class_reason != reason:
-        entry["class_reason"] = node.class_reason
+        entry["groups"] = [_group_entry(group) for group in groups]
+    if class_reason is not None:
+        entry["class_reason"] = class_reason
     return entry
+
+
+def _group_entry(group: tuple) -> dict[str, Any]:
+    name, precision, kind, reason, via_node, via_group = group
+    entry: dict[str, Any] = {"group": name, "precision": precision, "kind": kind,
+                             "reason": reason}
+    if via_node is not None:  # the decision this one followed; explain walks these links
+        entry["via"] = {"node": via_node, "group": via_group}
+    return entry
+
+
+def node_entry(node: Node, graph_name: str) -> dict[str, Any]:
+    """One node's precision, class and reasons, as the report's JSON shows them."""
+    return _entry(node_record(node, graph_name))
+
+
+class NodeEntries(Sequence[dict[str, Any]]):
+    """The report's node entries. Kept as compact records and read as the dicts the JSON holds:
+    each read builds a fresh dict, so change an entry through `update`, not the dict."""
+
+    def __init__(self, records: Iterable[NodeRecord | dict[str, Any]] = ()):
+        self._records: list[NodeRecord | dict[str, Any]] = list(records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @overload
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[dict[str, Any]]: ...
+
+    def __getitem__(self, index: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
+        if isinstance(index, slice):
+            return [_entry(record) for record in self._records[index]]
+        return _entry(self._records[index])
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (_entry(record) for record in self._records)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (NodeEntries, list)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"NodeEntries({len(self)} nodes)"
+
+    def extend(self, entries: Iterable[dict[str, Any]]) -> None:
+        """Append entries (another report's, when reports are merged)."""
+        self._records.extend(entries._records if isinstance(entries, NodeEntries) else entries)
+
+    def update(self, index: int, **fields: Any) -> None:
+        """Change fields of entry `index`."""
+        entry = _entry(self._records[index])
+        entry.update(fields)
+        self._records[index] = entry
+
+    def column(self, index: int) -> Iterator[Any]:
+        """One field of every entry, by its place in `NodeRecord` (0 name, 1 op, 2 precision,
+        4 kind), without building the entries."""
+        keys = ("name", "op", "precision", "class", "kind", "reason")
+        for record in self._records:
+            yield record[keys[index]] if isinstance(record, dict) else record[index]
 
 
 @dataclass
@@ -73,7 +152,7 @@ class Report:
     target: str
     backend: str
     summary: dict[str, Any]
-    nodes: list[dict[str, Any]]
+    nodes: NodeEntries
     constants: list[dict[str, Any]] = field(default_factory=list)
     passes: list[dict[str, Any]] = field(default_factory=list)
     validation: dict[str, Any] | None = None
@@ -94,8 +173,13 @@ class Report:
     #: `convert --auto`'s search: calibration, runs, pinned nodes and what each contributed.
     auto: dict[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.nodes, NodeEntries):
+            self.nodes = NodeEntries(self.nodes)
+
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = asdict(replace(self, nodes=NodeEntries()))
+        data["nodes"] = list(self.nodes)
         for key in ("validation", "training", "optimizer", "cost", "weights", "auto"):
             if data[key] is None:
                 del data[key]
@@ -105,25 +189,27 @@ class Report:
         return to_json(self.to_dict())
 
     def node(self, name: str) -> dict[str, Any] | None:
-        return next((n for n in self.nodes if n["name"] == name), None)
+        index = next((i for i, n in enumerate(self.nodes.column(0)) if n == name), None)
+        return None if index is None else self.nodes[index]
 
 
 def build_report(ctx: PassContext, original_nodes: list[tuple[Node, str]],
                  results: list[PassResult]) -> Report:
     """Summarise a conversion: every original node's decision plus the counts users ask for."""
-    entries = [node_entry(node, graph) for node, graph in original_nodes]
-    low = sum(1 for e in entries if e["precision"] in LOW_PRECISION_NAMES)
+    entries = NodeEntries(node_record(node, graph) for node, graph in original_nodes)
+    precisions = list(entries.column(2))
+    low = sum(1 for precision in precisions if precision in LOW_PRECISION_NAMES)
     kept = sum(1 for c in ctx.constants if c.action == "kept_fp32")
     final_ids = {id(n) for n in ctx.model.graph.walk_nodes()}
     original_casts = [n for n, _ in original_nodes if n.op_type == "Cast"]
     new_casts = sum(1 for n in ctx.model.graph.walk_nodes()
                     if n.op_type == "Cast" and n.handle is None)
     compute: dict[str, list[int]] = {}
-    for entry in entries:
+    for op, precision in zip(entries.column(1), precisions):
         # Float compute only: a MatMul of integers (precision n/a) is not what the count is for.
-        if entry["op"] in ctx.rules.compute_ops and entry["precision"] != "n/a":
-            counts = compute.setdefault(entry["op"], [0, 0])
-            counts[0] += entry["precision"] in LOW_PRECISION_NAMES
+        if op in ctx.rules.compute_ops and precision != "n/a":
+            counts = compute.setdefault(op, [0, 0])
+            counts[0] += precision in LOW_PRECISION_NAMES
             counts[1] += 1
     summary = {
         "nodes": len(entries),
@@ -145,7 +231,7 @@ def build_report(ctx: PassContext, original_nodes: list[tuple[Node, str]],
     cost = {"compute_ops": compute_ops_left_fp32(ctx.model, ctx.rules.compute_ops),
             "casts_by_reason": casts_by_reason(ctx.model)}
     return Report(ctx.options.target, ctx.options.backend or "", summary, entries,
-                  [asdict(c) for c in ctx.constants],
+                  [dict(vars(c)) for c in ctx.constants],  # flat records: no deep copy
                   [{"name": r.name, "changed": r.changed, "notes": r.notes} for r in results],
                   cost=cost, structures=[asdict(s) for s in ctx.structures])
 
@@ -158,7 +244,8 @@ def load_report(path: str | Path) -> Report:
     try:
         data = json.loads(text)
         _check_report_shape(data)
-        return Report(data["target"], data["backend"], data["summary"], data["nodes"],
+        return Report(data["target"], data["backend"], data["summary"],
+                      NodeEntries(data["nodes"]),
                       data.get("constants", []), data.get("passes", []), data.get("validation"),
                       training=data.get("training"), optimizer=data.get("optimizer"),
                       cost=data.get("cost"), weights=data.get("weights"),

@@ -30,7 +30,7 @@ from ...ir import ALLOW, TARGET_DTYPES, Model, ValueNames, decisions, short_name
 from ...op_lists import OpLists
 from ...options import Options
 from ...passes import PassContext, Pin, run_pipeline
-from ...report import Report, build_report
+from ...report import NodeEntries, Report, build_report
 from ..base import cyclic_gc_paused
 from .emit import emit_function, emit_graphdef
 from .files import (
@@ -282,12 +282,13 @@ def _lower_weights(saved: saved_model_pb2.SavedModel, input_dir: Path, options: 
     if not plan.variables:
         return None
     apply_low_precision_weights(meta_graph, plan, checkpoint_functions)
-    for entry in report.nodes:
+    for index, entry in enumerate(report.nodes):
         if (entry.get("graph", "main"), entry["name"]) in plan.read_nodes:
-            entry.update(precision=short_name(plan.dtype), kind=decisions.TYPE_GROUP,
-                         reason=f"reads a variable stored in {short_name(plan.dtype)}: every read "
-                                f"of it is cast to {short_name(plan.dtype)}, so the weight is "
-                                f"stored that way and the cast dropped")
+            report.nodes.update(
+                index, precision=short_name(plan.dtype), kind=decisions.TYPE_GROUP,
+                reason=f"reads a variable stored in {short_name(plan.dtype)}: every read of it "
+                       f"is cast to {short_name(plan.dtype)}, so the weight is stored that way "
+                       f"and the cast dropped")
 
     def write_variables(staged: Path) -> None:
         write_checkpoint(prefix, staged / "variables" / "variables", plan)
@@ -367,7 +368,7 @@ def merge_reports(reports: list[Report], options: Options,
     summary["graphs_converted"] = len(reports)  # function bodies and main graphs
     if served is not None:
         summary["graphs_not_served"] = served.count(False)
-    return Report(options.target, options.backend or "", summary, nodes, constants,
+    return Report(options.target, options.backend or "", summary, NodeEntries(nodes), constants,
                   list(passes.values()))
 
 
