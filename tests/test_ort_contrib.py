@@ -424,3 +424,32 @@ def test_activation_accesses_from_the_ir_match_the_emitted_model():
     assert activation_traffic(converted, shapes, from_ir) == activation_traffic(converted, shapes)
     at_validation_sizes = validation_input_shapes(converted)
     assert report.cost["activation_bytes"] == activation_traffic(converted, at_validation_sizes)
+
+
+def test_the_cost_inference_stands_in_for_the_checkers_type_check_only_when_it_passes():
+    """The cost summary's shape inference runs in the checker's strict, type-checking mode so the
+    full check need not run it again; a model it refuses (a declared type that contradicts the
+    inferred one) is reported as not checked, and the full check still fails it."""
+    from amp_rewriter.errors import AmpError
+    from amp_rewriter.formats.onnx.convert import check_valid
+    from amp_rewriter.formats.onnx.shapes import checked_activation_traffic
+
+    b = GraphBuilder(opset=17)
+    x = b.input("x", [2, "n"])
+    h = b.op("MatMul", x, b.weight("w", [8, 8]), name="mm")
+    b.output(b.op("Relu", h, name="relu"))
+    good = b.build()
+    good.graph.value_info.append(onnx.helper.make_tensor_value_info(h, TensorProto.FLOAT,
+                                                                    [2, "n"]))
+    traffic, checked = checked_activation_traffic(good, {"x": (2, 8)}, type_check=True)
+    assert checked and traffic["fp32"] > 0
+    assert not checked_activation_traffic(good, {"x": (2, 8)})[1]  # not asked
+
+    bad = onnx.ModelProto()
+    bad.CopyFrom(good)
+    bad.graph.value_info[0].type.tensor_type.elem_type = TensorProto.FLOAT16
+    bad_traffic, checked = checked_activation_traffic(bad, {"x": (2, 8)}, type_check=True)
+    assert not checked
+    assert bad_traffic == traffic  # shapes still come from the lenient inference
+    with pytest.raises(AmpError, match="fails the ONNX checker"):
+        check_valid(bad)

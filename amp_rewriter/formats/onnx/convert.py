@@ -34,7 +34,7 @@ from .emit import (
 from .load import PROTOBUF_LIMIT, all_tensors, load_onnx, read_model_file, walk_graph_protos
 from .optimize import optimized_copy, options_after
 from .rules import ONNX_RULES
-from .shapes import activation_traffic, validation_input_shapes
+from .shapes import checked_activation_traffic, validation_input_shapes
 
 DEFAULT_BACKEND = "ort-cuda"
 #: onnxruntime's contrib domain.
@@ -159,18 +159,23 @@ def _convert_owned(model: onnx.ModelProto, options: Options, base: Path | None,
         else:  # free the IR now (gigabytes at a million nodes), before shape inference and the
             ir_model.release()  # checker make their own copies of the model
         del ir_model
+        check_here = options.check and not has_external_data(converted) \
+            and converted.ByteSize() <= PROTOBUF_LIMIT  # else convert_file checks the file
+        types_checked = False
         if report.cost is not None:
-            report.cost["activation_bytes"] = activation_traffic(
-                converted, validation_input_shapes(converted), accesses, op_kinds)
+            report.cost["activation_bytes"], types_checked = checked_activation_traffic(
+                converted, validation_input_shapes(converted), accesses, op_kinds,
+                type_check=check_here)
         del accesses
         report.warnings = override_warnings
         report.warnings += bf16_advice(report, lists, opset)
         report.warnings += schema_warnings
         steps.finish()
-        if options.check and not has_external_data(converted) \
-                and converted.ByteSize() <= PROTOBUF_LIMIT:
+        if check_here:
             try:
-                check_valid(converted)  # else convert_file checks the saved file
+                # The cost summary's inference ran the full check's type and shape check
+                # already: then only the structural check is left.
+                check_valid(converted, full=not types_checked)
             except AmpError:
                 _blame_invalid_input(original)
                 raise
@@ -292,13 +297,17 @@ def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def check_valid(model: onnx.ModelProto | str) -> None:
-    """onnx.checker with full check (type and shape inference); failures raise AmpError.
+def check_valid(model: onnx.ModelProto | str, full: bool = True) -> None:
+    """onnx.checker with full check (type and shape inference; `full=False`: the structural
+    check alone, for a model whose inference passed in strict mode); failures raise AmpError.
 
     A path is checked from disk, which is the only way for external data or models over 2 GB.
     """
     try:
-        onnx_full_check(model)
+        if full:
+            onnx_full_check(model)
+        else:
+            onnx.checker.check_model(model)
     except Exception as exc:  # the checker raises several exception types
         raise AmpError(f"the converted model fails the ONNX checker: {_first_line(exc)}") from None
 

@@ -113,9 +113,18 @@ def _symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _inferred(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
-              op_kinds: set[tuple[str, str]] | None = None) -> onnx.ModelProto | None:
-    """The skeleton with its inferred value_info, or None when inference failed. `op_kinds`:
-    the model's (domain, op type) pairs, when the caller knows them."""
+              op_kinds: set[tuple[str, str]] | None = None, type_check: bool = False
+              ) -> tuple[onnx.ModelProto | None, bool]:
+    """The skeleton with its inferred value_info (None when inference failed), and whether the
+    inference also passed the type and shape check that onnx.checker's full check runs.
+
+    `op_kinds`: the model's (domain, op type) pairs, when the caller knows them. `type_check`:
+    run onnx's inference in its strict, type-checking mode on the skeleton with the model's
+    declared value_info (the full check's inference, at concrete input sizes): one inference
+    serves the cost summary and the check. Where that raises (or the model has onnxruntime's
+    ops, whose shapes come from onnxruntime), the result says so and shapes come from the
+    lenient inference as without `type_check`.
+    """
     sk = skeleton(model, input_shapes)
     if op_kinds is None:
         op_kinds = {(node.domain, node.op_type) for g in walk_graph_protos(sk.graph)
@@ -129,17 +138,25 @@ def _inferred(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]
                 inferred = _symbolic_shapes(sk)
             except Exception:  # any failure only costs us shapes
                 inferred = None
-        if inferred is None:
-            # Serialized first so the skeleton (a copy of every node) is freed before onnx's
-            # inference makes its own.
-            data = sk.SerializeToString()
-            del sk
+        if inferred is not None:
+            return inferred, False
+        if type_check and not ort_ops:
+            sk.graph.value_info.extend(model.graph.value_info)
             try:
-                inferred = onnx.shape_inference.infer_shapes(data, strict_mode=False,
-                                                             data_prop=True)
-            except Exception:  # as above
-                return None
-    return inferred
+                return onnx.shape_inference.infer_shapes(
+                    sk.SerializeToString(), check_type=True, strict_mode=True,
+                    data_prop=True), True
+            except Exception:  # the caller runs the checker's own full check
+                del sk.graph.value_info[:]
+        # Serialized first so the skeleton (a copy of every node) is freed before onnx's
+        # inference makes its own.
+        data = sk.SerializeToString()
+        del sk
+        try:
+            return onnx.shape_inference.infer_shapes(data, strict_mode=False,
+                                                     data_prop=True), False
+        except Exception:  # as above
+            return None, False
 
 
 def _types(inferred: onnx.ModelProto | None, model: onnx.ModelProto
@@ -212,7 +229,19 @@ def activation_traffic(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[
     `accesses` (`cost.activation_accesses` of the IR the model was emitted from) and `op_kinds`
     (its nodes' (domain, op type) pairs, nested graphs included) save reading them off the
     model's nodes, which costs seconds at a million nodes."""
-    types = _types(_inferred(model, input_shapes, op_kinds), model)
+    return checked_activation_traffic(model, input_shapes, accesses, op_kinds)[0]
+
+
+def checked_activation_traffic(model: onnx.ModelProto,
+                               input_shapes: Mapping[str, tuple[int, ...]],
+                               accesses: Mapping[str, int] | None = None,
+                               op_kinds: set[tuple[str, str]] | None = None,
+                               type_check: bool = False) -> tuple[dict[str, Any], bool]:
+    """`activation_traffic`, and whether its shape inference passed the type and shape check of
+    onnx.checker's full check (asked for with `type_check`; see `_inferred`)."""
+    inferred, checked = _inferred(model, input_shapes, op_kinds, type_check)
+    types = _types(inferred, model)
+    del inferred
     if accesses is None:
         accesses = _proto_accesses(model.graph)
     tensors = []
@@ -222,4 +251,4 @@ def activation_traffic(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[
             tensors.append((dtype, shape, count))
     traffic = bytes_moved(tensors)
     traffic["input_shapes"] = {name: list(shape) for name, shape in input_shapes.items()}
-    return traffic
+    return traffic, checked
