@@ -453,3 +453,24 @@ def test_the_cost_inference_stands_in_for_the_checkers_type_check_only_when_it_p
     assert bad_traffic == traffic  # shapes still come from the lenient inference
     with pytest.raises(AmpError, match="fails the ONNX checker"):
         check_valid(bad)
+
+
+def test_skeleton_bytes_parse_as_the_skeleton():
+    """The cost summary's inference reads a skeleton serialized node by node; it must parse as
+    the skeleton message (large initializers turned into inputs, concrete input sizes), with
+    the declared value_info when asked."""
+    from amp_rewriter.formats.onnx.shapes import skeleton, skeleton_bytes
+
+    b = GraphBuilder(opset=17)
+    x = b.input("x", [2, "n"])
+    h = b.op("MatMul", x, b.weight("w", [8, 300]), name="mm")
+    b.output(b.op("Relu", b.op("Add", h, b.weight("bias", [300]), name="add"), name="relu"))
+    model = b.build()
+    model.graph.value_info.append(onnx.helper.make_tensor_value_info(h, TensorProto.FLOAT,
+                                                                    [2, 300]))
+    shapes = {"x": (2, 8)}
+    want = skeleton(model, shapes)
+    assert [i.name for i in want.graph.input] == ["w", "bias", "x"]  # both over 64 elements
+    assert onnx.ModelProto.FromString(skeleton_bytes(model, shapes)) == want
+    want.graph.value_info.extend(model.graph.value_info)
+    assert onnx.ModelProto.FromString(skeleton_bytes(model, shapes, value_info=True)) == want

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -40,13 +40,63 @@ def _elements(tensor: onnx.TensorProto) -> int:
 def skeleton(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
              ) -> onnx.ModelProto:
     """The model's graph with concrete input shapes and without its large tensors' data."""
+    sk = _skeleton_without_nodes(model, input_shapes)
+    sk.graph.node.extend(model.graph.node)
+    return sk
+
+
+def skeleton_bytes(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
+                   value_info: bool = False) -> bytes:
+    """`skeleton`, serialized (with the model's value_info if asked), without building it:
+    each node is serialized on its own and appended to the serialized rest (a message's
+    encoding concatenated with another's reads as the two merged). A skeleton message would hold
+    a copy of every node, four times the size of their encoding."""
+    head = _skeleton_without_nodes(model, input_shapes)
+    graph_parts = [head.graph.SerializeToString()]
+    graph_parts += _fields(_GRAPH_NODE, model.graph.node)
+    if value_info:
+        graph_parts += _fields(_GRAPH_VALUE_INFO, model.graph.value_info)
+    head.ClearField("graph")
+    graph = b"".join(graph_parts)
+    del graph_parts
+    return b"".join([head.SerializeToString(), _key(_MODEL_GRAPH), _varint(len(graph)), graph])
+
+
+#: Field numbers of the protobuf encoding (onnx.proto).
+_MODEL_GRAPH, _GRAPH_NODE, _GRAPH_VALUE_INFO = 7, 1, 13
+
+
+def _varint(number: int) -> bytes:
+    out = bytearray()
+    while number > 0x7F:
+        out.append((number & 0x7F) | 0x80)
+        number >>= 7
+    out.append(number)
+    return bytes(out)
+
+
+def _key(field_number: int) -> bytes:
+    return _varint(field_number << 3 | 2)  # wire type 2: length-delimited
+
+
+def _fields(field_number: int, messages: Iterable[Any]) -> list[bytes]:
+    """Each message encoded as one entry of repeated message field `field_number`."""
+    key = _key(field_number)
+    parts: list[bytes] = []
+    for message in messages:
+        payload = message.SerializeToString()
+        parts += (key, _varint(len(payload)), payload)
+    return parts
+
+
+def _skeleton_without_nodes(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
+                            ) -> onnx.ModelProto:
     sk = onnx.ModelProto()
     sk.ir_version = max(model.ir_version, 4)  # initializers need not be listed as inputs
     sk.opset_import.extend(model.opset_import)
     sk.functions.extend(model.functions)
     source, graph = model.graph, sk.graph
     graph.name = source.name
-    graph.node.extend(source.node)
     graph.output.extend(source.output)
     initializer_names = set()
     for tensor in source.initializer:
@@ -69,7 +119,6 @@ def skeleton(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
             for size in shape:
                 dims.add().dim_value = size
     return sk
-
 
 
 @cache
@@ -125,36 +174,27 @@ def _inferred(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]
     ops, whose shapes come from onnxruntime), the result says so and shapes come from the
     lenient inference as without `type_check`.
     """
-    sk = skeleton(model, input_shapes)
     if op_kinds is None:
-        op_kinds = {(node.domain, node.op_type) for g in walk_graph_protos(sk.graph)
+        op_kinds = {(node.domain, node.op_type) for g in walk_graph_protos(model.graph)
                     for node in g.node}
     ort_ops = any((domain not in _STANDARD_DOMAINS or not onnx.defs.has(op))
                   and ort_registry.has_op(op, domain) for domain, op in op_kinds)
-    inferred = None
     with ort_registry.quiet():
         if ort_ops:
             try:
-                inferred = _symbolic_shapes(sk)
+                return _symbolic_shapes(skeleton(model, input_shapes)), False
             except Exception:  # any failure only costs us shapes
-                inferred = None
-        if inferred is not None:
-            return inferred, False
+                pass
         if type_check and not ort_ops:
-            sk.graph.value_info.extend(model.graph.value_info)
             try:
                 return onnx.shape_inference.infer_shapes(
-                    sk.SerializeToString(), check_type=True, strict_mode=True,
-                    data_prop=True), True
+                    skeleton_bytes(model, input_shapes, value_info=True), check_type=True,
+                    strict_mode=True, data_prop=True), True
             except Exception:  # the caller runs the checker's own full check
-                del sk.graph.value_info[:]
-        # Serialized first so the skeleton (a copy of every node) is freed before onnx's
-        # inference makes its own.
-        data = sk.SerializeToString()
-        del sk
+                pass
         try:
-            return onnx.shape_inference.infer_shapes(data, strict_mode=False,
-                                                     data_prop=True), False
+            return onnx.shape_inference.infer_shapes(skeleton_bytes(model, input_shapes),
+                                                     strict_mode=False, data_prop=True), False
         except Exception:  # as above
             return None, False
 
