@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import marshal
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -96,14 +98,38 @@ def node_entry(node: Node, graph_name: str) -> dict[str, Any]:
 
 
 class NodeEntries(Sequence[dict[str, Any]]):
-    """The report's node entries. Kept as compact records and read as the dicts the JSON holds:
-    each read builds a fresh dict, so change an entry through `update`, not the dict."""
+    """The report's node entries, read as the dicts the JSON holds. Each read builds a fresh
+    dict, so change an entry through `update`, not the dict.
+
+    The entries are stored packed (each one marshalled into one shared buffer) rather than as a
+    Python object per node: a conversion's report outlives its IR, and per-node objects made
+    while the IR was alive (the names it read from the model) would sit scattered through the
+    IR's memory and keep the system from getting it back once the IR is freed (about 230 MB
+    at 100k nodes).
+    """
 
     def __init__(self, records: Iterable[NodeRecord | dict[str, Any]] = ()):
-        self._records: list[NodeRecord | dict[str, Any]] = list(records)
+        self._packed = bytearray()
+        self._starts = array("Q", [0])
+        self._changed: dict[int, dict[str, Any]] = {}
+        for record in records:
+            self.append(record)
+
+    def append(self, record: NodeRecord | dict[str, Any]) -> None:
+        """Add an entry: a `node_record` or a dict as the JSON holds it."""
+        self._packed += marshal.dumps(record)
+        self._starts.append(len(self._packed))
+
+    def _record(self, index: int) -> NodeRecord | dict[str, Any]:
+        changed = self._changed.get(index)
+        if changed is not None:
+            return changed
+        record: NodeRecord | dict[str, Any] = marshal.loads(
+            self._packed[self._starts[index]:self._starts[index + 1]])
+        return record
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._starts) - 1
 
     @overload
     def __getitem__(self, index: int) -> dict[str, Any]: ...
@@ -113,11 +139,13 @@ class NodeEntries(Sequence[dict[str, Any]]):
 
     def __getitem__(self, index: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
         if isinstance(index, slice):
-            return [_entry(record) for record in self._records[index]]
-        return _entry(self._records[index])
+            return [_entry(self._record(i)) for i in range(len(self))[index]]
+        if not -len(self) <= index < len(self):
+            raise IndexError("node entry index out of range")
+        return _entry(self._record(index % len(self)))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return (_entry(record) for record in self._records)
+        return (_entry(self._record(i)) for i in range(len(self)))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (NodeEntries, list)):
@@ -129,19 +157,21 @@ class NodeEntries(Sequence[dict[str, Any]]):
 
     def extend(self, entries: Iterable[dict[str, Any]]) -> None:
         """Append entries (another report's, when reports are merged)."""
-        self._records.extend(entries._records if isinstance(entries, NodeEntries) else entries)
+        for entry in entries:
+            self.append(entry)
 
     def update(self, index: int, **fields: Any) -> None:
         """Change fields of entry `index`."""
-        entry = _entry(self._records[index])
+        entry = _entry(self._record(index))
         entry.update(fields)
-        self._records[index] = entry
+        self._changed[index] = entry
 
     def column(self, index: int) -> Iterator[Any]:
         """One field of every entry, by its place in `NodeRecord` (0 name, 1 op, 2 precision,
-        4 kind), without building the entries."""
+        4 kind)."""
         keys = ("name", "op", "precision", "class", "kind", "reason")
-        for record in self._records:
+        for i in range(len(self)):
+            record = self._record(i)
             yield record[keys[index]] if isinstance(record, dict) else record[index]
 
 
@@ -196,21 +226,24 @@ class Report:
 def build_report(ctx: PassContext, original_nodes: list[tuple[Node, str]],
                  results: list[PassResult]) -> Report:
     """Summarise a conversion: every original node's decision plus the counts users ask for."""
-    entries = NodeEntries(node_record(node, graph) for node, graph in original_nodes)
-    precisions = list(entries.column(2))
-    low = sum(1 for precision in precisions if precision in LOW_PRECISION_NAMES)
-    kept = sum(1 for c in ctx.constants if c.action == "kept_fp32")
-    final_ids = {id(n) for n in ctx.model.graph.walk_nodes()}
-    original_casts = [n for n, _ in original_nodes if n.op_type == "Cast"]
-    new_casts = sum(1 for n in ctx.model.graph.walk_nodes()
-                    if n.op_type == "Cast" and n.handle is None)
+    entries = NodeEntries()
+    low = 0
     compute: dict[str, list[int]] = {}
-    for op, precision in zip(entries.column(1), precisions):
+    for node, graph in original_nodes:
+        record = node_record(node, graph)
+        entries.append(record)
+        op, precision = record[1], record[2]
+        low += precision in LOW_PRECISION_NAMES
         # Float compute only: a MatMul of integers (precision n/a) is not what the count is for.
         if op in ctx.rules.compute_ops and precision != "n/a":
             counts = compute.setdefault(op, [0, 0])
             counts[0] += precision in LOW_PRECISION_NAMES
             counts[1] += 1
+    kept = sum(1 for c in ctx.constants if c.action == "kept_fp32")
+    final_ids = {id(n) for n in ctx.model.graph.walk_nodes()}
+    original_casts = [n for n, _ in original_nodes if n.op_type == "Cast"]
+    new_casts = sum(1 for n in ctx.model.graph.walk_nodes()
+                    if n.op_type == "Cast" and n.handle is None)
     summary = {
         "nodes": len(entries),
         "low_precision_nodes": low,
