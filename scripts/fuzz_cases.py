@@ -427,8 +427,14 @@ def _mutate_onnx(model: onnx.ModelProto, op: str, k: int, n: int) -> bytes | Non
         graph.output.add().name = "cast_out"
     elif op == "attr_type" and node is not None and node.attribute:
         attr = node.attribute[n % len(node.attribute)]
-        attr.type = [onnx.AttributeProto.FLOAT, onnx.AttributeProto.STRING,
-                     onnx.AttributeProto.GRAPH, onnx.AttributeProto.TENSOR, 99][n % 5]
+        if n % 5 == 4:
+            # An out-of-range type: protobuf >= 5 refuses to set one, and a parser keeps it as an
+            # unknown field (onnx's enums are closed), so what a reader sees is no type at all.
+            attr.ClearField("type")
+            attr.MergeFromString(b"\xa0\x01\x63")  # field 20 (type), varint 99
+        else:
+            attr.type = [onnx.AttributeProto.FLOAT, onnx.AttributeProto.STRING,
+                         onnx.AttributeProto.GRAPH, onnx.AttributeProto.TENSOR][n % 5]
     elif op == "op_type" and node is not None:
         node.op_type = ["", "NoSuchOp", "Conv", "\u00e9\u00e8", "If", "Loop", "Scan"][n % 7]
     elif op == "drop_attrs" and node is not None:
