@@ -39,6 +39,7 @@ _ELEM_TYPE_NAMES = {
 }
 
 
+@cache  # a handful of codes, read for every tensor and value of the model
 def dtype_name(elem_type: int) -> str | None:
     """Our dtype name for an ONNX TensorProto elem_type code (None for UNDEFINED)."""
     if not elem_type:
@@ -227,6 +228,10 @@ def _external_int(tensor: onnx.TensorProto, key: str) -> int | None:
     return int(value)
 
 
+#: Every TensorProto data type code (the enum's `values()` builds a new list per call).
+_DATA_TYPE_CODES = frozenset(onnx.TensorProto.DataType.values())
+
+
 def check_tensor_data(tensor: onnx.TensorProto, base_dir: Path | None) -> None:
     """Refuse a tensor whose data does not match its declared shape and type, before anything
     reads it: numpy would fail on the mismatch, and a declared shape must never decide how much
@@ -237,7 +242,7 @@ def check_tensor_data(tensor: onnx.TensorProto, base_dir: Path | None) -> None:
         raise AmpError(f"{where}: negative dimension in its shape {dims}")
     if tensor.HasField("segment"):
         raise AmpError(f"{where}: segmented tensors are not supported")
-    if tensor.data_type not in onnx.TensorProto.DataType.values() or not tensor.data_type:
+    if tensor.data_type not in _DATA_TYPE_CODES or not tensor.data_type:
         raise AmpError(f"{where}: unknown data type {tensor.data_type}")
     elements = math.prod(dims)
     bits = _BITS.get(tensor.data_type)
@@ -441,6 +446,33 @@ def all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
                 stack.extend(attr.graphs)
 
 
+#: A node's type groups without the node: (name, allowed dtypes, why fixed or None, input
+#: slots, output slots).
+GroupShape = tuple[str, frozenset[str] | None, str | None, tuple[int, ...], tuple[int, ...]]
+
+
+def _group_shapes(formal: Any, op_type: str,
+                  present: tuple[tuple[bool, ...], tuple[bool, ...]]) -> list[GroupShape]:
+    """The type groups of every node of one op with the same slots filled (computed once per
+    such kind of node: a million-node graph has a few dozen)."""
+    plan = _group_plan(formal, op_type, len(present[0]), len(present[1]))
+    found: dict[str, tuple[frozenset[str] | None, str | None]] = {}
+    slots: dict[tuple[str, bool], list[int]] = {}
+    for is_input, slot, key, type_str in plan:
+        if not present[0 if is_input else 1][slot]:
+            continue
+        if key not in found:
+            fixed_reason = FIXED_TYPE_PARAMS.get((op_type, type_str))
+            if formal.has_containers:
+                fixed_reason = "sequence/optional ops keep their element dtype"
+            elif op_type in ATTRIBUTE_TYPED_OUTPUTS and (not is_input or op_type == "BitCast"):
+                fixed_reason = f"{op_type}'s output dtype is set by an attribute"
+            found[key] = (formal.constraints[type_str], fixed_reason)
+        slots.setdefault((key, is_input), []).append(slot)
+    return [(key, allowed, fixed_reason, tuple(slots.get((key, True), ())),
+             tuple(slots.get((key, False), ()))) for key, (allowed, fixed_reason) in found.items()]
+
+
 class OnnxLoader:
     """Builds the IR for one ONNX model. Use `load_onnx`."""
 
@@ -450,6 +482,7 @@ class OnnxLoader:
         self.opsets = model_opsets(model)
         self.local_functions = {(f.domain, f.name) for f in model.functions}
         self.hints: dict[str, tuple[str | None, tuple | None]] = {}
+        self.group_shapes: dict[tuple, list[GroupShape]] = {}
         self.ir_model = self._new_model()
         self.order = 0
 
@@ -618,29 +651,19 @@ class OnnxLoader:
         if formal is None:
             node.has_schema = False
             return
-        plan = _group_plan(formal, node.op_type, len(node.inputs), len(node.outputs))
-        groups: dict[str, TypeGroup] = {}
-        for is_input, slot, key, type_str in plan:
-            values = node.inputs if is_input else node.outputs
-            if values[slot] is None:
-                continue
-            group = groups.get(key)
-            if group is None:
-                fixed_reason = FIXED_TYPE_PARAMS.get((node.op_type, type_str))
-                if formal.has_containers:
-                    fixed_reason = "sequence/optional ops keep their element dtype"
-                elif node.op_type in ATTRIBUTE_TYPED_OUTPUTS and (not is_input
-                                                                or node.op_type == "BitCast"):
-                    fixed_reason = f"{node.op_type}'s output dtype is set by an attribute"
-                group = TypeGroup(node, key, allowed=formal.constraints[type_str],
-                                  fixed=fixed_reason is not None, reason=fixed_reason or "")
-                groups[key] = group
-                node.type_groups.append(group)
-            if is_input:
-                group.input_slots.append(slot)
+        present = (tuple(v is not None for v in node.inputs),
+                   tuple(v is not None for v in node.outputs))
+        shape_key = (node.op_type, node.domain, present)
+        shapes = self.group_shapes.get(shape_key)
+        if shapes is None:
+            shapes = self.group_shapes[shape_key] = _group_shapes(formal, node.op_type, present)
+        for key, allowed, fixed_reason, input_slots, output_slots in shapes:
+            group = TypeGroup(node, key, list(input_slots), list(output_slots), allowed,
+                              fixed=fixed_reason is not None, reason=fixed_reason or "")
+            node.type_groups.append(group)
+            for slot in input_slots:
                 node.input_group[slot] = group
-            else:
-                group.output_slots.append(slot)
+            for slot in output_slots:
                 node.output_group[slot] = group
 
     def _control_flow_groups(self, node: Node) -> None:
