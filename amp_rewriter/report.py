@@ -35,8 +35,7 @@ def to_json(data: Any) -> str:
 
 #: One node's entry, compact: (name, op, precision, class, kind, reason, graph or None,
 #: op-list reason or None, groups), each group (group, precision, kind, reason, via node or
-#: None, via group or None). A tuple per node and group instead of dicts: a third of the
-#: memory, which counts at a million nodes.
+#: None, via group or None); `NodeEntries` stores it packed.
 NodeRecord = tuple
 
 
@@ -166,14 +165,6 @@ class NodeEntries(Sequence[dict[str, Any]]):
         entry.update(fields)
         self._changed[index] = entry
 
-    def column(self, index: int) -> Iterator[Any]:
-        """One field of every entry, by its place in `NodeRecord` (0 name, 1 op, 2 precision,
-        4 kind)."""
-        keys = ("name", "op", "precision", "class", "kind", "reason")
-        for i in range(len(self)):
-            record = self._record(i)
-            yield record[keys[index]] if isinstance(record, dict) else record[index]
-
 
 @dataclass
 class Report:
@@ -203,10 +194,6 @@ class Report:
     #: `convert --auto`'s search: calibration, runs, pinned nodes and what each contributed.
     auto: dict[str, Any] | None = None
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.nodes, NodeEntries):
-            self.nodes = NodeEntries(self.nodes)
-
     def to_dict(self) -> dict[str, Any]:
         data = asdict(replace(self, nodes=NodeEntries()))
         data["nodes"] = list(self.nodes)
@@ -219,8 +206,7 @@ class Report:
         return to_json(self.to_dict())
 
     def node(self, name: str) -> dict[str, Any] | None:
-        index = next((i for i, n in enumerate(self.nodes.column(0)) if n == name), None)
-        return None if index is None else self.nodes[index]
+        return next((n for n in self.nodes if n["name"] == name), None)
 
 
 def build_report(ctx: PassContext, original_nodes: list[tuple[Node, str]],

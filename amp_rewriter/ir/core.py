@@ -383,7 +383,9 @@ class Graph:
     def set_output(self, index: int, value: Value) -> None:
         """Make graph output `index` be `value`."""
         old = self.outputs[index]
-        old.graph_output_uses = [use for use in old.graph_output_uses if use != (self, index)]
+        remaining = list(old.graph_output_uses)
+        remaining.remove((self, index))
+        old.graph_output_uses = remaining
         value.add_graph_output_use(self, index)
         self.outputs[index] = value
 

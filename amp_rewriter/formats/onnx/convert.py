@@ -159,8 +159,11 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         override_warnings = _override_warnings(options, [n for n, _ in original_nodes])
         schema_warnings = _schema_warnings(ir_model)
         del original_nodes, ctx
-        accesses = activation_accesses(ir_model) if report.cost is not None else None
-        op_kinds = {(node.domain, node.op_type) for node in ir_model.graph.walk_nodes()}
+        accesses = op_kinds = None
+        if report.cost is not None:  # what the cost summary needs of the IR
+            accesses = activation_accesses(ir_model)
+            op_kinds = {(node.domain, node.op_type) for node in ir_model.graph.walk_nodes()}
+        encodable = converted.ByteSize() <= PROTOBUF_LIMIT
         kept = None
         if original_names is not None:
             kept = ConvertedIR(ir_model, original_names)
@@ -168,10 +171,11 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
             # checker make their own copies of the model
             accesses = _freeing_the_ir(ir_model, report, accesses)
             del model
-            converted = _compacted(converted)
+            if encodable:
+                converted = _compacted(converted)
         del ir_model
-        check_here = options.check and not has_external_data(converted) \
-            and converted.ByteSize() <= PROTOBUF_LIMIT  # else convert_file checks the file
+        # else convert_file checks the saved file
+        check_here = options.check and encodable and not has_external_data(converted)
         types_checked = False
         if report.cost is not None:
             report.cost["activation_bytes"], types_checked = checked_activation_traffic(
@@ -223,13 +227,10 @@ def _freeing_the_ir(ir_model: Model, report: Report, accesses: dict[str, int] | 
 
 
 def _compacted(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` rebuilt from its encoding. Emission rewrote its nodes in place, and protobuf keeps
-    every replaced part in the message's memory until the whole message is freed: the copy holds
-    only what the model is, and the old message's memory is reused by shape inference and the
-    checker (peak 632 MB -> 582 MB at 100k nodes). Models over protobuf's 2 GB limit cannot be
-    encoded whole and stay as they are."""
-    if model.ByteSize() > PROTOBUF_LIMIT:
-        return model
+    """`model` (under protobuf's 2 GB limit) rebuilt from its encoding. Emission rewrote its
+    nodes in place, and protobuf keeps every replaced part in the message's memory until the
+    whole message is freed: the copy holds only what the model is, and the old message's memory
+    is reused by shape inference and the checker (peak 632 MB -> 582 MB at 100k nodes)."""
     return onnx.ModelProto.FromString(model.SerializeToString())
 
 
