@@ -24,7 +24,8 @@ sys.path.insert(0, str(REPO))
 from builder import GraphBuilder, assert_close, check, feeds_for, run  # noqa: E402
 
 import amp_rewriter  # noqa: E402
-from amp_rewriter.formats.onnx.emit import emit_onnx  # noqa: E402
+from amp_rewriter.formats.onnx import emit  # noqa: E402
+from amp_rewriter.formats.onnx.emit import emit_onnx, emit_onnx_parts  # noqa: E402
 from amp_rewriter.formats.onnx.load import load_onnx  # noqa: E402
 from amp_rewriter.ir import lint  # noqa: E402
 from amp_rewriter.passes.analysis.group_graph import GroupGraph  # noqa: E402
@@ -75,6 +76,22 @@ def test_roundtrip_of_example_files_is_byte_equal(path):
     model = onnx.load_from_string(data)
     emitted = roundtrip(model, path.parent)
     assert emitted.SerializeToString() == data
+
+
+@pytest.mark.parametrize("over_limit", [False, True], ids=["parsed", "merged"])
+def test_nodes_emitted_encoded_assemble_to_the_same_model(over_limit, monkeypatch):
+    """The main graph's nodes encoded apart from the rest (`emit_onnx_parts`, what conversion
+    uses) assemble into exactly the model patched in place gives, also when the model is too
+    big to parse whole and the nodes are merged into the rest instead."""
+    if over_limit:
+        monkeypatch.setattr(emit, "PROTOBUF_LIMIT", 0)
+    for model in [rich_model()] + [BUILDERS[name]() for name in sorted(BUILDERS)]:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        parts = emit_onnx_parts(load_onnx(copy))
+        assert not parts.head.graph.node
+        assert parts.size_bound() >= model.ByteSize()
+        assert parts.assemble().SerializeToString() == model.SerializeToString()
 
 
 def rich_model() -> onnx.ModelProto:

@@ -69,8 +69,8 @@ def test_contrib_op_type_groups_come_from_onnxruntime_schemas():
     attention = next(n for n in ir.graph.walk_nodes() if n.op_type == "Attention")
     assert attention.has_schema
     groups = {g.name: g for g in attention.type_groups}
-    assert groups["T"].input_slots == [0, 1, 2] and groups["T"].output_slots == [0]
-    assert groups["M"].allowed == frozenset({"int32"}) and groups["M"].input_slots == [3]
+    assert groups["T"].input_slots == (0, 1, 2) and groups["T"].output_slots == (0,)
+    assert groups["M"].allowed == frozenset({"int32"}) and groups["M"].input_slots == (3,)
     skip_ln = next(n for n in ir.graph.walk_nodes() if n.op_type == "SkipLayerNormalization")
     assert {g.name for g in skip_ln.type_groups} >= {"T"}
 

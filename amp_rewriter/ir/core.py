@@ -115,8 +115,9 @@ class TypeGroup:
 
     node: Node
     name: str
-    input_slots: list[int] = field(default_factory=list)
-    output_slots: list[int] = field(default_factory=list)
+    #: Tuples: a loader shares one per (op, filled slots) between all its nodes' groups.
+    input_slots: tuple[int, ...] = ()
+    output_slots: tuple[int, ...] = ()
     allowed: frozenset[str] | None = None
     #: True when the slots' dtype is fixed by meaning (Resize scales, Dropout ratio): never painted.
     fixed: bool = False

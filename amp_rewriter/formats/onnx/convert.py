@@ -30,7 +30,7 @@ from . import ort_registry
 from .emit import (
     EXTERNAL_DATA_THRESHOLD,
     deferred_bytes,
-    emit_onnx,
+    emit_onnx_parts,
     has_external_data,
     save_onnx,
 )
@@ -135,9 +135,10 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
                    ) -> tuple[onnx.ModelProto, Report, ConvertedIR | None]:
     """Convert the model `take_model` hands over, which is ours to rewrite in place (a copy of
     the caller's model, or one read from a file) and referenced nowhere else, so that its memory
-    can go once it is compacted (see `_compacted`); `original` is what the caller gave, blamed
-    when the result fails the checker because the input already does. `keep_ir`: also return
-    the IR after the passes (else it is released as soon as the model is emitted)."""
+    can go once the IR is released and the emitted model assembled; `original` is what the
+    caller gave, blamed when the result fails the checker because the input already does.
+    `keep_ir`: also return the IR after the passes (else it is released as soon as the model
+    is emitted)."""
     model = take_model()
     options = options.with_backend(DEFAULT_BACKEND)
     with cyclic_gc_paused(), progress.bar("converting", len(passes_of("onnx")) + 2,
@@ -154,7 +155,7 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         ctx = PassContext(ir_model, lists, options, ONNX_RULES, pins=dict(pins or {}))
         results = run_pipeline(ctx, "onnx", on_pass=steps.start)
         steps.start("emitting")
-        converted = emit_onnx(ir_model, deferred)
+        emitted = emit_onnx_parts(ir_model, deferred, split=not keep_ir)
         report = build_report(ctx, original_nodes, results)
         override_warnings = _override_warnings(options, [n for n, _ in original_nodes])
         schema_warnings = _schema_warnings(ir_model)
@@ -163,17 +164,20 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         if report.cost is not None:  # what the cost summary needs of the IR
             accesses = activation_accesses(ir_model)
             op_kinds = {(node.domain, node.op_type) for node in ir_model.graph.walk_nodes()}
-        encodable = converted.ByteSize() <= PROTOBUF_LIMIT
+        encodable = emitted.size_bound() <= PROTOBUF_LIMIT
         kept = None
         if original_names is not None:
             kept = ConvertedIR(ir_model, original_names)
-        else:  # free the IR now (gigabytes at a million nodes), before shape inference and the
-            # checker make their own copies of the model
-            accesses = _freeing_the_ir(ir_model, report, accesses)
-            del model
-            if encodable:
-                converted = _compacted(converted)
-        del ir_model
+        else:  # free the IR now (gigabytes at a million nodes), before the model is assembled
+            # and shape inference and the checker make their own copies of it. The access
+            # counts are handed over, not kept here too: one reference left keeps every name
+            # they hold, scattered through the IR's memory, and with them most of that memory.
+            held, accesses = [accesses], None
+            accesses = _freeing_the_ir(ir_model, report, held)
+            del held
+        del ir_model, model
+        converted = emitted.assemble()
+        del emitted
         # else convert_file checks the saved file
         check_here = options.check and encodable and not has_external_data(converted)
         types_checked = False
@@ -197,9 +201,10 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
     return converted, report, kept
 
 
-def _freeing_the_ir(ir_model: Model, report: Report, accesses: dict[str, int] | None
+def _freeing_the_ir(ir_model: Model, report: Report, held: list[dict[str, int] | None]
                     ) -> dict[str, int] | None:
-    """Release the IR so that the system gets its memory back, and return `accesses`.
+    """Release the IR so that the system gets its memory back, and return the access counts
+    `held` hands over (a one-item list, emptied here, so that no caller keeps the original).
 
     What outlives the IR (the report's constants, structures and cost, the access counts) holds
     names read while the IR was built; scattered through the IR's memory, such objects keep
@@ -207,6 +212,7 @@ def _freeing_the_ir(ir_model: Model, report: Report, accesses: dict[str, int] | 
     higher). So they are packed into one buffer first and rebuilt after the IR is gone, and the
     cycles of the nodes the passes removed are collected (what is left to scan then is small).
     """
+    accesses = held.pop()
     try:
         packed: bytes | None = marshal.dumps((accesses, report.constants, report.structures,
                                               report.cost, report.passes))
@@ -224,14 +230,6 @@ def _freeing_the_ir(ir_model: Model, report: Report, accesses: dict[str, int] | 
         (accesses, report.constants, report.structures, report.cost,
          report.passes) = marshal.loads(packed)
     return accesses
-
-
-def _compacted(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` (under protobuf's 2 GB limit) rebuilt from its encoding. Emission rewrote its
-    nodes in place, and protobuf keeps every replaced part in the message's memory until the
-    whole message is freed: the copy holds only what the model is, and the old message's memory
-    is reused by shape inference and the checker (peak 632 MB -> 582 MB at 100k nodes)."""
-    return onnx.ModelProto.FromString(model.SerializeToString())
 
 
 def _refuse_tf_options(options: Options) -> None:

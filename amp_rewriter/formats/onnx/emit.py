@@ -26,6 +26,7 @@ from ...fileio import default_file_mode, open_input, pread_exact
 from ...ir import Graph, IRError, LazyTensor, Model, Node, Value, present, tensors
 from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES
 from ...options import EXTERNAL_LAYOUTS
+from .encoding import GRAPH_NODE, MODEL_GRAPH, append_field, field_key, varint
 from .load import (
     PROTOBUF_LIMIT,
     all_tensors,
@@ -142,11 +143,19 @@ def _set_elem_type(info: onnx.ValueInfoProto, dtype: str | None) -> None:
         info.type.tensor_type.elem_type = code
 
 
-def _emit_graph(graph: Graph, opset: int, deferred: dict[str, LazyTensor] | None) -> None:
+def _emit_graph(graph: Graph, opset: int, deferred: dict[str, LazyTensor] | None,
+                encoded_nodes: bytearray | None = None) -> None:
+    """Write `graph` back into its proto; with `encoded_nodes`, its nodes are appended there,
+    encoded as GraphProto fields, and the proto's own node list is emptied."""
     proto: onnx.GraphProto = graph.handle
-    nodes = [_patch_node(node, opset) for node in graph.nodes]
-    del proto.node[:]
-    proto.node.extend(nodes)
+    if encoded_nodes is None:
+        nodes = [_patch_node(node, opset) for node in graph.nodes]
+        del proto.node[:]
+        proto.node.extend(nodes)
+    else:
+        for node in graph.nodes:
+            append_field(encoded_nodes, GRAPH_NODE, _patch_node(node, opset).SerializeToString())
+        del proto.node[:]
 
     kept: list[onnx.TensorProto] = []
     emitted: set[str] = set()
@@ -193,8 +202,51 @@ def _emit_graph(graph: Graph, opset: int, deferred: dict[str, LazyTensor] | None
         proto.value_info.extend(kept_info)
 
 
-def emit_onnx(model: Model, deferred: dict[str, LazyTensor] | None = None) -> onnx.ModelProto:
-    """Write the IR back into its ModelProto (inner graphs first, so copies see final bodies).
+class EmittedModel:
+    """An emitted model in two parts: the ModelProto without its main graph's nodes, and those
+    nodes encoded. Re-adding a million nodes to the loaded proto would copy each into it
+    (protobuf keeps the replaced ones until the whole message goes) while the IR is still
+    alive; encoded, they take a quarter of that, and `assemble` parses the whole model once,
+    when the caller has let the IR go. (`split` False: `head` is the whole model.)"""
+
+    def __init__(self, head: onnx.ModelProto, encoded_nodes: bytearray, split: bool = True):
+        self.head = head
+        self.encoded_nodes = encoded_nodes
+        self.split = split
+
+    def size_bound(self) -> int:
+        """At most the size of the assembled model's encoding (the graph's length prefix
+        grows by up to 5 bytes)."""
+        return self.head.ByteSize() + len(self.encoded_nodes) + 5
+
+    def assemble(self) -> onnx.ModelProto:
+        """The whole ModelProto. The parts go into it: this object is empty afterwards."""
+        too_big = self.size_bound() > PROTOBUF_LIMIT
+        head, nodes = self.head, self.encoded_nodes
+        self.head, self.encoded_nodes = onnx.ModelProto(), bytearray()
+        if not self.split:
+            return head
+        if too_big:  # beyond what one message may be parsed from: the nodes go into the head
+            head.graph.MergeFromString(nodes)
+            return head
+        graph = head.graph.SerializeToString()
+        head.ClearField("graph")
+        encoded = bytearray(head.SerializeToString())
+        del head  # the last reference: the loaded model's memory goes before the parse
+        encoded += field_key(MODEL_GRAPH)
+        encoded += varint(len(nodes) + len(graph))
+        encoded += nodes
+        del nodes
+        encoded += graph
+        del graph
+        return onnx.ModelProto.FromString(encoded)
+
+
+def emit_onnx_parts(model: Model, deferred: dict[str, LazyTensor] | None = None, *,
+                    split: bool = True) -> EmittedModel:
+    """Write the IR back into its ModelProto (inner graphs first, so copies see final bodies);
+    the main graph's nodes are encoded beside it (`EmittedModel`), or with `split` False
+    written into it as well (the IR's node handles then stay valid, and are the model's).
 
     With `deferred` (a dict to fill), initializers that stream from the input's external data
     (weights converted as they are read) are left without data for `save_onnx` to write a
@@ -202,9 +254,16 @@ def emit_onnx(model: Model, deferred: dict[str, LazyTensor] | None = None) -> on
     """
     opset = next((imp.version for imp in model.handle.opset_import
                   if imp.domain in ("", "ai.onnx")), 0)
+    encoded_nodes = bytearray()
     for graph in reversed(list(model.graph.walk_graphs())):
-        _emit_graph(graph, opset, deferred)
-    return model.handle
+        _emit_graph(graph, opset, deferred,
+                    encoded_nodes if split and graph is model.graph else None)
+    return EmittedModel(model.handle, encoded_nodes, split)
+
+
+def emit_onnx(model: Model, deferred: dict[str, LazyTensor] | None = None) -> onnx.ModelProto:
+    """Write the IR back into its ModelProto (patched in place and returned)."""
+    return emit_onnx_parts(model, deferred, split=False).assemble()
 
 
 def has_external_data(model: onnx.ModelProto) -> bool:

@@ -658,7 +658,7 @@ class OnnxLoader:
         if shapes is None:
             shapes = self.group_shapes[shape_key] = _group_shapes(formal, node.op_type, present)
         for key, allowed, fixed_reason, input_slots, output_slots in shapes:
-            group = TypeGroup(node, key, list(input_slots), list(output_slots), allowed,
+            group = TypeGroup(node, key, input_slots, output_slots, allowed,
                               fixed=fixed_reason is not None, reason=fixed_reason or "")
             node.type_groups.append(group)
             for slot in input_slots:
@@ -674,7 +674,7 @@ class OnnxLoader:
 
         def add(name: str, inputs: list[int], outputs: list[int], defs: list[Value],
                 uses: list[tuple[Graph, int]]) -> None:
-            group = TypeGroup(node, name, list(inputs), list(outputs), allowed=castable,
+            group = TypeGroup(node, name, tuple(inputs), tuple(outputs), allowed=castable,
                               inner_defs=tuple(defs), inner_uses=tuple(uses))
             node.type_groups.append(group)
             for slot in inputs:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ import onnx
 
 from ...cost import bytes_moved
 from . import ort_registry
+from .encoding import GRAPH_NODE, GRAPH_VALUE_INFO, MODEL_GRAPH, append_field, encoded_fields
 from .load import dtype_name, model_opsets, walk_graph_protos
 from .validate import validation_shape
 
@@ -52,41 +53,15 @@ def skeleton_bytes(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int,
     encoding concatenated with another's reads as the two merged). A skeleton message would hold
     a copy of every node, four times the size of their encoding."""
     head = _skeleton_without_nodes(model, input_shapes)
-    graph_parts = [head.graph.SerializeToString()]
-    graph_parts += _fields(_GRAPH_NODE, model.graph.node)
+    graph = encoded_fields(GRAPH_NODE, model.graph.node)
     if value_info:
-        graph_parts += _fields(_GRAPH_VALUE_INFO, model.graph.value_info)
+        graph += encoded_fields(GRAPH_VALUE_INFO, model.graph.value_info)
+    graph += head.graph.SerializeToString()
     head.ClearField("graph")
-    graph = b"".join(graph_parts)
-    del graph_parts
-    return b"".join([head.SerializeToString(), _key(_MODEL_GRAPH), _varint(len(graph)), graph])
-
-
-#: Field numbers of the protobuf encoding (onnx.proto).
-_MODEL_GRAPH, _GRAPH_NODE, _GRAPH_VALUE_INFO = 7, 1, 13
-
-
-def _varint(number: int) -> bytes:
-    out = bytearray()
-    while number > 0x7F:
-        out.append((number & 0x7F) | 0x80)
-        number >>= 7
-    out.append(number)
-    return bytes(out)
-
-
-def _key(field_number: int) -> bytes:
-    return _varint(field_number << 3 | 2)  # wire type 2: length-delimited
-
-
-def _fields(field_number: int, messages: Iterable[Any]) -> list[bytes]:
-    """Each message encoded as one entry of repeated message field `field_number`."""
-    key = _key(field_number)
-    parts: list[bytes] = []
-    for message in messages:
-        payload = message.SerializeToString()
-        parts += (key, _varint(len(payload)), payload)
-    return parts
+    encoded = bytearray(head.SerializeToString())
+    append_field(encoded, MODEL_GRAPH, graph)
+    del graph
+    return bytes(encoded)
 
 
 def _skeleton_without_nodes(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]

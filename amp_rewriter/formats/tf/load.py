@@ -452,12 +452,12 @@ class TfLoader:
         for slot, port in enumerate(info.inputs):
             if port.group is not None:
                 group = group_for(port)
-                group.input_slots.append(slot)
+                group.input_slots += (slot,)
                 node.input_group[slot] = group
         for slot, port in enumerate(info.outputs):
             if port.group is not None:
                 group = group_for(port)
-                group.output_slots.append(slot)
+                group.output_slots += (slot,)
                 node.output_group[slot] = group
         for value in node.outputs:
             present(value).original_dtype = present(value).dtype

@@ -327,7 +327,7 @@ def retarget_existing_casts(p: Painting) -> int:
     retargeted = 0
     for g in p.graph.vertices:
         node = g.node
-        if node.op_type != "Cast" or g.output_slots != [0] or node.op_class == DENY \
+        if node.op_type != "Cast" or g.output_slots != (0,) or node.op_class == DENY \
                 or measured_pin(g):
             continue
         value = node.outputs[0]
