@@ -450,10 +450,11 @@ def _convert_and_save(input_path: Path, output_path: Path, options: Options,
     del source  # _convert_owned holds the only reference
     model, report, _ = _convert_owned(owned.pop, options, input_path.resolve().parent,
                                       input_path, pins=pins, deferred=deferred)
-    checked = not has_external_data(model) and model.ByteSize() <= PROTOBUF_LIMIT
+    size = model.ByteSize()  # a walk of the whole model: once
+    checked = not has_external_data(model) and size <= PROTOBUF_LIMIT
     layout = options.external_data
     if layout is None:
-        external = external or model.ByteSize() + deferred_bytes(deferred) > PROTOBUF_LIMIT
+        external = external or size + deferred_bytes(deferred) > PROTOBUF_LIMIT
         layout = "single" if external else "inline"
     with cyclic_gc_paused(), \
             progress.bar("writing", unit="B", total=_bytes_to_write(model, deferred)) as bar:

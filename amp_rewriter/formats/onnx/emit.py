@@ -217,16 +217,16 @@ class EmittedModel:
     def size_bound(self) -> int:
         """At most the size of the assembled model's encoding (the graph's length prefix
         grows by up to 5 bytes)."""
-        return self.head.ByteSize() + len(self.encoded_nodes) + 5
+        return _size_bound(self.head, self.encoded_nodes)
 
     def assemble(self) -> onnx.ModelProto:
         """The whole ModelProto. The parts go into it: this object is empty afterwards."""
-        too_big = self.size_bound() > PROTOBUF_LIMIT
         head, nodes = self.head, self.encoded_nodes
         self.head, self.encoded_nodes = onnx.ModelProto(), bytearray()
         if not self.split:
             return head
-        if too_big:  # beyond what one message may be parsed from: the nodes go into the head
+        if _size_bound(head, nodes) > PROTOBUF_LIMIT:
+            # beyond what one message may be parsed from: the nodes go into the head
             head.graph.MergeFromString(nodes)
             return head
         graph = head.graph.SerializeToString()
@@ -240,6 +240,10 @@ class EmittedModel:
         encoded += graph
         del graph
         return onnx.ModelProto.FromString(encoded)
+
+
+def _size_bound(head: onnx.ModelProto, encoded_nodes: bytearray) -> int:
+    return head.ByteSize() + len(encoded_nodes) + 5
 
 
 def emit_onnx_parts(model: Model, deferred: dict[str, LazyTensor] | None = None, *,
