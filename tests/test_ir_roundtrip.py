@@ -94,6 +94,24 @@ def test_nodes_emitted_encoded_assemble_to_the_same_model(over_limit, monkeypatc
         assert parts.assemble().SerializeToString() == model.SerializeToString()
 
 
+@pytest.mark.parametrize("name", ["rich"] + sorted(BUILDERS))
+def test_converting_a_model_in_memory_reads_it_only(name):
+    """`convert` on a ModelProto works on the caller's model without copying it: what changed
+    is written into new messages, so the input keeps every byte (nodes with bodies included),
+    and the result is the one converting a private copy (patched in place) gives."""
+    model = rich_model() if name == "rich" else BUILDERS[name]()
+    before = model.SerializeToString()
+    converted, report = amp_rewriter.convert(model, keep_io_types=True)
+    assert model.SerializeToString() == before
+    from amp_rewriter.formats.onnx.convert import convert_model_ir
+    from amp_rewriter.options import Options
+    on_copy, copy_report, _ = convert_model_ir(model, Options(keep_io_types=True))
+    assert converted.SerializeToString() == on_copy.SerializeToString()
+    assert report.to_json() == copy_report.to_json()
+    converted.graph.node[0].name = "changed"  # the result shares nothing with the input
+    assert model.SerializeToString() == before
+
+
 def rich_model() -> onnx.ModelProto:
     """Metadata, doc strings everywhere, a model-local function, value_info and a subgraph."""
     b = GraphBuilder()

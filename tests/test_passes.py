@@ -41,6 +41,7 @@ from builder import (  # noqa: E402
 )
 
 import amp_rewriter  # noqa: E402
+from amp_rewriter.formats.onnx.convert import convert_model_ir  # noqa: E402
 from amp_rewriter.report import explain_text  # noqa: E402
 
 FLOAT, FLOAT16, BFLOAT16 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16
@@ -797,12 +798,18 @@ def test_conversion_is_deterministic(build):
     assert report1.to_json() == report2.to_json()
 
 
-def test_convert_does_not_modify_its_input():
-    model = loop_model()
+@pytest.mark.parametrize("build", [allow_clear_allow, grappler_example, loop_model,
+                                   custom_op_model, mask_mul_model])
+def test_convert_does_not_modify_its_input(build):
+    """The in-memory model is read, not copied (see test_ir_roundtrip): every byte stays, and
+    the result is what converting a private copy in place gives."""
+    model = build()
     before = model.SerializeToString()
     converted, _ = convert(model)
     assert model.SerializeToString() == before
     assert converted is not model
+    on_copy, _, _ = convert_model_ir(model, amp_rewriter.Options())
+    assert converted.SerializeToString() == on_copy.SerializeToString()
     converted.graph.node[0].name = "changed"  # and the result shares nothing with the input
     assert model.SerializeToString() == before
 

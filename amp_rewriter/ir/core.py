@@ -455,6 +455,9 @@ class Model:
     handle: Any = None
     #: Names already taken anywhere in the model (values and nodes), for unique new names.
     used_names: set[str] = field(default_factory=set)
+    #: The handles of the main graph and its nodes belong to the caller (a model given in
+    #: memory, not copied): an emitter writes changes into copies, never into them.
+    borrowed: bool = False
 
     def unique_name(self, base: str) -> str:
         """A deterministic name not used anywhere in the model yet."""

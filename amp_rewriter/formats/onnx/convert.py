@@ -92,12 +92,15 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
                 external_data_helper.load_external_data_for_model(model, str(fused_path.parent))
         report.optimizer = summary
         return model, report
-    model, own_dir = _load(model_or_path)
-    owned = [model]
+    # A ModelProto is not copied: the conversion only reads it (emission writes what changed
+    # into new messages), so a caller's in-memory model does not cost its size twice.
+    borrowed = isinstance(model_or_path, onnx.ModelProto)
+    model, own_dir = _load(model_or_path, copy=False)
+    held = [model]
     del model  # _convert_owned holds the only reference (see there)
     converted, report, _ = _convert_owned(
-        owned.pop, options, Path(base_dir) if base_dir is not None else own_dir, model_or_path,
-        pins=pins, deferred=deferred)
+        held.pop, options, Path(base_dir) if base_dir is not None else own_dir, model_or_path,
+        pins=pins, deferred=deferred, borrowed=borrowed)
     return converted, report
 
 
@@ -111,7 +114,7 @@ def convert_model_ir(model_or_path: onnx.ModelProto | str | os.PathLike, options
     if options.optimize:
         raise AmpError("--optimize does not combine with --auto or diagnose yet: fuse the model "
                        "first (onnxruntime.transformers.optimizer), then run them on it")
-    model, own_dir = _load(model_or_path)
+    model, own_dir = _load(model_or_path, copy=True)  # the kept IR's handles are the model's
     converted, report, kept = _convert_owned(
         [model].pop, options, Path(base_dir) if base_dir is not None else own_dir, model_or_path,
         pins=pins, keep_ir=True)
@@ -131,14 +134,16 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
                    base: Path | None,
                    original: onnx.ModelProto | str | os.PathLike, *,
                    pins: dict[str, Pin] | None = None,
-                   deferred: dict[str, LazyTensor] | None = None, keep_ir: bool = False
+                   deferred: dict[str, LazyTensor] | None = None, keep_ir: bool = False,
+                   borrowed: bool = False
                    ) -> tuple[onnx.ModelProto, Report, ConvertedIR | None]:
-    """Convert the model `take_model` hands over, which is ours to rewrite in place (a copy of
-    the caller's model, or one read from a file) and referenced nowhere else, so that its memory
-    can go once the IR is released and the emitted model assembled; `original` is what the
-    caller gave, blamed when the result fails the checker because the input already does.
-    `keep_ir`: also return the IR after the passes (else it is released as soon as the model
-    is emitted)."""
+    """Convert the model `take_model` hands over. Unless `borrowed` (the caller's own model,
+    which is only read), it is ours to rewrite in place (one read from a file, or a copy) and
+    referenced nowhere else, so that its memory can go once the IR is released and the emitted
+    model assembled. `original` is what the caller gave, blamed when the result fails the
+    checker because the input already does. `keep_ir`: also return the IR after the passes
+    (else it is released as soon as the model is emitted); it needs a model of our own."""
+    assert not (keep_ir and borrowed), "the kept IR's node handles must be ours"
     model = take_model()
     options = options.with_backend(DEFAULT_BACKEND)
     with cyclic_gc_paused(), progress.bar("converting", len(passes_of("onnx")) + 2,
@@ -148,7 +153,7 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         opset = default_opset(model)
         lists = OpLists.load("onnx", options.target, options.backend or DEFAULT_BACKEND,
                              options.overrides, opset)
-        ir_model = load_onnx(model, base)
+        ir_model = load_onnx(model, base, borrowed=borrowed)
         original_nodes = [(node, graph.name) for graph in ir_model.graph.walk_graphs()
                           for node in graph.nodes]
         original_names = ValueNames(ir_model) if keep_ir else None
@@ -294,12 +299,16 @@ def bf16_advice(report: Report, lists: OpLists, opset: int) -> list[str]:
     return warnings
 
 
-def _load(model_or_path: onnx.ModelProto | str | os.PathLike
+def _load(model_or_path: onnx.ModelProto | str | os.PathLike, *, copy: bool
           ) -> tuple[onnx.ModelProto, Path | None]:
+    """The model to convert and the folder of its file; a ModelProto given is returned as it
+    is, or with `copy` as a copy to rewrite (the caller's model is never modified)."""
     if isinstance(model_or_path, onnx.ModelProto):
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model_or_path)  # the caller's model is never modified
-        return copy, None
+        if not copy:
+            return model_or_path, None
+        duplicate = onnx.ModelProto()
+        duplicate.CopyFrom(model_or_path)
+        return duplicate, None
     path = Path(model_or_path)
     return read_model_file(path), path.resolve().parent
 

@@ -88,10 +88,9 @@ def _new_node(node: Node, opset: int) -> onnx.NodeProto:
     """The NodeProto of a node a pass created: a cast, the saturation of a masked sum, the
     rescaled mean square of an RMS norm."""
     if node.op_type == "Cast":
-        code = elem_type_code(node.attrs["to"])
-        to = onnx.TensorProto.DataType.Name(code) if opset < 6 else code  # Cast-1: a type name
         return helper.make_node("Cast", [present(node.inputs[0]).name],
-                                [present(node.outputs[0]).name], name=node.name, to=to)
+                                [present(node.outputs[0]).name], name=node.name,
+                                to=_cast_to(node.attrs["to"], opset))
     if node.op_type == "Clip" and opset < 11:
         # Clip before opset 11 takes its bounds as attributes; the pass gives them as constants.
         low, high = (float(np.asarray(_data(present(v)).numpy()).reshape(-1)[0])
@@ -107,32 +106,63 @@ def _new_node(node: Node, opset: int) -> onnx.NodeProto:
                             name=node.name, domain=node.domain or None, **attrs)
 
 
-def _patch_node(node: Node, opset: int) -> onnx.NodeProto:
+def _cast_to(dtype: str, opset: int) -> int | str:
+    """A Cast's `to` attribute for `dtype`: a type code, or before opset 6 a type name."""
+    code = elem_type_code(dtype)
+    return onnx.TensorProto.DataType.Name(code) if opset < 6 else code
+
+
+def _patch_node(node: Node, opset: int, borrowed: bool = False) -> onnx.NodeProto:
+    """The node's proto with what the passes changed written in: its own proto patched in
+    place, or with `borrowed` (the proto is the caller's) a patched copy; a node a pass made
+    gets a new one."""
     proto = node.handle
     if proto is None:  # a node a pass created
         return _new_node(node, opset)
+    changes = _node_changes(node, proto, opset)
+    if not changes:
+        return proto
+    if borrowed:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(proto)
+        proto = copy
+    for field, slot, value in changes:
+        if field == "input":
+            proto.input[slot] = value
+        elif field == "output":
+            proto.output[slot] = value
+        else:  # an attribute: its new value, in its place (appended if it had none)
+            attr = next((a for a in proto.attribute if a.name == field), None)
+            if attr is None:
+                proto.attribute.append(value)
+            else:
+                attr.CopyFrom(value)
+    return proto
+
+
+def _node_changes(node: Node, proto: onnx.NodeProto, opset: int
+                  ) -> list[tuple[str, int, Any]]:
+    """What differs between a loaded node and its proto: ("input" or "output", slot, name)
+    and (attribute name, 0, new AttributeProto)."""
+    changes: list[tuple[str, int, Any]] = []
     for slot, value in enumerate(node.inputs):
         name = value.name if value is not None else ""
         if proto.input[slot] != name:
-            proto.input[slot] = name
+            changes.append(("input", slot, name))
     for slot, value in enumerate(node.outputs):
         name = value.name if value is not None else ""
         if proto.output[slot] != name:
-            proto.output[slot] = name
+            changes.append(("output", slot, name))
     if node.op_type == "Cast" and node.outputs[0] is not None:
         out = node.outputs[0]
         if out.dtype != out.original_dtype and out.dtype is not None:
-            for attr in proto.attribute:
-                if attr.name == "to":
-                    attr.i = elem_type_code(out.dtype)
+            if any(attr.name == "to" for attr in proto.attribute):
+                changes.append(("to", 0, helper.make_attribute("to", _cast_to(out.dtype, opset))))
     if node.op_type == "ConstantOfShape":
         fill = node.attrs.get("value")
         if fill is not None and fill.handle is None:
-            for attr in list(proto.attribute):
-                if attr.name == "value":
-                    proto.attribute.remove(attr)
-            proto.attribute.append(helper.make_attribute("value", _tensor_proto("", fill)))
-    return proto
+            changes.append(("value", 0, helper.make_attribute("value", _tensor_proto("", fill))))
+    return changes
 
 
 def _set_elem_type(info: onnx.ValueInfoProto, dtype: str | None) -> None:
@@ -144,22 +174,29 @@ def _set_elem_type(info: onnx.ValueInfoProto, dtype: str | None) -> None:
 
 
 def _emit_graph(graph: Graph, opset: int, deferred: dict[str, LazyTensor] | None,
-                encoded_nodes: bytearray | None = None) -> None:
-    """Write `graph` back into its proto; with `encoded_nodes`, its nodes are appended there,
-    encoded as GraphProto fields, and the proto's own node list is emptied."""
-    proto: onnx.GraphProto = graph.handle
+                encoded_nodes: bytearray | None = None,
+                target: onnx.GraphProto | None = None) -> None:
+    """Write `graph` back into its proto, or with `target` into that one (the graph's own proto
+    is the caller's and is only read: see `Model.borrowed`); with `encoded_nodes`, its nodes
+    are appended there, encoded as GraphProto fields, and the proto's own node list is left
+    empty."""
+    source: onnx.GraphProto = graph.handle
+    proto = target if target is not None else source
+    borrowed = target is not None
+    # A node that holds a body is the loader's copy even in a borrowed graph.
+    patched = (_patch_node(node, opset, borrowed and not node.subgraphs) for node in graph.nodes)
     if encoded_nodes is None:
-        nodes = [_patch_node(node, opset) for node in graph.nodes]
+        nodes = list(patched)
         del proto.node[:]
         proto.node.extend(nodes)
     else:
-        for node in graph.nodes:
-            append_field(encoded_nodes, GRAPH_NODE, _patch_node(node, opset).SerializeToString())
+        for node_proto in patched:
+            append_field(encoded_nodes, GRAPH_NODE, node_proto.SerializeToString())
         del proto.node[:]
 
     kept: list[onnx.TensorProto] = []
     emitted: set[str] = set()
-    for tensor in proto.initializer:
+    for tensor in source.initializer:
         value = graph.initializers.get(tensor.name)
         if value is None:
             continue
@@ -258,11 +295,34 @@ def emit_onnx_parts(model: Model, deferred: dict[str, LazyTensor] | None = None,
     """
     opset = next((imp.version for imp in model.handle.opset_import
                   if imp.domain in ("", "ai.onnx")), 0)
+    head = _without_main_nodes(model.handle) if model.borrowed else model.handle
     encoded_nodes = bytearray()
     for graph in reversed(list(model.graph.walk_graphs())):
-        _emit_graph(graph, opset, deferred,
-                    encoded_nodes if split and graph is model.graph else None)
-    return EmittedModel(model.handle, encoded_nodes, split)
+        main = graph is model.graph
+        _emit_graph(graph, opset, deferred, encoded_nodes if split and main else None,
+                    head.graph if main and model.borrowed else None)
+    return EmittedModel(head, encoded_nodes, split)
+
+
+def _without_main_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` without its main graph's nodes and initializers (what emitting a
+    borrowed model writes anew), made field by field so that those are never copied."""
+    head = onnx.ModelProto()
+    _copy_fields(model, head, skip=("graph",))
+    _copy_fields(model.graph, head.graph, skip=("node", "initializer"))
+    return head
+
+
+def _copy_fields(source: Any, target: Any, skip: tuple[str, ...]) -> None:
+    for descriptor, value in source.ListFields():
+        if descriptor.name in skip:
+            continue
+        if hasattr(value, "ListFields"):  # a message
+            getattr(target, descriptor.name).CopyFrom(value)
+        elif isinstance(value, (str, bytes, int, float)):
+            setattr(target, descriptor.name, value)
+        else:  # a repeated field
+            getattr(target, descriptor.name).extend(value)
 
 
 def emit_onnx(model: Model, deferred: dict[str, LazyTensor] | None = None) -> onnx.ModelProto:

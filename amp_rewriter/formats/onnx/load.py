@@ -476,9 +476,10 @@ def _group_shapes(formal: Any, op_type: str,
 class OnnxLoader:
     """Builds the IR for one ONNX model. Use `load_onnx`."""
 
-    def __init__(self, model: onnx.ModelProto, base_dir: Path | None):
+    def __init__(self, model: onnx.ModelProto, base_dir: Path | None, borrowed: bool = False):
         self.model = model
         self.base_dir = base_dir
+        self.borrowed = borrowed
         self.opsets = model_opsets(model)
         self.local_functions = {(f.domain, f.name) for f in model.functions}
         self.hints: dict[str, tuple[str | None, tuple | None]] = {}
@@ -487,7 +488,8 @@ class OnnxLoader:
         self.order = 0
 
     def _new_model(self) -> Model:
-        return Model(graph=Graph("main"), format="onnx", handle=self.model)
+        return Model(graph=Graph("main"), format="onnx", handle=self.model,
+                     borrowed=self.borrowed)
 
     # -- dtype hints from value_info and shape inference ------------------------------------
     def _collect_hints(self) -> None:
@@ -606,7 +608,7 @@ class OnnxLoader:
                                f"produced before it (graph not in topological order, or a "
                                f"missing graph input)")
             node.add_input(value)
-        for attr in proto.attribute:
+        for position, attr in enumerate(proto.attribute):
             kind = attr.type
             if kind == _INT:
                 node.set_attr(attr.name, attr.i)
@@ -619,8 +621,13 @@ class OnnxLoader:
             elif kind == _TENSOR:
                 node.set_attr(attr.name, lazy_tensor(attr.t, self.base_dir))
             elif kind == _GRAPH:
+                if self.borrowed and node.handle is proto and graph.parent is None:
+                    # The emitter rewrites a body inside its node: the caller's node is copied
+                    # (and the bodies read from the copy) so that the caller's stays as it is.
+                    node.handle = onnx.NodeProto()
+                    node.handle.CopyFrom(proto)
                 sub = Graph(f"{name}/{attr.name}", parent=graph, owner=node)
-                self._load_graph(attr.g, sub)
+                self._load_graph(node.handle.attribute[position].g, sub)
                 node.add_subgraph(attr.name, sub)
             elif kind == _GRAPHS:
                 raise AmpError(f"node {name!r}: graph-list attributes are not supported")
@@ -788,6 +795,9 @@ class OnnxLoader:
         return value.dtype
 
 
-def load_onnx(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None) -> Model:
-    """Build the IR for `model`. `base_dir` is the folder external data is relative to."""
-    return OnnxLoader(model, Path(base_dir) if base_dir is not None else None).load()
+def load_onnx(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None, *,
+              borrowed: bool = False) -> Model:
+    """Build the IR for `model`. `base_dir` is the folder external data is relative to.
+    `borrowed`: the model is the caller's, which emission must leave as it is (see
+    `Model.borrowed`); otherwise emission may patch it in place."""
+    return OnnxLoader(model, Path(base_dir) if base_dir is not None else None, borrowed).load()
