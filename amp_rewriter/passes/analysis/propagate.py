@@ -94,10 +94,21 @@ class Painting:
 Phase = Callable[[Painting], int]
 
 
+class SharedTexts(dict[str, str]):
+    """Reasons by what varies in them, so that the groups one rule decides from one source
+    share one string (a million-node graph would otherwise hold a copy per group):
+    `texts.get(key) or texts.put(key, f"...")` formats the text once."""
+
+    def put(self, key: str, text: str) -> str:
+        self[key] = text
+        return text
+
+
 def seed_allow(p: Painting) -> int:
     """Allow-list ops go low, unless the backend has no kernel for them (then they stay out from
     the start, so they cannot pull their neighbours into low precision)."""
     seeded = 0
+    reasons = SharedTexts()
     for g in p.graph.vertices:
         if op_class(g) != ALLOW or not g.paintable:
             continue
@@ -105,7 +116,10 @@ def seed_allow(p: Painting) -> int:
         if missing:
             p.note(g, decisions.BACKEND_KERNEL, missing)
             continue
-        p.paint(g, g.node.class_kind or decisions.OP_LIST, f"allow list: {g.node.class_reason}")
+        class_reason = g.node.class_reason
+        p.paint(g, g.node.class_kind or decisions.OP_LIST,
+                reasons.get(class_reason) or reasons.put(class_reason,
+                                                         f"allow list: {class_reason}"))
         seeded += 1
     return seeded
 
@@ -122,6 +136,7 @@ def spread_deny(p: Painting) -> int:
             if pred not in upstream and op_class(pred) == CLEAR:
                 upstream.add(pred)
                 stack.append(pred)
+    root_reasons = SharedTexts()
     for root in gg.vertices:
         if op_class(root) != DENY or root in p.deny:
             continue
@@ -129,17 +144,21 @@ def spread_deny(p: Painting) -> int:
         if root.forced_deny:
             p.note(root, decisions.CONSTANT_RANGE, root.forced_deny)
         else:
+            class_reason = root.node.class_reason
             p.note(root, root.node.class_kind or decisions.OP_LIST,
-                   f"deny list: {root.node.class_reason}")
+                   root_reasons.get(class_reason)
+                   or root_reasons.put(class_reason, f"deny list: {class_reason}"))
+        reasons = SharedTexts()
         stack = [root]
         while stack:
             g = stack.pop()
             for succ in gg.succ[g]:
                 if succ not in p.deny and succ in upstream:
                     p.deny.add(succ)
-                    p.note(succ, decisions.PROPAGATION,
-                           f"{op_class(succ)} op downstream of deny op {label(root)} through "
-                           f"infer/clear ops: its numeric risk carries here", via=g)
+                    cls = op_class(succ)
+                    p.note(succ, decisions.PROPAGATION, reasons.get(cls) or reasons.put(
+                        cls, f"{cls} op downstream of deny op {label(root)} through "
+                             f"infer/clear ops: its numeric risk carries here"), via=g)
                     stack.append(succ)
     for g in p.deny:
         p.allow.discard(g)
@@ -160,14 +179,16 @@ def fill_between_allow(p: Painting) -> int:
                     stack.append(succ)
     painted = 0
     for a in p.allow_in_order():
+        reasons = SharedTexts()
         stack = [a]
         while stack:
             g = stack.pop()
             for pred in gg.pred[g]:
                 if pred in downstream and pred not in p.allow:
-                    p.paint(pred, decisions.PROPAGATION,
-                            f"{op_class(pred)} op between allow ops: downstream of one and "
-                            f"upstream of {label(a)}", via=g)
+                    cls = op_class(pred)
+                    p.paint(pred, decisions.PROPAGATION, reasons.get(cls) or reasons.put(
+                        cls, f"{cls} op between allow ops: downstream of one and upstream of "
+                             f"{label(a)}"), via=g)
                     painted += 1
                     stack.append(pred)
     return painted
@@ -191,16 +212,17 @@ def fill_from_constants(p: Painting) -> int:
             constant_fed.add(g)
     painted = 0
     for a in p.allow_in_order():
+        reasons = SharedTexts()
         stack = [a]
         while stack:
             g = stack.pop()
             for pred in gg.pred[g]:
                 if pred in members and pred in constant_fed and p.can_join(pred, (CLEAR, INFER)):
-                    p.paint(pred, decisions.PROPAGATION,
-                            f"{op_class(pred)} op computed only from constants and integers, "
-                            f"upstream of {label(a)}: its constants convert offline, so it runs "
-                            f"low precision instead of casting in front of the allow op",
-                            via=g)
+                    cls = op_class(pred)
+                    p.paint(pred, decisions.PROPAGATION, reasons.get(cls) or reasons.put(
+                        cls, f"{cls} op computed only from constants and integers, upstream of "
+                             f"{label(a)}: its constants convert offline, so it runs low "
+                             f"precision instead of casting in front of the allow op"), via=g)
                     painted += 1
                     stack.append(pred)
     return painted
@@ -279,13 +301,14 @@ def spread_through_clear(p: Painting) -> int:
     """Allow spreads through clear ops, both ways."""
     painted = 0
     for a in p.allow_in_order():
+        reason = None
         stack = [a]
         while stack:
             g = stack.pop()
             for n in p.graph.succ[g] + p.graph.pred[g]:
                 if p.can_join(n, (CLEAR,)):
-                    p.paint(n, decisions.PROPAGATION,
-                            f"clear op connected to low-precision {label(a)}", via=g)
+                    reason = reason or f"clear op connected to low-precision {label(a)}"
+                    p.paint(n, decisions.PROPAGATION, reason, via=g)
                     painted += 1
                     stack.append(n)
     return painted
