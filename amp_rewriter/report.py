@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import marshal
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, overload
@@ -91,6 +91,34 @@ def _group_entry(group: tuple) -> dict[str, Any]:
     return entry
 
 
+class _TextTable(dict[str, int]):
+    """Text -> its number in a packed table (marshalled texts in `texts`, where each ends at
+    `starts`), numbering a text the first time it is looked up."""
+
+    def __init__(self, texts: bytearray, starts: array):
+        super().__init__()
+        self.texts, self.starts = texts, starts
+
+    def __missing__(self, text: str) -> int:
+        number = self[text] = len(self.starts) - 1
+        self.texts += marshal.dumps(text)
+        self.starts.append(len(self.texts))
+        return number
+
+
+def _with_text_ids(record: tuple, table: Any) -> tuple:
+    """`record` with each text (or text number) replaced by `table[text]`, None and the
+    nesting of its groups kept; but the node's own name, which no other node has, stays."""
+    name, op, precision, op_class, kind, reason, graph, class_reason, groups = record
+    return (name, table[op], table[precision], table[op_class], table[kind],
+            table[reason], None if graph is None else table[graph],
+            None if class_reason is None else table[class_reason],
+            tuple([(table[g_name], table[g_precision], table[g_kind], table[g_reason],
+                    None if via_node is None else table[via_node],
+                    None if via_group is None else table[via_group])
+                   for g_name, g_precision, g_kind, g_reason, via_node, via_group in groups]))
+
+
 def node_entry(node: Node, graph_name: str) -> dict[str, Any]:
     """One node's precision, class and reasons, as the report's JSON shows them."""
     return _entry(node_record(node, graph_name))
@@ -104,20 +132,40 @@ class NodeEntries(Sequence[dict[str, Any]]):
     Python object per node: a conversion's report outlives its IR, and per-node objects made
     while the IR was alive (the names it read from the model) would sit scattered through the
     IR's memory and keep the system from getting it back once the IR is freed (about 230 MB
-    at 100k nodes).
+    at 100k nodes). Records given together (`NodeEntries(records)`, as `build_report` does)
+    keep each distinct text but their own names once, in a packed table, and refer to it by
+    number: their reasons repeat from node to node.
     """
 
     def __init__(self, records: Iterable[NodeRecord | dict[str, Any]] = ()):
         self._packed = bytearray()
         self._starts = array("Q", [0])
         self._changed: dict[int, dict[str, Any]] = {}
+        self._texts = bytearray()
+        self._text_starts = array("Q", [0])
+        self._text_cache: list[str] | None = None
+        # Only while these records are packed: it refers to the caller's strings.
+        text_ids = _TextTable(self._texts, self._text_starts)
         for record in records:
-            self.append(record)
+            if isinstance(record, dict):
+                self.append(record)
+            else:
+                self._append_packed(_with_text_ids(record, text_ids))
+
+    def _texts_by_number(self) -> list[str]:
+        if self._text_cache is None:  # decoded once, when first read
+            starts, texts = self._text_starts, self._texts
+            self._text_cache = [marshal.loads(texts[starts[i]:starts[i + 1]])
+                                for i in range(len(starts) - 1)]
+        return self._text_cache
+
+    def _append_packed(self, record: Any) -> None:
+        self._packed += marshal.dumps(record)
+        self._starts.append(len(self._packed))
 
     def append(self, record: NodeRecord | dict[str, Any]) -> None:
         """Add an entry: a `node_record` or a dict as the JSON holds it."""
-        self._packed += marshal.dumps(record)
-        self._starts.append(len(self._packed))
+        self._append_packed(record)
 
     def _record(self, index: int) -> NodeRecord | dict[str, Any]:
         changed = self._changed.get(index)
@@ -125,6 +173,8 @@ class NodeEntries(Sequence[dict[str, Any]]):
             return changed
         record: NodeRecord | dict[str, Any] = marshal.loads(
             self._packed[self._starts[index]:self._starts[index + 1]])
+        if isinstance(record, tuple) and isinstance(record[1], int):  # texts by number
+            record = _with_text_ids(record, self._texts_by_number())
         return record
 
     def __len__(self) -> int:
@@ -209,27 +259,33 @@ class Report:
         return next((n for n in self.nodes if n["name"] == name), None)
 
 
-def build_report(ctx: PassContext, original_nodes: list[tuple[Node, str]],
-                 results: list[PassResult]) -> Report:
-    """Summarise a conversion: every original node's decision plus the counts users ask for."""
-    entries = NodeEntries()
+def build_report(ctx: PassContext, original_nodes: Sequence[Node], results: list[PassResult],
+                 graph_name: Callable[[Node], str]) -> Report:
+    """Summarise a conversion: every original node's decision (each under the name of its graph,
+    `graph_name`) plus the counts users ask for."""
     low = 0
     compute: dict[str, list[int]] = {}
-    for node, graph in original_nodes:
-        record = node_record(node, graph)
-        entries.append(record)
-        op, precision = record[1], record[2]
-        low += precision in LOW_PRECISION_NAMES
-        # Float compute only: a MatMul of integers (precision n/a) is not what the count is for.
-        if op in ctx.rules.compute_ops and precision != "n/a":
-            counts = compute.setdefault(op, [0, 0])
-            counts[0] += precision in LOW_PRECISION_NAMES
-            counts[1] += 1
+
+    def records() -> Iterator[NodeRecord]:
+        nonlocal low
+        for node in original_nodes:
+            record = node_record(node, graph_name(node))
+            op, precision = record[1], record[2]
+            low += precision in LOW_PRECISION_NAMES
+            # Float compute only: a MatMul of integers (precision n/a) is not what it counts.
+            if op in ctx.rules.compute_ops and precision != "n/a":
+                counts = compute.setdefault(op, [0, 0])
+                counts[0] += precision in LOW_PRECISION_NAMES
+                counts[1] += 1
+            yield record
+
+    entries = NodeEntries(records())
     kept = sum(1 for c in ctx.constants if c.action == "kept_fp32")
-    final_ids = {id(n) for n in ctx.model.graph.walk_nodes()}
-    original_casts = [n for n, _ in original_nodes if n.op_type == "Cast"]
-    new_casts = sum(1 for n in ctx.model.graph.walk_nodes()
-                    if n.op_type == "Cast" and n.handle is None)
+    # Casts only: a set of every node would take ~100 MB at a million nodes.
+    final_casts = [n for n in ctx.model.graph.walk_nodes() if n.op_type == "Cast"]
+    new_casts = sum(1 for n in final_casts if n.handle is None)
+    final_ids = {id(n) for n in final_casts if n.handle is not None}
+    original_casts = [n for n in original_nodes if n.op_type == "Cast"]
     summary = {
         "nodes": len(entries),
         "low_precision_nodes": low,

@@ -154,15 +154,15 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         lists = OpLists.load("onnx", options.target, options.backend or DEFAULT_BACKEND,
                              options.overrides, opset)
         ir_model = load_onnx(model, base, borrowed=borrowed)
-        original_nodes = [(node, graph.name) for graph in ir_model.graph.walk_graphs()
-                          for node in graph.nodes]
+        original_nodes = list(ir_model.graph.walk_nodes())
         original_names = ValueNames(ir_model) if keep_ir else None
         ctx = PassContext(ir_model, lists, options, ONNX_RULES, pins=dict(pins or {}))
         results = run_pipeline(ctx, "onnx", on_pass=steps.start)
         steps.start("emitting")
         emitted = emit_onnx_parts(ir_model, deferred, split=not keep_ir)
-        report = build_report(ctx, original_nodes, results)
-        override_warnings = _override_warnings(options, [n for n, _ in original_nodes])
+        # A node keeps its graph when a pass removes it.
+        report = build_report(ctx, original_nodes, results, _graph_name)
+        override_warnings = _override_warnings(options, original_nodes)
         schema_warnings = _schema_warnings(ir_model)
         del original_nodes, ctx
         accesses = op_kinds = None
@@ -204,6 +204,11 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
                 _blame_invalid_input(original)
                 raise
     return converted, report, kept
+
+
+def _graph_name(node: Node) -> str:
+    assert node.graph is not None, "nodes keep their graph until the IR is released"
+    return node.graph.name
 
 
 def _freeing_the_ir(ir_model: Model, report: Report, held: list[dict[str, int] | None]

@@ -53,10 +53,10 @@ _CHECKPOINT_OPS = frozenset({"SaveV2", "RestoreV2", "MergeV2Checkpoints", "Save"
 
 def _run(ir_model: Model, lists: OpLists, options: Options, graph_name: str,
          pipeline: str = "tf", pins: Mapping[str, Pin] | None = None) -> Report:
-    original = [(node, graph_name) for node in ir_model.graph.nodes]
+    original = list(ir_model.graph.nodes)
     ctx = PassContext(ir_model, lists, options, TF_RULES, pins=dict(pins or {}))
     results = run_pipeline(ctx, pipeline)
-    return build_report(ctx, original, results)
+    return build_report(ctx, original, results, lambda node: graph_name)
 
 
 def _resolved(options: Options) -> tuple[Options, OpLists]:
