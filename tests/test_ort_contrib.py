@@ -455,6 +455,70 @@ def test_the_cost_inference_stands_in_for_the_checkers_type_check_only_when_it_p
         check_valid(bad)
 
 
+def _reshape_by_computed_shape() -> onnx.ModelProto:
+    """A Reshape whose target is computed from the input's shape (Shape -> Gather -> Mul ->
+    Concat), and a mask of a partly known shape added by broadcasting: what a slice boundary
+    must not lose (data propagation, partly known shapes)."""
+    b = GraphBuilder(opset=17)
+    x = b.input("x", ["batch", 4, 8])
+    mask = b.input("mask", ["batch", 1, 8])
+    h = b.op("MatMul", x, b.weight("w", [8, 8]), name="mm")
+    shape = b.op("Shape", h, name="shape")
+    batch = b.op("Gather", shape, b.const("zero", np.array([0], np.int64)), name="batch")
+    rows = b.op("Mul", b.op("Gather", shape, b.const("one", np.array([1], np.int64)),
+                            name="rows"), b.const("two", np.array([2], np.int64)), name="twice")
+    target = b.op("Concat", batch, rows, b.const("four", np.array([4], np.int64)), name="cat",
+                  axis=0)
+    # Expanded to [batch, ?, 8] (a length no inference knows): partly known, and the Add
+    # with h still gives [batch, 4, 8].
+    longest = b.op("ReduceMax", b.input("lengths", [2], np.int64), name="longest", keepdims=1)
+    spread = b.op("Concat", batch, longest, b.const("eight", np.array([8], np.int64)),
+                  name="spread", axis=0)
+    scaled = b.op("Mul", mask, b.const("big", np.array(-1e4, np.float32)), name="scale")
+    masked = b.op("Add", h, b.op("Expand", scaled, spread, name="expand"), name="masked")
+    soft = b.op("Softmax", masked, name="softmax", axis=-1)
+    b.output(b.op("Relu", b.op("Reshape", soft, target, name="reshape"), name="relu"))
+    return b.build()
+
+
+@pytest.mark.parametrize("name", ["computed_shape", "transformer_block", "cnn"])
+def test_the_cost_inference_of_a_big_graph_in_slices_finds_the_same_shapes(name, monkeypatch):
+    """Graphs over `SLICE_NODES` nodes are inferred a slice at a time (bounded memory); with
+    slices down to one node the cost summary and the type check come out as inferring the
+    whole graph does."""
+    from amp_rewriter.formats.onnx import shapes
+    from models import BUILDERS
+
+    model = _reshape_by_computed_shape() if name == "computed_shape" else BUILDERS[name]()
+    converted, _ = amp_rewriter.convert(model, keep_io_types=True)
+    sizes = shapes.validation_input_shapes(converted)
+    whole = shapes.checked_activation_traffic(converted, sizes, type_check=True)
+    # Only the expanded mask has no concrete shape.
+    assert whole[1] and whole[0]["values_without_shape"] == (name == "computed_shape")
+    for size in (1, 2, 5):
+        monkeypatch.setattr(shapes, "SLICE_NODES", size)
+        ops = {(node.domain, node.op_type) for node in converted.graph.node}
+        assert shapes._sliceable(converted, ops)
+        assert shapes.checked_activation_traffic(converted, sizes, type_check=True) == whole
+
+
+def test_a_type_error_in_a_slice_leaves_the_check_to_the_checker(monkeypatch):
+    """A declared type that contradicts the inferred one, found in one slice: as with the whole
+    graph, the inference counts as not checked and the shapes come from the lenient run."""
+    from amp_rewriter.formats.onnx import shapes
+
+    model = _reshape_by_computed_shape()
+    whole = shapes.checked_activation_traffic(model, {"x": (2, 4, 8), "mask": (2, 1, 8), "lengths": (2,)},
+                                              type_check=True)
+    relu_input = model.graph.node[-1].input[0]
+    model.graph.value_info.append(onnx.helper.make_tensor_value_info(
+        relu_input, TensorProto.FLOAT16, None))
+    monkeypatch.setattr(shapes, "SLICE_NODES", 3)
+    traffic, checked = shapes.checked_activation_traffic(
+        model, {"x": (2, 4, 8), "mask": (2, 1, 8), "lengths": (2,)}, type_check=True)
+    assert not checked and traffic == whole[0]
+
+
 def test_skeleton_bytes_parse_as_the_skeleton():
     """The cost summary's inference reads a skeleton serialized node by node; it must parse as
     the skeleton message (large initializers turned into inputs, concrete input sizes), with

@@ -11,6 +11,7 @@ com.microsoft ops. A failure of either only means fewer known shapes.
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections import Counter
 from collections.abc import Mapping
 from functools import cache
@@ -20,9 +21,10 @@ from typing import Any
 import onnx
 
 from ...cost import bytes_moved
+from ...ir import FLOAT_DTYPES
 from . import ort_registry
 from .encoding import GRAPH_NODE, GRAPH_VALUE_INFO, MODEL_GRAPH, append_field, encoded_fields
-from .load import dtype_name, model_opsets, walk_graph_protos
+from .load import dtype_name, elem_type_code, model_opsets, walk_graph_protos
 from .validate import validation_shape
 
 #: Initializers up to this many elements stay in the skeleton (Reshape targets, axes, ...).
@@ -174,9 +176,160 @@ def _inferred(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]
             return None, False
 
 
-def _types(inferred: onnx.ModelProto | None, model: onnx.ModelProto
-           ) -> dict[str, tuple[str | None, tuple[int, ...] | None]]:
-    """Value name -> (dtype, concrete shape or None) as inferred (or, failing that, declared)."""
+#: Graphs with more top-level nodes than this have their shapes inferred a slice of this many
+#: nodes at a time: onnx's inference takes about 2.4 KB per node while it runs (2.4 GB at a
+#: million nodes, on top of the model), a slice a bounded amount.
+SLICE_NODES = 100_000
+
+#: Ops whose bodies may read values of the graph around them: a graph with them is inferred
+#: whole (a slice's inputs are what its nodes read, bodies not searched).
+_BODY_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+
+Types = dict[str, tuple[str | None, tuple[int, ...] | None]]
+
+
+def _sliceable(model: onnx.ModelProto, op_kinds: set[tuple[str, str]]) -> bool:
+    return len(model.graph.node) > SLICE_NODES and not any(
+        op in _BODY_OPS or domain not in _STANDARD_DOMAINS for domain, op in op_kinds)
+
+
+def _types_in_slices(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
+                     type_check: bool) -> tuple[Types, bool] | None:
+    """What `_types(_inferred(...))` gives, inferred `SLICE_NODES` nodes at a time (None when an
+    inference fails: the caller infers the whole graph then).
+
+    A slice is a graph of its nodes whose inputs are the values they read from earlier slices,
+    declared with the types inferred there (concrete shapes at these input sizes, or the partly
+    known shape). Shape-like values read from earlier slices (shapes, sizes, indices) come with
+    the nodes that compute them, back to the values that are not, so that data propagation
+    still knows their contents (a Reshape's target computed by Shape -> Gather -> Concat).
+    With `type_check`, each slice is inferred in the strict, type-checking mode with the
+    declared value_info of what it computes, as the whole graph would be."""
+    slicer = _Slicer(model, input_shapes, type_check)
+    nodes = model.graph.node
+    for start in range(0, len(nodes), SLICE_NODES):
+        members = [(start + offset, list(node.input), list(node.output))
+                   for offset, node in enumerate(nodes[start:start + SLICE_NODES])]
+        if not slicer.infer(members):
+            return None
+    return slicer.types, type_check
+
+
+class _Slicer:
+    """The state of `_types_in_slices`: what the slices inferred so far."""
+
+    def __init__(self, model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
+                 type_check: bool):
+        self.nodes = model.graph.node
+        self.type_check = type_check
+        head = _skeleton_without_nodes(model, input_shapes)
+        self.graph_name = model.graph.name
+        self.graph_inputs = {info.name: info for info in head.graph.input}
+        self.small_initializers = {tensor.name: tensor for tensor in head.graph.initializer}
+        head.ClearField("graph")
+        self.head = head.SerializeToString()
+        self.declared = ({info.name: info for info in model.graph.value_info} if type_check
+                         else {})
+        self.outputs = {info.name: info for info in model.graph.output}
+        self.types: Types = {}
+        #: The encoded TypeProto of values whose shape is partly known.
+        self.partial: dict[str, bytes] = {}
+        #: Shape-like values' producers, and (inputs, outputs) of each such node by index.
+        self.producer: dict[str, int] = {}
+        self.shape_like_nodes: dict[int, tuple[list[str], list[str]]] = {}
+
+    def infer(self, members: list[tuple[int, list[str], list[str]]]) -> bool:
+        """Infer one slice (node index, inputs, outputs of each node); False when that fails."""
+        prefix = [(index, *self.shape_like_nodes[index])
+                  for index in self._shape_like_sources(_slice_reads(members))]
+        sliced = onnx.GraphProto(name=self.graph_name)
+        if not self._declare_inputs(sliced, _slice_reads(prefix + members)):
+            return False
+        computed = [name for _, _, outs in prefix + members for name in outs]
+        sliced.value_info.extend(self.declared[name] for name in computed
+                                 if name in self.declared)
+        sliced.output.extend(self.outputs[name] for name in computed if name in self.outputs)
+        graph = encoded_fields(GRAPH_NODE, (self.nodes[index] for index, _, _ in prefix + members))
+        graph += sliced.SerializeToString()
+        encoded = bytearray(self.head)
+        append_field(encoded, MODEL_GRAPH, graph)
+        del graph
+        try:
+            with ort_registry.quiet():
+                inferred = onnx.shape_inference.infer_shapes(
+                    bytes(encoded), check_type=self.type_check, strict_mode=self.type_check,
+                    data_prop=True)
+        except Exception:  # as in `_inferred`: the whole graph's inference decides
+            return False
+        del encoded
+        found = _types(inferred, inferred, self.partial)
+        del inferred
+        self.types.update(found)
+        for index, ins, outs in members:
+            if any(_shape_like(*found.get(name, (None, None))) for name in outs):
+                self.shape_like_nodes[index] = (ins, outs)
+                for name in outs:
+                    self.producer[name] = index
+        return True
+
+    def _shape_like_sources(self, reads: list[str]) -> list[int]:
+        """The earlier nodes that compute the shape-like values among `reads`, and those that
+        compute the shape-like values they read in turn, in graph order."""
+        chosen: set[int] = set()
+        stack = [name for name in reads if name in self.producer]
+        while stack:
+            index = self.producer[stack.pop()]
+            if index not in chosen:
+                chosen.add(index)
+                stack.extend(name for name in self.shape_like_nodes[index][0]
+                             if name in self.producer)
+        return sorted(chosen)
+
+    def _declare_inputs(self, sliced: onnx.GraphProto, reads: list[str]) -> bool:
+        """Give the slice what it reads: the model's inputs and small initializers as they are,
+        earlier slices' values with their inferred types. False when one has none."""
+        for name in reads:
+            if name in self.small_initializers:
+                sliced.initializer.append(self.small_initializers[name])
+            elif name in self.graph_inputs:
+                sliced.input.append(self.graph_inputs[name])
+            elif name in self.partial:
+                info = sliced.input.add(name=name)
+                info.type.MergeFromString(self.partial[name])
+            else:
+                dtype, shape = self.types.get(name, (None, None))
+                if dtype is None:
+                    return False  # read before it is typed: the whole graph is inferred
+                sliced.input.append(onnx.helper.make_tensor_value_info(
+                    name, elem_type_code(dtype), list(shape) if shape is not None else None))
+        return True
+
+
+def _shape_like(dtype: str | None, shape: tuple[int, ...] | None) -> bool:
+    """Whether a value may carry what data propagation tracks (a shape, a size, an index): a
+    scalar or short vector, or a non-float value of unknown shape."""
+    if shape is None:
+        return dtype is not None and dtype not in FLOAT_DTYPES
+    return len(shape) <= 1 and math.prod(shape) <= SMALL_INITIALIZER
+
+
+def _slice_reads(members: list[tuple[int, list[str], list[str]]]) -> list[str]:
+    """The values a run of nodes reads before producing them (in order of first read)."""
+    produced: set[str] = set()
+    reads: dict[str, None] = {}
+    for _, ins, outs in members:
+        for name in ins:
+            if name and name not in produced:
+                reads[name] = None
+        produced.update(outs)
+    return list(reads)
+
+
+def _types(inferred: onnx.ModelProto | None, model: onnx.ModelProto,
+           partial: dict[str, bytes] | None = None) -> Types:
+    """Value name -> (dtype, concrete shape or None) as inferred (or, failing that, declared).
+    `partial`: a dict to fill with the encoded TypeProto of each value whose shape is only
+    partly known (a symbolic or missing dimension)."""
     graph = inferred.graph if inferred is not None else model.graph
     # list() first: iterating upb's repeated fields directly costs ~5x more per element.
     infos = list(graph.input) + list(graph.value_info) + list(graph.output)
@@ -193,6 +346,9 @@ def _types(inferred: onnx.ModelProto | None, model: onnx.ModelProto
             known = by_type[key] = _dtype_and_shape(type_proto)
         if known is not None:
             result[info.name] = known
+            if partial is not None and known[1] is None and type_proto.tensor_type.HasField(
+                    "shape"):
+                partial[info.name] = key
     return result
 
 
@@ -254,9 +410,17 @@ def checked_activation_traffic(model: onnx.ModelProto,
                                type_check: bool = False) -> tuple[dict[str, Any], bool]:
     """`activation_traffic`, and whether its shape inference passed the type and shape check of
     onnx.checker's full check (asked for with `type_check`; see `_inferred`)."""
-    inferred, checked = _inferred(model, input_shapes, op_kinds, type_check)
-    types = _types(inferred, model)
-    del inferred
+    if op_kinds is None:
+        op_kinds = {(node.domain, node.op_type) for g in walk_graph_protos(model.graph)
+                    for node in g.node}
+    sliced = _types_in_slices(model, input_shapes, type_check) \
+        if _sliceable(model, op_kinds) else None
+    if sliced is not None:
+        types, checked = sliced
+    else:
+        inferred, checked = _inferred(model, input_shapes, op_kinds, type_check)
+        types = _types(inferred, model)
+        del inferred
     if accesses is None:
         accesses = _proto_accesses(model.graph)
     tensors = []
