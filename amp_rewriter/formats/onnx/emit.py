@@ -175,11 +175,11 @@ def _set_elem_type(info: onnx.ValueInfoProto, dtype: str | None) -> None:
 
 def _emit_graph(graph: Graph, opset: int, deferred: dict[str, LazyTensor] | None,
                 encoded_nodes: bytearray | None = None,
-                target: onnx.GraphProto | None = None) -> None:
+                target: onnx.GraphProto | None = None, overwrite: bool = False) -> None:
     """Write `graph` back into its proto, or with `target` into that one (the graph's own proto
     is the caller's and is only read: see `Model.borrowed`); with `encoded_nodes`, its nodes
     are appended there, encoded as GraphProto fields, and the proto's own node list is left
-    empty."""
+    empty. `overwrite`: the IR is released next, so its tensors' protos may be rewritten."""
     source: onnx.GraphProto = graph.handle
     proto = target if target is not None else source
     borrowed = target is not None
@@ -194,22 +194,7 @@ def _emit_graph(graph: Graph, opset: int, deferred: dict[str, LazyTensor] | None
             append_field(encoded_nodes, GRAPH_NODE, node_proto.SerializeToString())
         del proto.node[:]
 
-    kept: list[onnx.TensorProto] = []
-    emitted: set[str] = set()
-    for tensor in source.initializer:
-        value = graph.initializers.get(tensor.name)
-        if value is None:
-            continue
-        const = _data(value)
-        kept.append(tensor if const.handle is tensor else _emitted(value.name, const, deferred))
-        emitted.add(tensor.name)
-    for name, value in graph.initializers.items():
-        if name not in emitted:
-            const = _data(value)
-            kept.append(const.handle if const.handle is not None
-                        else _emitted(name, const, deferred))
-    del proto.initializer[:]
-    proto.initializer.extend(kept)
+    _emit_initializers(graph, source, proto, deferred, overwrite)
 
     declared = {info.name: info for info in proto.input}
     inputs = []
@@ -229,14 +214,57 @@ def _emit_graph(graph: Graph, opset: int, deferred: dict[str, LazyTensor] | None
         _set_elem_type(info, value.dtype)
     kept_info = []
     for info in proto.value_info:
-        value = graph.values.get(info.name)
-        if value is None:
+        described = graph.values.get(info.name)
+        if described is None:
             continue
-        _set_elem_type(info, value.dtype)
+        _set_elem_type(info, described.dtype)
         kept_info.append(info)
     if len(kept_info) != len(proto.value_info):
         del proto.value_info[:]
         proto.value_info.extend(kept_info)
+
+
+def _emit_initializers(graph: Graph, source: onnx.GraphProto, proto: onnx.GraphProto,
+                       deferred: dict[str, LazyTensor] | None, overwrite: bool) -> None:
+    """The graph's initializers into `proto`: those of `source` that are left, in their order
+    (converted ones in their place), then the ones the passes added. Each converted one is
+    written in as it is made where it can be, rather than all made first and copied in (a
+    million-node graph has 100k or more small constants, each its own message until copied).
+    `overwrite`: `proto` may be rewritten in place, the IR read by nothing afterwards."""
+    emitted: set[str] = set()
+    if source is not proto:  # a new proto: the source is the caller's
+        for tensor in source.initializer:
+            value = graph.initializers.get(tensor.name)
+            if value is not None:
+                const = _data(value)
+                proto.initializer.add().CopyFrom(
+                    tensor if const.handle is tensor else _emitted(value.name, const, deferred))
+                emitted.add(tensor.name)
+    elif overwrite and all(tensor.name in graph.initializers
+                           and tensor.data_location != onnx.TensorProto.EXTERNAL
+                           for tensor in proto.initializer):
+        for tensor in proto.initializer:
+            const = _data(graph.initializers[tensor.name])
+            if const.handle is not tensor:
+                tensor.CopyFrom(_emitted(tensor.name, const, deferred))
+            emitted.add(tensor.name)
+    else:  # the originals must stay readable (the IR is kept, a converted weight streams
+        # from the original's file), or some are dropped
+        kept = []
+        for tensor in source.initializer:
+            value = graph.initializers.get(tensor.name)
+            if value is not None:
+                const = _data(value)
+                kept.append(tensor if const.handle is tensor
+                            else _emitted(value.name, const, deferred))
+                emitted.add(tensor.name)
+        del proto.initializer[:]
+        proto.initializer.extend(kept)
+    for name, value in graph.initializers.items():
+        if name not in emitted:
+            const = _data(value)
+            proto.initializer.add().CopyFrom(const.handle if const.handle is not None
+                                             else _emitted(name, const, deferred))
 
 
 class EmittedModel:
@@ -300,7 +328,7 @@ def emit_onnx_parts(model: Model, deferred: dict[str, LazyTensor] | None = None,
     for graph in reversed(list(model.graph.walk_graphs())):
         main = graph is model.graph
         _emit_graph(graph, opset, deferred, encoded_nodes if split and main else None,
-                    head.graph if main and model.borrowed else None)
+                    head.graph if main and model.borrowed else None, overwrite=split)
     return EmittedModel(head, encoded_nodes, split)
 
 
