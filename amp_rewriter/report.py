@@ -260,9 +260,11 @@ class Report:
 
 
 def build_report(ctx: PassContext, original_nodes: Sequence[Node], results: list[PassResult],
-                 graph_name: Callable[[Node], str]) -> Report:
+                 graph_name: Callable[[Node], str], *, with_constants: bool = True) -> Report:
     """Summarise a conversion: every original node's decision (each under the name of its graph,
-    `graph_name`) plus the counts users ask for."""
+    `graph_name`) plus the counts users ask for. Without `with_constants` the report's
+    constants are left for the caller to fill (`constant_entries(ctx.constants)`) once the IR
+    has gone: a million-node graph has 100k or more of them."""
     low = 0
     compute: dict[str, list[int]] = {}
 
@@ -306,9 +308,14 @@ def build_report(ctx: PassContext, original_nodes: Sequence[Node], results: list
     cost = {"compute_ops": compute_ops_left_fp32(ctx.model, ctx.rules.compute_ops),
             "casts_by_reason": casts_by_reason(ctx.model)}
     return Report(ctx.options.target, ctx.options.backend or "", summary, entries,
-                  [dict(vars(c)) for c in ctx.constants],  # flat records: no deep copy
+                  constant_entries(ctx.constants) if with_constants else [],
                   [{"name": r.name, "changed": r.changed, "notes": r.notes} for r in results],
                   cost=cost, structures=[asdict(s) for s in ctx.structures])
+
+
+def constant_entries(records: Iterable[Any]) -> list[dict[str, Any]]:
+    """The report's entries of a conversion's constant records (`PassContext.constants`)."""
+    return [dict(vars(record)) for record in records]  # flat records: no deep copy
 
 
 def load_report(path: str | Path) -> Report:

@@ -279,6 +279,28 @@ class Node:
                 value.uses.remove((self, slot))
                 self.inputs[slot] = None
 
+    def release(self) -> None:
+        """Let go of what the node refers to and what refers to it through its outputs (values,
+        type groups, proto, bodies), once nothing will read it again: one node of
+        `Model.release`, for an emitter that writes a model a node at a time. Its name, op and
+        class stay (a type group's `via` may still name it)."""
+        for body in self.subgraphs.values():
+            body.release()
+        for value in self.outputs:
+            if value is not None:
+                value.uses.clear()
+                value.graph_output_uses = ()
+                value.producer = None
+                value.origin = None
+        self.inputs.clear()
+        self.outputs.clear()
+        self.type_groups.clear()
+        self.input_group.clear()
+        self.output_group.clear()
+        self.subgraphs = _NONE
+        self.graph = None
+        self.handle = None
+
     @property
     def is_used(self) -> bool:
         """Whether anything reads one of the node's outputs."""
@@ -445,6 +467,29 @@ class Graph:
         self.nodes = kept
         return removed
 
+    def take_nodes(self) -> list[Node]:
+        """Hand the node list over, leaving the graph without nodes: for an emitter that writes
+        the nodes and releases each (`Node.release`) as it goes, before `Model.release`."""
+        nodes, self.nodes = self.nodes, []
+        return nodes
+
+    def release(self) -> None:
+        """Empty the graph and its nested graphs (see `Model.release`)."""
+        for node in self.nodes:
+            node.release()
+        for value in list(self.values.values()) + self.inputs + self.outputs:
+            value.uses.clear()
+            value.graph_output_uses = ()
+            value.producer = None
+            value.origin = None
+        self.nodes = []
+        self.values.clear()
+        self.initializers.clear()
+        self.inputs.clear()
+        self.outputs.clear()
+        self.parent = self.owner = None
+        self.handle = None
+
 
 @dataclass
 class Model:
@@ -463,6 +508,13 @@ class Model:
         """A deterministic name not used anywhere in the model yet."""
         return unique_name(base, self.used_names)
 
+    def forget_names(self) -> None:
+        """Drop the name tables (names in use, the main graph's values by name) once no name is
+        looked up or made any more (emitting, before `release`): at a million nodes they are
+        ~150 MB."""
+        self.used_names.clear()
+        self.graph.values.clear()
+
     def release(self) -> None:
         """Empty the model, breaking the reference cycles its objects form (node <-> value,
         node <-> type group, value <-> graph), once nothing will read it again (after emitting).
@@ -471,29 +523,7 @@ class Model:
         once, even while the cyclic collector is paused; the collector would otherwise have to
         scan every object to find these cycles.
         """
-        graphs = list(self.graph.walk_graphs())
-        for graph in graphs:
-            for node in graph.nodes:
-                node.inputs.clear()
-                node.outputs.clear()
-                node.type_groups.clear()
-                node.input_group.clear()
-                node.output_group.clear()
-                node.subgraphs = _NONE
-                node.graph = None
-                node.handle = None
-            for value in list(graph.values.values()) + graph.inputs + graph.outputs:
-                value.uses.clear()
-                value.graph_output_uses = ()
-                value.producer = None
-                value.origin = None
-            graph.nodes = []
-            graph.values.clear()
-            graph.initializers.clear()
-            graph.inputs.clear()
-            graph.outputs.clear()
-            graph.parent = graph.owner = None
-            graph.handle = None
+        self.graph.release()
         self.handle = None
         self.used_names.clear()
 

@@ -15,7 +15,6 @@ import onnx
 from onnx import external_data_helper
 
 from ... import progress
-from ...cost import activation_accesses
 from ...errors import AmpError
 from ...fileio import OutputTransaction, owned_prefix
 from ...ir import LazyTensor, Model, Node, ValueNames
@@ -24,13 +23,13 @@ from ...options import Options
 from ...passes import PassContext, Pin, run_pipeline
 from ...passes.analysis.pins import keep_node_match
 from ...passes.pipeline import passes_of
-from ...report import Report, build_report
+from ...report import Report, build_report, constant_entries
 from ..base import cyclic_gc_paused
 from . import ort_registry
 from .emit import (
     EXTERNAL_DATA_THRESHOLD,
+    Emission,
     deferred_bytes,
-    emit_onnx_parts,
     has_external_data,
     save_onnx,
 )
@@ -158,28 +157,32 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         original_names = ValueNames(ir_model) if keep_ir else None
         ctx = PassContext(ir_model, lists, options, ONNX_RULES, pins=dict(pins or {}))
         results = run_pipeline(ctx, "onnx", on_pass=steps.start)
+        ctx.range_checks.clear()  # the passes' cache; its memory serves what follows
         steps.start("emitting")
-        emitted = emit_onnx_parts(ir_model, deferred, split=not keep_ir)
+        # All but the main graph's nodes now (and the IR's name tables go); what reads the nodes
+        # runs before they are written, since emission lets each go once it is written (unless
+        # the IR is kept), so that the model's encoding takes their memory.
+        emission = Emission(ir_model, deferred, split=not keep_ir, release=not keep_ir)
         # A node keeps its graph when a pass removes it.
-        report = build_report(ctx, original_nodes, results, _graph_name)
+        report = build_report(ctx, original_nodes, results, _graph_name, with_constants=False)
+        constants = ctx.constants  # made entries once the nodes are gone, in their memory
         override_warnings = _override_warnings(options, original_nodes)
         schema_warnings = _schema_warnings(ir_model)
         del original_nodes, ctx
-        accesses = op_kinds = None
+        op_kinds = None
         if report.cost is not None:  # what the cost summary needs of the IR
-            accesses = activation_accesses(ir_model)
             op_kinds = {(node.domain, node.op_type) for node in ir_model.graph.walk_nodes()}
+        emitted = emission.finish()
+        del emission
+        report.constants = constant_entries(constants)
+        del constants
         encodable = emitted.size_bound() <= PROTOBUF_LIMIT
         kept = None
         if original_names is not None:
             kept = ConvertedIR(ir_model, original_names)
         else:  # free the IR now (gigabytes at a million nodes), before the model is assembled
-            # and shape inference and the checker make their own copies of it. The access
-            # counts are handed over, not kept here too: one reference left keeps every name
-            # they hold, scattered through the IR's memory, and with them most of that memory.
-            held, accesses = [accesses], None
-            accesses = _freeing_the_ir(ir_model, report, held)
-            del held
+            # and shape inference and the checker make their own copies of it
+            _freeing_the_ir(ir_model, report)
         del ir_model, model
         converted = emitted.assemble()
         del emitted
@@ -188,9 +191,8 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         types_checked = False
         if report.cost is not None:
             report.cost["activation_bytes"], types_checked = checked_activation_traffic(
-                converted, validation_input_shapes(converted), accesses, op_kinds,
+                converted, validation_input_shapes(converted), op_kinds=op_kinds,
                 type_check=check_here)
-        del accesses
         report.warnings = override_warnings
         report.warnings += bf16_advice(report, lists, opset)
         report.warnings += schema_warnings
@@ -211,35 +213,29 @@ def _graph_name(node: Node) -> str:
     return node.graph.name
 
 
-def _freeing_the_ir(ir_model: Model, report: Report, held: list[dict[str, int] | None]
-                    ) -> dict[str, int] | None:
-    """Release the IR so that the system gets its memory back, and return the access counts
-    `held` hands over (a one-item list, emptied here, so that no caller keeps the original).
+def _freeing_the_ir(ir_model: Model, report: Report) -> None:
+    """Release the IR so that the system gets its memory back.
 
-    What outlives the IR (the report's constants, structures and cost, the access counts) holds
+    What outlives the IR (the report's constants, structures and cost) holds
     names read while the IR was built; scattered through the IR's memory, such objects keep
     Python's allocator from handing nearly any of it back (at 100k nodes RSS stays 230 MB
     higher). So they are packed into one buffer first and rebuilt after the IR is gone, and the
     cycles of the nodes the passes removed are collected (what is left to scan then is small).
     """
-    accesses = held.pop()
     try:
-        packed: bytes | None = marshal.dumps((accesses, report.constants, report.structures,
-                                              report.cost, report.passes))
+        packed: bytes | None = marshal.dumps((report.constants, report.structures, report.cost,
+                                              report.passes))
     except ValueError:  # an object marshal cannot write: keep the objects as they are
         packed = None
     if packed is not None:
         report.constants, report.structures, report.passes, report.cost = [], [], [], None
-        accesses = None
     ir_model.release()
     # The cyclic collector is paused during a conversion, so everything the conversion made is
     # still in the youngest generation: collecting that one finds the removed nodes without
     # scanning the caller's objects (seconds in a process that has imported torch).
     gc.collect(0)
     if packed is not None:
-        (accesses, report.constants, report.structures, report.cost,
-         report.passes) = marshal.loads(packed)
-    return accesses
+        report.constants, report.structures, report.cost, report.passes = marshal.loads(packed)
 
 
 def _refuse_tf_options(options: Options) -> None:

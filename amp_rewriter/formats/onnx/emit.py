@@ -174,28 +174,48 @@ def _set_elem_type(info: onnx.ValueInfoProto, dtype: str | None) -> None:
 
 
 def _emit_graph(graph: Graph, opset: int, deferred: dict[str, LazyTensor] | None,
-                encoded_nodes: bytearray | None = None,
-                target: onnx.GraphProto | None = None, overwrite: bool = False) -> None:
+                target: onnx.GraphProto | None = None, release: bool = False) -> None:
     """Write `graph` back into its proto, or with `target` into that one (the graph's own proto
-    is the caller's and is only read: see `Model.borrowed`); with `encoded_nodes`, its nodes
-    are appended there, encoded as GraphProto fields, and the proto's own node list is left
-    empty. `overwrite`: the IR is released next, so its tensors' protos may be rewritten."""
+    is the caller's and is only read: see `Model.borrowed`). `release`: the IR is released
+    next, so its tensors' protos may be rewritten."""
+    _emit_tables(graph, deferred, target, release)
+    _write_nodes(graph, target if target is not None else graph.handle, opset,
+                 borrowed=target is not None)
+
+
+def _write_nodes(graph: Graph, proto: onnx.GraphProto, opset: int, borrowed: bool) -> None:
+    # A node that holds a body is the loader's copy even in a borrowed graph.
+    patched = [_patch_node(node, opset, borrowed and not node.subgraphs) for node in graph.nodes]
+    del proto.node[:]
+    proto.node.extend(patched)
+
+
+def _emit_tables(graph: Graph, deferred: dict[str, LazyTensor] | None,
+                 target: onnx.GraphProto | None, release: bool) -> None:
+    """All of `graph` but its nodes (see `_emit_graph`)."""
     source: onnx.GraphProto = graph.handle
     proto = target if target is not None else source
-    borrowed = target is not None
-    # A node that holds a body is the loader's copy even in a borrowed graph.
-    patched = (_patch_node(node, opset, borrowed and not node.subgraphs) for node in graph.nodes)
-    if encoded_nodes is None:
-        nodes = list(patched)
-        del proto.node[:]
-        proto.node.extend(nodes)
-    else:
-        for node_proto in patched:
-            append_field(encoded_nodes, GRAPH_NODE, node_proto.SerializeToString())
-        del proto.node[:]
+    _emit_signature(graph, proto)
+    _emit_initializers(graph, source, proto, deferred, overwrite=release)
 
-    _emit_initializers(graph, source, proto, deferred, overwrite)
 
+def _encode_nodes(graph: Graph, opset: int, encoded_nodes: bytearray, borrowed: bool,
+                  release: bool) -> None:
+    """Append `graph`'s nodes to `encoded_nodes` as GraphProto fields; with `release`, each is
+    let go as soon as it is written, so that the encoding grows into the memory they leave."""
+    nodes = graph.take_nodes() if release else graph.nodes
+    for index, node in enumerate(nodes):
+        # A node that holds a body is the loader's copy even in a borrowed graph.
+        append_field(encoded_nodes, GRAPH_NODE,
+                     _patch_node(node, opset, borrowed and not node.subgraphs
+                                 ).SerializeToString())
+        if release:
+            nodes[index] = None  # type: ignore[call-overload]
+            node.release()
+
+
+def _emit_signature(graph: Graph, proto: onnx.GraphProto) -> None:
+    """The graph's inputs, outputs and value_info with the dtypes the passes gave them."""
     declared = {info.name: info for info in proto.input}
     inputs = []
     for value in graph.inputs:
@@ -312,24 +332,51 @@ def _size_bound(head: onnx.ModelProto, encoded_nodes: bytearray) -> int:
 
 
 def emit_onnx_parts(model: Model, deferred: dict[str, LazyTensor] | None = None, *,
-                    split: bool = True) -> EmittedModel:
+                    split: bool = True, release: bool = False) -> EmittedModel:
     """Write the IR back into its ModelProto (inner graphs first, so copies see final bodies);
     the main graph's nodes are encoded beside it (`EmittedModel`), or with `split` False
     written into it as well (the IR's node handles then stay valid, and are the model's).
+    `release` (with `split`): nothing reads the IR afterwards but `Model.release`; its nodes
+    are let go as they are encoded, and its tensors' protos may be rewritten.
 
     With `deferred` (a dict to fill), initializers that stream from the input's external data
     (weights converted as they are read) are left without data for `save_onnx` to write a
     chunk at a time; without it, every initializer holds its data.
     """
-    opset = next((imp.version for imp in model.handle.opset_import
-                  if imp.domain in ("", "ai.onnx")), 0)
-    head = _without_main_nodes(model.handle) if model.borrowed else model.handle
-    encoded_nodes = bytearray()
-    for graph in reversed(list(model.graph.walk_graphs())):
-        main = graph is model.graph
-        _emit_graph(graph, opset, deferred, encoded_nodes if split and main else None,
-                    head.graph if main and model.borrowed else None, overwrite=split)
-    return EmittedModel(head, encoded_nodes, split)
+    return Emission(model, deferred, split=split, release=release).finish()
+
+
+class Emission:
+    """`emit_onnx_parts` in two steps: made, it has written all but the main graph's nodes
+    (and with `release` the IR's name tables are let go: no value is looked up by name
+    afterwards), so that what still reads the nodes can run before `finish` writes them."""
+
+    def __init__(self, model: Model, deferred: dict[str, LazyTensor] | None = None, *,
+                 split: bool = True, release: bool = False):
+        self.model = model
+        self.split = split
+        self.release = release and split
+        self.opset = next((imp.version for imp in model.handle.opset_import
+                           if imp.domain in ("", "ai.onnx")), 0)
+        self.head = _without_main_nodes(model.handle) if model.borrowed else model.handle
+        self.target = self.head.graph if model.borrowed else None
+        for graph in reversed(list(model.graph.walk_graphs())[1:]):
+            _emit_graph(graph, self.opset, deferred, release=self.release)
+        _emit_tables(model.graph, deferred, self.target, self.release)
+        if self.release:
+            model.forget_names()
+
+    def finish(self) -> EmittedModel:
+        """Write the main graph's nodes; the model in its parts."""
+        graph, borrowed = self.model.graph, self.model.borrowed
+        proto = self.target if self.target is not None else graph.handle
+        encoded_nodes = bytearray()
+        if self.split:
+            _encode_nodes(graph, self.opset, encoded_nodes, borrowed, self.release)
+            del proto.node[:]
+        else:
+            _write_nodes(graph, proto, self.opset, borrowed)
+        return EmittedModel(self.head, encoded_nodes, self.split)
 
 
 def _without_main_nodes(model: onnx.ModelProto) -> onnx.ModelProto:

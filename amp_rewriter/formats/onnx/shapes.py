@@ -194,9 +194,10 @@ def _sliceable(model: onnx.ModelProto, op_kinds: set[tuple[str, str]]) -> bool:
 
 
 def _types_in_slices(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
-                     type_check: bool) -> tuple[Types, bool] | None:
+                     type_check: bool) -> tuple[Types, bool, dict[str, int]] | None:
     """What `_types(_inferred(...))` gives, inferred `SLICE_NODES` nodes at a time (None when an
-    inference fails: the caller infers the whole graph then).
+    inference fails: the caller infers the whole graph then), and what `_proto_accesses` gives,
+    counted on the way.
 
     A slice is a graph of its nodes whose inputs are the values they read from earlier slices,
     declared with the types inferred there (concrete shapes at these input sizes, or the partly
@@ -206,13 +207,17 @@ def _types_in_slices(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[in
     With `type_check`, each slice is inferred in the strict, type-checking mode with the
     declared value_info of what it computes, as the whole graph would be."""
     slicer = _Slicer(model, input_shapes, type_check)
+    accesses = _AccessCount(model.graph)
     nodes = model.graph.node
     for start in range(0, len(nodes), SLICE_NODES):
-        members = [(start + offset, list(node.input), list(node.output))
-                   for offset, node in enumerate(nodes[start:start + SLICE_NODES])]
+        members = []
+        for offset, node in enumerate(nodes[start:start + SLICE_NODES]):
+            inputs, outputs = list(node.input), list(node.output)
+            accesses.add(node.op_type, inputs, outputs)
+            members.append((start + offset, inputs, outputs))
         if not slicer.infer(members):
             return None
-    return slicer.types, type_check
+    return slicer.types, type_check, accesses.result()
 
 
 class _Slicer:
@@ -373,24 +378,45 @@ def validation_input_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]
             if info.name not in initializers and info.type.HasField("tensor_type")}
 
 
+class _AccessCount:
+    """`cost.activation_accesses` (each top-level activation's write and reads, constants
+    excluded), counted on a graph proto's nodes as they are read."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self.graph = graph
+        self.constants = {tensor.name for tensor in graph.initializer}
+        # Names as read (empty ones for omitted inputs and outputs included): counted at the
+        # end, which is quicker than counting a node at a time.
+        self.read: list[str] = []
+        self.produced: list[str] = []
+
+    def add(self, op_type: str, inputs: list[str], outputs: list[str]) -> None:
+        """Count one node (its op type and input and output names)."""
+        if op_type == "Constant" and outputs:
+            self.constants.add(outputs[0])
+        self.read += inputs
+        self.produced += outputs
+
+    def result(self) -> dict[str, int]:
+        """Name -> accesses, graph inputs first, then in order of production."""
+        reads = Counter(self.read)
+        reads.update(info.name for info in self.graph.output)
+        constants = self.constants
+        constants.add("")
+        writes = set(self.produced)
+        names = [info.name for info in self.graph.input if info.name not in constants]
+        names += [name for name in self.produced if name not in constants]
+        return {name: int(name in writes) + reads[name] for name in dict.fromkeys(names)}
+
+
 def _proto_accesses(graph: onnx.GraphProto) -> dict[str, int]:
     """`cost.activation_accesses`, counted on a graph proto (top-level nodes only)."""
-    constants = {t.name for t in graph.initializer}
+    count = _AccessCount(graph)
     # One read of each node's fields: every access to a protobuf repeated field builds new
     # Python objects.
-    reads: Counter[str] = Counter()
-    produced: list[str] = []
     for node in list(graph.node):
-        outputs = list(node.output)
-        if node.op_type == "Constant" and outputs:
-            constants.add(outputs[0])
-        reads.update(name for name in node.input if name)
-        produced.extend(name for name in outputs if name)
-    reads.update(info.name for info in graph.output)
-    writes = set(produced)
-    names = [info.name for info in graph.input if info.name not in constants]
-    names += [name for name in produced if name not in constants]
-    return {name: int(name in writes) + reads[name] for name in dict.fromkeys(names)}
+        count.add(node.op_type, list(node.input), list(node.output))
+    return count.result()
 
 
 def activation_traffic(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
@@ -416,7 +442,8 @@ def checked_activation_traffic(model: onnx.ModelProto,
     sliced = _types_in_slices(model, input_shapes, type_check) \
         if _sliceable(model, op_kinds) else None
     if sliced is not None:
-        types, checked = sliced
+        types, checked, counted = sliced
+        accesses = accesses if accesses is not None else counted
     else:
         inferred, checked = _inferred(model, input_shapes, op_kinds, type_check)
         types = _types(inferred, model)
