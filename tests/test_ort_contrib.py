@@ -499,7 +499,35 @@ def test_the_cost_inference_of_a_big_graph_in_slices_finds_the_same_shapes(name,
         monkeypatch.setattr(shapes, "SLICE_NODES", size)
         ops = {(node.domain, node.op_type) for node in converted.graph.node}
         assert shapes._sliceable(converted, ops)
+        assert shapes._types_in_slices(converted, sizes, True) is not None  # no fallback
         assert shapes.checked_activation_traffic(converted, sizes, type_check=True) == whole
+
+
+@pytest.mark.parametrize("name", ["computed_shape", "transformer_block"])
+def test_the_conversions_cost_summary_reads_slices_from_the_emitted_encoding(name, monkeypatch):
+    """In a conversion the sliced inference takes each node's bytes and names from where the
+    emitter encoded them (`EncodedNodes`, names kept in chunks) instead of from protobuf: the
+    summary must be the whole graph's."""
+    from amp_rewriter.formats.onnx import encoding, shapes
+    from models import BUILDERS
+
+    model = _reshape_by_computed_shape() if name == "computed_shape" else BUILDERS[name]()
+    whole, _ = amp_rewriter.convert(model, keep_io_types=True)
+    expected = shapes.activation_traffic(whole, shapes.validation_input_shapes(whole))
+    monkeypatch.setattr(shapes, "SLICE_NODES", 4)
+    monkeypatch.setattr(encoding, "NAME_CHUNK", 3)
+    read_from_protobuf = []
+    monkeypatch.setattr(shapes._Slicer, "_fields", lambda self, first, last: (
+        read_from_protobuf.append(self.encoded is None)
+        or self.encoded.fields(first, last)))
+    def no_whole_graph_inference(*args, **kwargs):
+        raise AssertionError("a slice failed: the whole graph was inferred instead")
+
+    monkeypatch.setattr(shapes, "_inferred", no_whole_graph_inference)
+    converted, report = amp_rewriter.convert(model, keep_io_types=True)
+    assert converted.SerializeToString() == whole.SerializeToString()
+    assert read_from_protobuf and not any(read_from_protobuf)
+    assert report.cost["activation_bytes"] == expected
 
 
 def test_a_type_error_in_a_slice_leaves_the_check_to_the_checker(monkeypatch):

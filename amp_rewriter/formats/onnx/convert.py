@@ -185,6 +185,7 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
             _freeing_the_ir(ir_model, report)
         del ir_model, model
         converted = emitted.assemble()
+        encoded_nodes = emitted.nodes
         del emitted
         # else convert_file checks the saved file
         check_here = options.check and encodable and not has_external_data(converted)
@@ -192,7 +193,10 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         if report.cost is not None:
             report.cost["activation_bytes"], types_checked = checked_activation_traffic(
                 converted, validation_input_shapes(converted), op_kinds=op_kinds,
-                type_check=check_here)
+                type_check=check_here, encoded=encoded_nodes)
+        # The model's encoding, which the cost summary read its nodes from, serves the check.
+        encoding = encoded_nodes.buffer if encoded_nodes is not None else None
+        del encoded_nodes
         report.warnings = override_warnings
         report.warnings += bf16_advice(report, lists, opset)
         report.warnings += schema_warnings
@@ -201,7 +205,7 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
             try:
                 # The cost summary's inference ran the full check's type and shape check
                 # already: then only the structural check is left.
-                check_valid(converted, full=not types_checked)
+                check_valid(converted, full=not types_checked, encoding=encoding)
             except AmpError:
                 _blame_invalid_input(original)
                 raise
@@ -357,9 +361,12 @@ def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def check_valid(model: onnx.ModelProto | str, full: bool = True) -> None:
+def check_valid(model: onnx.ModelProto | str, full: bool = True,
+                encoding: bytes | bytearray | None = None) -> None:
     """onnx.checker with full check (type and shape inference; `full=False`: the structural
     check alone, for a model whose inference passed in strict mode); failures raise AmpError.
+    `encoding`: the model's encoding, if at hand (the structural check reads it rather than
+    serializing the model again).
 
     A path is checked from disk, which is the only way for external data or models over 2 GB.
     """
@@ -367,7 +374,7 @@ def check_valid(model: onnx.ModelProto | str, full: bool = True) -> None:
         if full:
             onnx_full_check(model)
         else:
-            onnx.checker.check_model(model)
+            onnx.checker.check_model(bytes(encoding) if encoding is not None else model)
     except Exception as exc:  # the checker raises several exception types
         raise AmpError(f"the converted model fails the ONNX checker: {_first_line(exc)}") from None
 

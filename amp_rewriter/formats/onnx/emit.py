@@ -26,7 +26,7 @@ from ...fileio import default_file_mode, open_input, pread_exact
 from ...ir import Graph, IRError, LazyTensor, Model, Node, Value, present, tensors
 from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES
 from ...options import EXTERNAL_LAYOUTS
-from .encoding import GRAPH_NODE, MODEL_GRAPH, append_field, field_key, varint
+from .encoding import GRAPH_NODE, MODEL_GRAPH, EncodedNodes, append_field, field_key, varint
 from .load import (
     PROTOBUF_LIMIT,
     all_tensors,
@@ -200,18 +200,24 @@ def _emit_tables(graph: Graph, deferred: dict[str, LazyTensor] | None,
 
 
 def _encode_nodes(graph: Graph, opset: int, encoded_nodes: bytearray, borrowed: bool,
-                  release: bool) -> None:
-    """Append `graph`'s nodes to `encoded_nodes` as GraphProto fields; with `release`, each is
-    let go as soon as it is written, so that the encoding grows into the memory they leave."""
+                  release: bool) -> EncodedNodes:
+    """Append `graph`'s nodes to `encoded_nodes` as GraphProto fields (and say where each is,
+    with its names); with `release`, each is let go as soon as it is written, so that the
+    encoding grows into the memory they leave."""
+    index_of_nodes = EncodedNodes()
     nodes = graph.take_nodes() if release else graph.nodes
     for index, node in enumerate(nodes):
         # A node that holds a body is the loader's copy even in a borrowed graph.
         append_field(encoded_nodes, GRAPH_NODE,
                      _patch_node(node, opset, borrowed and not node.subgraphs
                                  ).SerializeToString())
+        index_of_nodes.add(len(encoded_nodes), node.op_type,
+                           tuple([v.name if v is not None else "" for v in node.inputs]),
+                           tuple([v.name if v is not None else "" for v in node.outputs]))
         if release:
             nodes[index] = None  # type: ignore[call-overload]
             node.release()
+    return index_of_nodes
 
 
 def _emit_signature(graph: Graph, proto: onnx.GraphProto) -> None:
@@ -294,10 +300,14 @@ class EmittedModel:
     alive; encoded, they take a quarter of that, and `assemble` parses the whole model once,
     when the caller has let the IR go. (`split` False: `head` is the whole model.)"""
 
-    def __init__(self, head: onnx.ModelProto, encoded_nodes: bytearray, split: bool = True):
+    def __init__(self, head: onnx.ModelProto, encoded_nodes: bytearray, split: bool = True,
+                 nodes: EncodedNodes | None = None):
         self.head = head
         self.encoded_nodes = encoded_nodes
         self.split = split
+        #: Where the main graph's nodes are in the assembled model's encoding, once `assemble`
+        #: parsed it from one (None otherwise).
+        self.nodes = nodes
 
     def size_bound(self) -> int:
         """At most the size of the assembled model's encoding (the graph's length prefix
@@ -313,6 +323,7 @@ class EmittedModel:
         if _size_bound(head, nodes) > PROTOBUF_LIMIT:
             # beyond what one message may be parsed from: the nodes go into the head
             head.graph.MergeFromString(nodes)
+            self.nodes = None
             return head
         graph = head.graph.SerializeToString()
         head.ClearField("graph")
@@ -320,6 +331,8 @@ class EmittedModel:
         del head  # the last reference: the loaded model's memory goes before the parse
         encoded += field_key(MODEL_GRAPH)
         encoded += varint(len(nodes) + len(graph))
+        if self.nodes is not None:
+            self.nodes.place(encoded, len(encoded))
         encoded += nodes
         del nodes
         encoded += graph
@@ -371,12 +384,12 @@ class Emission:
         graph, borrowed = self.model.graph, self.model.borrowed
         proto = self.target if self.target is not None else graph.handle
         encoded_nodes = bytearray()
-        if self.split:
-            _encode_nodes(graph, self.opset, encoded_nodes, borrowed, self.release)
-            del proto.node[:]
-        else:
+        if not self.split:
             _write_nodes(graph, proto, self.opset, borrowed)
-        return EmittedModel(self.head, encoded_nodes, self.split)
+            return EmittedModel(self.head, encoded_nodes, self.split)
+        nodes = _encode_nodes(graph, self.opset, encoded_nodes, borrowed, self.release)
+        del proto.node[:]
+        return EmittedModel(self.head, encoded_nodes, self.split, nodes)
 
 
 def _without_main_nodes(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,14 @@ import onnx
 from ...cost import bytes_moved
 from ...ir import FLOAT_DTYPES
 from . import ort_registry
-from .encoding import GRAPH_NODE, GRAPH_VALUE_INFO, MODEL_GRAPH, append_field, encoded_fields
+from .encoding import (
+    GRAPH_NODE,
+    GRAPH_VALUE_INFO,
+    MODEL_GRAPH,
+    EncodedNodes,
+    append_field,
+    encoded_fields,
+)
 from .load import dtype_name, elem_type_code, model_opsets, walk_graph_protos
 from .validate import validation_shape
 
@@ -194,7 +201,8 @@ def _sliceable(model: onnx.ModelProto, op_kinds: set[tuple[str, str]]) -> bool:
 
 
 def _types_in_slices(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
-                     type_check: bool) -> tuple[Types, bool, dict[str, int]] | None:
+                     type_check: bool, encoded: EncodedNodes | None = None
+                     ) -> tuple[Types, bool, dict[str, int]] | None:
     """What `_types(_inferred(...))` gives, inferred `SLICE_NODES` nodes at a time (None when an
     inference fails: the caller infers the whole graph then), and what `_proto_accesses` gives,
     counted on the way.
@@ -205,16 +213,28 @@ def _types_in_slices(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[in
     the nodes that compute them, back to the values that are not, so that data propagation
     still knows their contents (a Reshape's target computed by Shape -> Gather -> Concat).
     With `type_check`, each slice is inferred in the strict, type-checking mode with the
-    declared value_info of what it computes, as the whole graph would be."""
-    slicer = _Slicer(model, input_shapes, type_check)
-    accesses = _AccessCount(model.graph)
+    declared value_info of what it computes, as the whole graph would be.
+
+    `encoded`: where the model's nodes lie in its encoding, with their names (an emitter's
+    `EncodedNodes`): read from there rather than through protobuf."""
     nodes = model.graph.node
+    if encoded is not None and len(encoded) != len(nodes):
+        encoded = None
+    slicer = _Slicer(model, input_shapes, type_check, encoded)
+    accesses = _AccessCount(model.graph)
     for start in range(0, len(nodes), SLICE_NODES):
-        members = []
-        for offset, node in enumerate(nodes[start:start + SLICE_NODES]):
-            inputs, outputs = list(node.input), list(node.output)
-            accesses.add(node.op_type, inputs, outputs)
-            members.append((start + offset, inputs, outputs))
+        stop = min(start + SLICE_NODES, len(nodes))
+        members: list[tuple[int, Sequence[str], Sequence[str]]] = []
+        if encoded is not None:
+            for index in range(start, stop):
+                op_type, inputs, outputs = encoded.names(index)
+                accesses.add(op_type, inputs, outputs)
+                members.append((index, inputs, outputs))
+        else:
+            for index, node in enumerate(nodes[start:stop], start):
+                read, written = list(node.input), list(node.output)
+                accesses.add(node.op_type, read, written)
+                members.append((index, read, written))
         if not slicer.infer(members):
             return None
     return slicer.types, type_check, accesses.result()
@@ -224,8 +244,9 @@ class _Slicer:
     """The state of `_types_in_slices`: what the slices inferred so far."""
 
     def __init__(self, model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
-                 type_check: bool):
+                 type_check: bool, encoded: EncodedNodes | None):
         self.nodes = model.graph.node
+        self.encoded = encoded
         self.type_check = type_check
         head = _skeleton_without_nodes(model, input_shapes)
         self.graph_name = model.graph.name
@@ -241,9 +262,15 @@ class _Slicer:
         self.partial: dict[str, bytes] = {}
         #: Shape-like values' producers, and (inputs, outputs) of each such node by index.
         self.producer: dict[str, int] = {}
-        self.shape_like_nodes: dict[int, tuple[list[str], list[str]]] = {}
+        self.shape_like_nodes: dict[int, tuple[Sequence[str], Sequence[str]]] = {}
 
-    def infer(self, members: list[tuple[int, list[str], list[str]]]) -> bool:
+    def _fields(self, first: int, last: int) -> bytes | bytearray:
+        """Nodes `first` to `last` - 1 encoded as GraphProto fields."""
+        if self.encoded is not None:
+            return self.encoded.fields(first, last)
+        return encoded_fields(GRAPH_NODE, self.nodes[first:last])
+
+    def infer(self, members: list[tuple[int, Sequence[str], Sequence[str]]]) -> bool:
         """Infer one slice (node index, inputs, outputs of each node); False when that fails."""
         prefix = [(index, *self.shape_like_nodes[index])
                   for index in self._shape_like_sources(_slice_reads(members))]
@@ -254,7 +281,10 @@ class _Slicer:
         sliced.value_info.extend(self.declared[name] for name in computed
                                  if name in self.declared)
         sliced.output.extend(self.outputs[name] for name in computed if name in self.outputs)
-        graph = encoded_fields(GRAPH_NODE, (self.nodes[index] for index, _, _ in prefix + members))
+        graph = bytearray()
+        for index, _, _ in prefix:
+            graph += self._fields(index, index + 1)
+        graph += self._fields(members[0][0], members[-1][0] + 1)
         graph += sliced.SerializeToString()
         encoded = bytearray(self.head)
         append_field(encoded, MODEL_GRAPH, graph)
@@ -318,7 +348,7 @@ def _shape_like(dtype: str | None, shape: tuple[int, ...] | None) -> bool:
     return len(shape) <= 1 and math.prod(shape) <= SMALL_INITIALIZER
 
 
-def _slice_reads(members: list[tuple[int, list[str], list[str]]]) -> list[str]:
+def _slice_reads(members: list[tuple[int, Sequence[str], Sequence[str]]]) -> list[str]:
     """The values a run of nodes reads before producing them (in order of first read)."""
     produced: set[str] = set()
     reads: dict[str, None] = {}
@@ -390,7 +420,7 @@ class _AccessCount:
         self.read: list[str] = []
         self.produced: list[str] = []
 
-    def add(self, op_type: str, inputs: list[str], outputs: list[str]) -> None:
+    def add(self, op_type: str, inputs: Sequence[str], outputs: Sequence[str]) -> None:
         """Count one node (its op type and input and output names)."""
         if op_type == "Constant" and outputs:
             self.constants.add(outputs[0])
@@ -433,13 +463,16 @@ def checked_activation_traffic(model: onnx.ModelProto,
                                input_shapes: Mapping[str, tuple[int, ...]],
                                accesses: Mapping[str, int] | None = None,
                                op_kinds: set[tuple[str, str]] | None = None,
-                               type_check: bool = False) -> tuple[dict[str, Any], bool]:
+                               type_check: bool = False,
+                               encoded: EncodedNodes | None = None
+                               ) -> tuple[dict[str, Any], bool]:
     """`activation_traffic`, and whether its shape inference passed the type and shape check of
-    onnx.checker's full check (asked for with `type_check`; see `_inferred`)."""
+    onnx.checker's full check (asked for with `type_check`; see `_inferred`). `encoded`: where
+    the main graph's nodes lie in the model's encoding (see `_types_in_slices`)."""
     if op_kinds is None:
         op_kinds = {(node.domain, node.op_type) for g in walk_graph_protos(model.graph)
                     for node in g.node}
-    sliced = _types_in_slices(model, input_shapes, type_check) \
+    sliced = _types_in_slices(model, input_shapes, type_check, encoded) \
         if _sliceable(model, op_kinds) else None
     if sliced is not None:
         types, checked, counted = sliced
