@@ -147,10 +147,7 @@ class NodeEntries(Sequence[dict[str, Any]]):
         # Only while these records are packed: it refers to the caller's strings.
         text_ids = _TextTable(self._texts, self._text_starts)
         for record in records:
-            if isinstance(record, dict):
-                self.append(record)
-            else:
-                self._append_packed(_with_text_ids(record, text_ids))
+            self.append(record if isinstance(record, dict) else _with_text_ids(record, text_ids))
 
     def _texts_by_number(self) -> list[str]:
         if self._text_cache is None:  # decoded once, when first read
@@ -159,13 +156,10 @@ class NodeEntries(Sequence[dict[str, Any]]):
                                 for i in range(len(starts) - 1)]
         return self._text_cache
 
-    def _append_packed(self, record: Any) -> None:
-        self._packed += marshal.dumps(record)
-        self._starts.append(len(self._packed))
-
     def append(self, record: NodeRecord | dict[str, Any]) -> None:
         """Add an entry: a `node_record` or a dict as the JSON holds it."""
-        self._append_packed(record)
+        self._packed += marshal.dumps(record)
+        self._starts.append(len(self._packed))
 
     def _record(self, index: int) -> NodeRecord | dict[str, Any]:
         changed = self._changed.get(index)

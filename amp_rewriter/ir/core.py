@@ -96,6 +96,13 @@ class Value:
         """Record that this value is output `index` of `graph` (use `Graph.add_output`)."""
         self.graph_output_uses = [*self.graph_output_uses, (graph, index)]
 
+    def release(self) -> None:
+        """Let go of the nodes and graphs this value refers to (see `Model.release`)."""
+        self.uses.clear()
+        self.graph_output_uses = ()
+        self.producer = None
+        self.origin = None
+
     def rename(self, new_name: str) -> None:
         """Give the value a new name (its graph's name table follows)."""
         if self.graph.values.get(self.name) is self:
@@ -288,10 +295,7 @@ class Node:
             body.release()
         for value in self.outputs:
             if value is not None:
-                value.uses.clear()
-                value.graph_output_uses = ()
-                value.producer = None
-                value.origin = None
+                value.release()
         self.inputs.clear()
         self.outputs.clear()
         self.type_groups.clear()
@@ -478,10 +482,7 @@ class Graph:
         for node in self.nodes:
             node.release()
         for value in list(self.values.values()) + self.inputs + self.outputs:
-            value.uses.clear()
-            value.graph_output_uses = ()
-            value.producer = None
-            value.origin = None
+            value.release()
         self.nodes = []
         self.values.clear()
         self.initializers.clear()

@@ -185,7 +185,7 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
             _freeing_the_ir(ir_model, report)
         del ir_model, model
         converted = emitted.assemble()
-        encoded_nodes = emitted.nodes
+        nodes_in_encoding = emitted.nodes
         del emitted
         # else convert_file checks the saved file
         check_here = options.check and encodable and not has_external_data(converted)
@@ -193,10 +193,10 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         if report.cost is not None:
             report.cost["activation_bytes"], types_checked = checked_activation_traffic(
                 converted, validation_input_shapes(converted), op_kinds=op_kinds,
-                type_check=check_here, encoded=encoded_nodes)
+                type_check=check_here, encoded=nodes_in_encoding)
         # The model's encoding, which the cost summary read its nodes from, serves the check.
-        encoding = encoded_nodes.buffer if encoded_nodes is not None else None
-        del encoded_nodes
+        encoding = nodes_in_encoding.buffer if nodes_in_encoding is not None else None
+        del nodes_in_encoding
         report.warnings = override_warnings
         report.warnings += bf16_advice(report, lists, opset)
         report.warnings += schema_warnings

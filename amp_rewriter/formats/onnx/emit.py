@@ -259,13 +259,8 @@ def _emit_initializers(graph: Graph, source: onnx.GraphProto, proto: onnx.GraphP
     `overwrite`: `proto` may be rewritten in place, the IR read by nothing afterwards."""
     emitted: set[str] = set()
     if source is not proto:  # a new proto: the source is the caller's
-        for tensor in source.initializer:
-            value = graph.initializers.get(tensor.name)
-            if value is not None:
-                const = _data(value)
-                proto.initializer.add().CopyFrom(
-                    tensor if const.handle is tensor else _emitted(value.name, const, deferred))
-                emitted.add(tensor.name)
+        for tensor in _remaining_initializers(graph, source, deferred, emitted):
+            proto.initializer.add().CopyFrom(tensor)
     elif overwrite and all(tensor.name in graph.initializers
                            and tensor.data_location != onnx.TensorProto.EXTERNAL
                            for tensor in proto.initializer):
@@ -276,14 +271,7 @@ def _emit_initializers(graph: Graph, source: onnx.GraphProto, proto: onnx.GraphP
             emitted.add(tensor.name)
     else:  # the originals must stay readable (the IR is kept, a converted weight streams
         # from the original's file), or some are dropped
-        kept = []
-        for tensor in source.initializer:
-            value = graph.initializers.get(tensor.name)
-            if value is not None:
-                const = _data(value)
-                kept.append(tensor if const.handle is tensor
-                            else _emitted(value.name, const, deferred))
-                emitted.add(tensor.name)
+        kept = list(_remaining_initializers(graph, source, deferred, emitted))
         del proto.initializer[:]
         proto.initializer.extend(kept)
     for name, value in graph.initializers.items():
@@ -291,6 +279,19 @@ def _emit_initializers(graph: Graph, source: onnx.GraphProto, proto: onnx.GraphP
             const = _data(value)
             proto.initializer.add().CopyFrom(const.handle if const.handle is not None
                                              else _emitted(name, const, deferred))
+
+
+def _remaining_initializers(graph: Graph, source: onnx.GraphProto,
+                            deferred: dict[str, LazyTensor] | None, emitted: set[str]
+                            ) -> Iterator[onnx.TensorProto]:
+    """The initializers of `source` the graph still has, in order: each its original proto or,
+    converted, a new one (made as it is asked for); their names go into `emitted`."""
+    for tensor in source.initializer:
+        value = graph.initializers.get(tensor.name)
+        if value is not None:
+            const = _data(value)
+            emitted.add(tensor.name)
+            yield tensor if const.handle is tensor else _emitted(value.name, const, deferred)
 
 
 class EmittedModel:

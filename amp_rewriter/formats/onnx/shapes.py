@@ -146,21 +146,18 @@ def _symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _inferred(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
-              op_kinds: set[tuple[str, str]] | None = None, type_check: bool = False
+              op_kinds: set[tuple[str, str]], type_check: bool = False
               ) -> tuple[onnx.ModelProto | None, bool]:
     """The skeleton with its inferred value_info (None when inference failed), and whether the
     inference also passed the type and shape check that onnx.checker's full check runs.
 
-    `op_kinds`: the model's (domain, op type) pairs, when the caller knows them. `type_check`:
+    `op_kinds`: the model's (domain, op type) pairs, nested graphs included. `type_check`:
     run onnx's inference in its strict, type-checking mode on the skeleton with the model's
     declared value_info (the full check's inference, at concrete input sizes): one inference
     serves the cost summary and the check. Where that raises (or the model has onnxruntime's
     ops, whose shapes come from onnxruntime), the result says so and shapes come from the
     lenient inference as without `type_check`.
     """
-    if op_kinds is None:
-        op_kinds = {(node.domain, node.op_type) for g in walk_graph_protos(model.graph)
-                    for node in g.node}
     ort_ops = any((domain not in _STANDARD_DOMAINS or not onnx.defs.has(op))
                   and ort_registry.has_op(op, domain) for domain, op in op_kinds)
     with ort_registry.quiet():
@@ -453,9 +450,9 @@ def activation_traffic(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[
                        accesses: Mapping[str, int] | None = None,
                        op_kinds: set[tuple[str, str]] | None = None) -> dict[str, Any]:
     """`cost.bytes_moved` for the top-level graph's float activations at `input_shapes`.
-    `accesses` (`cost.activation_accesses` of the IR the model was emitted from) and `op_kinds`
-    (its nodes' (domain, op type) pairs, nested graphs included) save reading them off the
-    model's nodes, which costs seconds at a million nodes."""
+    `accesses` (name -> writes and reads, as `cost.activation_accesses` counts them on an IR)
+    and `op_kinds` (the nodes' (domain, op type) pairs, nested graphs included), when known,
+    save reading them off the model's nodes."""
     return checked_activation_traffic(model, input_shapes, accesses, op_kinds)[0]
 
 
