@@ -504,6 +504,9 @@ class Model:
     #: The handles of the main graph and its nodes belong to the caller (a model given in
     #: memory, not copied): an emitter writes changes into copies, never into them.
     borrowed: bool = False
+    #: Some of the model's tensors keep their data in files beside it (read a chunk at a
+    #: time); the writer copies or converts that data into the output's own files.
+    external_data: bool = False
 
     def unique_name(self, base: str) -> str:
         """A deterministic name not used anywhere in the model yet."""

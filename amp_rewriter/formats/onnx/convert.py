@@ -9,7 +9,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import onnx
 from onnx import external_data_helper
@@ -97,10 +97,10 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
     model, own_dir = _load(model_or_path, copy=False)
     held = [model]
     del model  # _convert_owned holds the only reference (see there)
-    converted, report, _ = _convert_owned(
+    result = _convert_owned(
         held.pop, options, Path(base_dir) if base_dir is not None else own_dir, model_or_path,
         pins=pins, deferred=deferred, borrowed=borrowed)
-    return converted, report
+    return result.model, result.report
 
 
 def convert_model_ir(model_or_path: onnx.ModelProto | str | os.PathLike, options: Options,
@@ -114,11 +114,11 @@ def convert_model_ir(model_or_path: onnx.ModelProto | str | os.PathLike, options
         raise AmpError("--optimize does not combine with --auto or diagnose yet: fuse the model "
                        "first (onnxruntime.transformers.optimizer), then run them on it")
     model, own_dir = _load(model_or_path, copy=True)  # the kept IR's handles are the model's
-    converted, report, kept = _convert_owned(
+    result = _convert_owned(
         [model].pop, options, Path(base_dir) if base_dir is not None else own_dir, model_or_path,
         pins=pins, keep_ir=True)
-    assert kept is not None
-    return converted, report, kept
+    assert result.kept is not None
+    return result.model, result.report, result.kept
 
 
 class ConvertedIR:
@@ -129,13 +129,25 @@ class ConvertedIR:
         self.original_name = names.original_name
 
 
+class _Converted(NamedTuple):
+    """What `_convert_owned` returns."""
+
+    model: onnx.ModelProto
+    report: Report
+    kept: ConvertedIR | None
+    #: Some tensor of the input keeps its data in external files.
+    input_external: bool
+    #: Some tensor of `model` still refers to external data (the input's, or deferred).
+    external: bool
+
+
 def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
                    base: Path | None,
                    original: onnx.ModelProto | str | os.PathLike, *,
                    pins: dict[str, Pin] | None = None,
                    deferred: dict[str, LazyTensor] | None = None, keep_ir: bool = False,
                    borrowed: bool = False
-                   ) -> tuple[onnx.ModelProto, Report, ConvertedIR | None]:
+                   ) -> _Converted:
     """Convert the model `take_model` hands over. Unless `borrowed` (the caller's own model,
     which is only read), it is ours to rewrite in place (one read from a file, or a copy) and
     referenced nowhere else, so that its memory can go once the IR is released and the emitted
@@ -153,6 +165,7 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         lists = OpLists.load("onnx", options.target, options.backend or DEFAULT_BACKEND,
                              options.overrides, opset)
         ir_model = load_onnx(model, base, borrowed=borrowed)
+        input_external = ir_model.external_data
         original_nodes = list(ir_model.graph.walk_nodes())
         original_names = ValueNames(ir_model) if keep_ir else None
         ctx = PassContext(ir_model, lists, options, ONNX_RULES, pins=dict(pins or {}))
@@ -187,8 +200,11 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         converted = emitted.assemble()
         nodes_in_encoding = emitted.nodes
         del emitted
+        # Without external data in the input there is none in the output: no walk over the
+        # model's attributes to find out (a second a million nodes).
+        external = input_external and has_external_data(converted)
         # else convert_file checks the saved file
-        check_here = options.check and encodable and not has_external_data(converted)
+        check_here = options.check and encodable and not external
         types_checked = False
         if report.cost is not None:
             report.cost["activation_bytes"], types_checked = checked_activation_traffic(
@@ -209,7 +225,7 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
             except AmpError:
                 _blame_invalid_input(original)
                 raise
-    return converted, report, kept
+    return _Converted(converted, report, kept, input_external, external)
 
 
 def _graph_name(node: Node) -> str:
@@ -458,37 +474,40 @@ def _convert_and_save(input_path: Path, output_path: Path, options: Options,
                       pins: dict[str, Pin] | None = None) -> tuple[onnx.ModelProto, Report]:
     _refuse_tf_options(options)
     source = read_model_file(input_path)
-    external = has_external_data(source)
     # The model read here is converted in place (no copy of a model that may have a million
     # nodes); weights in the input's external data are read, range checked and converted a
     # chunk at a time, and written the same way: never the whole weight set in memory.
     deferred: dict[str, LazyTensor] = {}
     owned = [source]
     del source  # _convert_owned holds the only reference
-    model, report, _ = _convert_owned(owned.pop, options, input_path.resolve().parent,
-                                      input_path, pins=pins, deferred=deferred)
+    result = _convert_owned(owned.pop, options, input_path.resolve().parent,
+                            input_path, pins=pins, deferred=deferred)
+    model, report = result.model, result.report
     size = model.ByteSize()  # a walk of the whole model: once
-    checked = not has_external_data(model) and size <= PROTOBUF_LIMIT
+    checked = not result.external and size <= PROTOBUF_LIMIT
     layout = options.external_data
     if layout is None:
-        external = external or size + deferred_bytes(deferred) > PROTOBUF_LIMIT
+        external = result.input_external or size + deferred_bytes(deferred) > PROTOBUF_LIMIT
         layout = "single" if external else "inline"
-    with cyclic_gc_paused(), \
-            progress.bar("writing", unit="B", total=_bytes_to_write(model, deferred)) as bar:
+    to_write = size + deferred_bytes(deferred)
+    if result.external:
+        to_write += _external_bytes(model)
+    with cyclic_gc_paused(), progress.bar("writing", unit="B", total=to_write) as bar:
         save_onnx(model, output_path, source_dir=input_path.resolve().parent, layout=layout,
                   threshold=(EXTERNAL_DATA_THRESHOLD if options.external_data_threshold is None
                              else options.external_data_threshold),
-                  deferred=deferred, progress=bar.update)
+                  deferred=deferred, progress=bar.update, has_external=result.external)
     if options.check and not (checked and layout == "inline"):
         check_valid(str(output_path))  # the file: its external data is never loaded whole
     return model, report
 
 
-def _bytes_to_write(model: onnx.ModelProto, deferred: dict[str, LazyTensor]) -> int:
-    """About how many bytes of data `save_onnx` writes (for the progress bar)."""
+def _external_bytes(model: onnx.ModelProto) -> int:
+    """About how many bytes `save_onnx` copies from the input's external data (for the
+    progress bar)."""
     external = 0
     for tensor in all_tensors(model.graph):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             length = next((e.value for e in tensor.external_data if e.key == "length"), "")
             external += int(length) if length.isdigit() else 0
-    return external + deferred_bytes(deferred) + model.ByteSize()
+    return external

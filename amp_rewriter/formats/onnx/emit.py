@@ -438,7 +438,8 @@ def save_onnx(model: onnx.ModelProto, path: str | os.PathLike,
               source_dir: str | os.PathLike | None = None, external: bool | None = None, *,
               layout: str | None = None, threshold: int = EXTERNAL_DATA_THRESHOLD,
               deferred: dict[str, LazyTensor] | None = None,
-              progress: Callable[[int], None] | None = None) -> None:
+              progress: Callable[[int], None] | None = None,
+              has_external: bool | None = None) -> None:
     """Write `model` to `path`, and with external data its tensors beside it.
 
     `layout` (`EXTERNAL_LAYOUTS`; by default `single` when `external` is true: the model has
@@ -449,6 +450,8 @@ def save_onnx(model: onnx.ModelProto, path: str | os.PathLike,
     time, and the `deferred` tensors (`emit_onnx`) are converted and written a chunk at a time,
     so no more than a chunk of the weights is ever in memory. `inline` puts everything in the
     model, which protobuf limits to 2 GiB. `progress` is told the bytes of each data write.
+    `has_external`: whether some tensor of `model` refers to external data (or is deferred),
+    when the caller knows (else it is found out: a walk over every node's attributes).
 
     `path` is written in place: callers write into the private folder of an
     `OutputTransaction`, which moves the model and its data files into place together.
@@ -456,22 +459,26 @@ def save_onnx(model: onnx.ModelProto, path: str | os.PathLike,
     path = Path(path)
     base = Path(source_dir) if source_dir is not None else None
     deferred = deferred or {}
+    if has_external is None:
+        has_external = bool(deferred) or has_external_data(model)
     if layout is None:
         if external is None:
-            external = (has_external_data(model)
+            external = (has_external
                         or model.ByteSize() + deferred_bytes(deferred) > PROTOBUF_LIMIT)
         layout = "single" if external else "inline"
     if layout not in EXTERNAL_LAYOUTS:
         raise AmpError(f"unknown external-data layout {layout!r} (expected "
                        f"{', '.join(EXTERNAL_LAYOUTS)})")
     try:
-        for tensor in _attribute_tensors(model):  # onnx keeps these in the model
-            if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                _load_inline(tensor, base, deferred)
-        if layout == "inline":
-            for tensor in _initializers(model.graph):
+        if has_external:
+            for tensor in _attribute_tensors(model):  # onnx keeps these in the model
                 if tensor.data_location == onnx.TensorProto.EXTERNAL:
                     _load_inline(tensor, base, deferred)
+        if layout == "inline":
+            if has_external:
+                for tensor in _initializers(model.graph):
+                    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                        _load_inline(tensor, base, deferred)
             size = model.ByteSize()
             if size > PROTOBUF_LIMIT:
                 raise AmpError(f"--external-data inline: the model would be {size} bytes, over "

@@ -198,9 +198,9 @@ def _external_path(tensor: onnx.TensorProto, base_dir: Path) -> Path:
 
 
 _T = onnx.TensorProto
-_INT, _FLOAT, _TENSOR, _GRAPH, _GRAPHS, _INTS = (
-    onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT, onnx.AttributeProto.TENSOR,
-    onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS, onnx.AttributeProto.INTS)
+_A = onnx.AttributeProto
+_UNDEFINED, _INT, _FLOAT, _TENSOR, _TENSORS, _GRAPH, _GRAPHS, _INTS = (
+    _A.UNDEFINED, _A.INT, _A.FLOAT, _A.TENSOR, _A.TENSORS, _A.GRAPH, _A.GRAPHS, _A.INTS)
 #: Bits per element of each data type whose stored size we check.
 _BITS: dict[int, int] = {
     _T.FLOAT: 32, _T.UINT8: 8, _T.INT8: 8, _T.UINT16: 16, _T.INT16: 16, _T.INT32: 32,
@@ -341,10 +341,23 @@ def _mapped_floats(fd: int, offset: int, count: int) -> np.ndarray:
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
+#: Data types whose raw bytes are the values as numpy stores them (little-endian).
+_RAW_NUMPY_DTYPES: dict[int, np.dtype] = {
+    code: np.dtype(spec) for code, spec in (
+        (_T.FLOAT, "<f4"), (_T.DOUBLE, "<f8"), (_T.FLOAT16, "<f2"), (_T.INT64, "<i8"),
+        (_T.INT32, "<i4"), (_T.INT16, "<i2"), (_T.INT8, "i1"), (_T.UINT64, "<u8"),
+        (_T.UINT32, "<u4"), (_T.UINT16, "<u2"), (_T.UINT8, "u1"), (_T.BOOL, "?"))}
+
+
 def _tensor_loader(tensor: onnx.TensorProto, base_dir: Path | None):
     def load() -> np.ndarray:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             return numpy_helper.to_array(tensor, str(base_dir) if base_dir else "")
+        raw_dtype = _RAW_NUMPY_DTYPES.get(tensor.data_type)
+        if raw_dtype is not None and tensor.HasField("raw_data"):
+            # What onnx's to_array does for these, without its general dispatch (a million-node
+            # model's range checks read a few hundred thousand small constants).
+            return np.frombuffer(tensor.raw_data, dtype=raw_dtype).reshape(tuple(tensor.dims))
         return numpy_helper.to_array(tensor)
     return load
 
@@ -423,27 +436,48 @@ def walk_graph_protos(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
         yield g
         for node in g.node:
             for attr in node.attribute:
-                if attr.HasField("g"):
+                kind = attr.type
+                if kind == _GRAPH:
                     stack.append(attr.g)
-                stack.extend(attr.graphs)
+                elif kind == _GRAPHS:
+                    stack.extend(attr.graphs)
+                elif kind == _UNDEFINED:
+                    stack.extend(_untyped_graphs(attr))
 
 
 def all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
     """Every TensorProto in a graph and its subgraphs (initializers and attribute tensors)."""
     # walk_graph_protos's walk, with the tensors read in the same pass over the attributes
-    # (each pass costs a quarter of a second per 100k nodes).
+    # (each pass costs a second per million nodes); the attribute's type says which field
+    # holds something, so the other fields are not asked.
     stack = [graph]
     while stack:
         g = stack.pop()
         yield from g.initializer
         for node in g.node:
             for attr in node.attribute:
-                if attr.HasField("t"):
+                kind = attr.type
+                if kind == _TENSOR:
                     yield attr.t
-                yield from attr.tensors
-                if attr.HasField("g"):
+                elif kind == _TENSORS:
+                    yield from attr.tensors
+                elif kind == _GRAPH:
                     stack.append(attr.g)
-                stack.extend(attr.graphs)
+                elif kind == _GRAPHS:
+                    stack.extend(attr.graphs)
+                elif kind == _UNDEFINED:
+                    yield from _untyped_tensors(attr)
+                    stack.extend(_untyped_graphs(attr))
+
+
+def _untyped_tensors(attr: onnx.AttributeProto) -> list[onnx.TensorProto]:
+    """The tensors of an attribute without a type (IR 1 models): whatever fields are set."""
+    return ([attr.t] if attr.HasField("t") else []) + list(attr.tensors)
+
+
+def _untyped_graphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
+    """The graphs of an attribute without a type (IR 1 models): whatever fields are set."""
+    return ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
 
 
 #: A node's type groups without the node: (name, allowed dtypes, why fixed or None, input
@@ -486,15 +520,19 @@ class OnnxLoader:
         self.group_shapes: dict[tuple, list[GroupShape]] = {}
         self.ir_model = self._new_model()
         self.order = 0
+        #: Tensors are checked as the first build meets them (not on a rebuild).
+        self.checking_tensors = True
+        self.external_data = False
+        self.subgraph_hints_collected = False
 
     def _new_model(self) -> Model:
         return Model(graph=Graph("main"), format="onnx", handle=self.model,
                      borrowed=self.borrowed)
 
     # -- dtype hints from value_info and shape inference ------------------------------------
-    def _collect_hints(self) -> None:
+    def _collect_hints(self, graphs: Iterator[onnx.GraphProto]) -> None:
         """Dtypes the model itself declares (value_info, inputs, outputs), as fallbacks."""
-        for g in walk_graph_protos(self.model.graph):
+        for g in graphs:
             for infos in (g.value_info, g.input, g.output):
                 for info in infos:
                     elem_type = info.type.tensor_type.elem_type
@@ -515,14 +553,11 @@ class OnnxLoader:
 
     # -- graphs ---------------------------------------------------------------------------
     def load(self) -> Model:
-        for tensor in all_tensors(self.model.graph):
-            if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                if self.base_dir is None:
-                    raise AmpError(f"tensor {tensor.name!r} has external data, but the model was "
-                                   f"not given as a file path")
-            check_tensor_data(tensor, self.base_dir)
-        self._collect_hints()
+        # The subgraphs' declarations are read when the first subgraph is met: finding them
+        # means a walk over every node's attributes, which a model without any need not pay.
+        self._collect_hints(iter([self.model.graph]))
         self._load_graph(self.model.graph, self.ir_model.graph)
+        self.checking_tensors = False
         if self._has_unknown_dtypes():
             # Only now pay for shape inference, and rebuild with its answers as hints.
             self._add_inferred_hints()
@@ -530,7 +565,26 @@ class OnnxLoader:
             self.order = 0
             self._load_graph(self.model.graph, self.ir_model.graph)
             self._dtypes_from_consumers()
+        self.ir_model.external_data = self.external_data
         return self.ir_model
+
+    def _check_tensor(self, tensor: onnx.TensorProto) -> None:
+        """Refuse a tensor whose data cannot be read as declared (`check_tensor_data`), before
+        anything reads it."""
+        if not self.checking_tensors:
+            return
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            if self.base_dir is None:
+                raise AmpError(f"tensor {tensor.name!r} has external data, but the model was "
+                               f"not given as a file path")
+            self.external_data = True
+        check_tensor_data(tensor, self.base_dir)
+
+    def _collect_subgraph_hints(self) -> None:
+        if not self.subgraph_hints_collected:
+            self.subgraph_hints_collected = True
+            main = self.model.graph
+            self._collect_hints(g for g in walk_graph_protos(main) if g is not main)
 
     def _dtypes_from_consumers(self) -> None:
         """A value still of unknown dtype (a custom op's output without value_info) takes the
@@ -564,6 +618,7 @@ class OnnxLoader:
         # from IR 4 on, an initializer listed as an input is a default the caller may override.
         graph.initializers_are_inputs = self.model.ir_version < 4
         for init in proto.initializer:
+            self._check_tensor(init)
             value = self._new_value(graph, init.name, dtype_name(init.data_type), tuple(init.dims))
             value.const = lazy_tensor(init, self.base_dir)
             graph.initializers[init.name] = value
@@ -619,8 +674,16 @@ class OnnxLoader:
                 # again. Other int lists stay in the proto, not on every node.
                 node.set_attr(attr.name, tuple(attr.ints))
             elif kind == _TENSOR:
+                self._check_tensor(attr.t)
                 node.set_attr(attr.name, lazy_tensor(attr.t, self.base_dir))
+            elif kind == _TENSORS:
+                for tensor in attr.tensors:
+                    self._check_tensor(tensor)
+            elif kind == _UNDEFINED:
+                for tensor in _untyped_tensors(attr):
+                    self._check_tensor(tensor)
             elif kind == _GRAPH:
+                self._collect_subgraph_hints()
                 if self.borrowed and node.handle is proto and graph.parent is None:
                     # The emitter rewrites a body inside its node: the caller's node is copied
                     # (and the bodies read from the copy) so that the caller's stays as it is.
