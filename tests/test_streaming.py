@@ -114,6 +114,29 @@ def test_range_check_on_bits_counts_what_the_conversion_does() -> None:
                 expected.overflowed, expected.flushed_to_zero, expected.nonzero)
 
 
+def test_range_check_of_a_few_values_counts_what_the_conversion_does() -> None:
+    """Small constants are checked one value at a time in Python: the same counts as the
+    check on bit patterns, at the edges of each dtype's range too."""
+    rng = np.random.default_rng(2)
+    for dtype in ("float16", "bfloat16"):
+        overflow_from, zero_up_to = tensors._rounding_limits(dtype)
+        edges = np.array([overflow_from, overflow_from - 1, zero_up_to, zero_up_to + 1, 0, 1,
+                          0x7F800000, 0x7FC00000, 0x3F800000, 0x477FE000, 0x477FF000],
+                         np.uint32)
+        pool = np.concatenate([edges, edges | np.uint32(0x80000000)]).view(np.float32)
+        for size in range(1, tensors._FEW_VALUES + 1):
+            for _ in range(200):
+                values = np.where(rng.random(size) < 0.5, rng.choice(pool, size),
+                                  rng.standard_normal(size).astype(np.float32)
+                                  * np.float32(10.0) ** rng.integers(-30, 30, size))
+                values = values.astype(np.float32)
+                with np.errstate(all="ignore"):
+                    got = _check_range(values, dtype)
+                expected = _check_block(values, dtype)
+                assert (got.overflowed, got.flushed_to_zero, got.nonzero) == (
+                    expected.overflowed, expected.flushed_to_zero, expected.nonzero), values
+
+
 @pytest.mark.parametrize("block", [7, 1 << 18])
 def test_range_check_split_between_threads_counts_as_one_pass(monkeypatch: pytest.MonkeyPatch,
                                                               block: int) -> None:

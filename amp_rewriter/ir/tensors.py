@@ -282,7 +282,24 @@ def tensor_range(tensor: LazyTensor, dtype: str) -> RangeCheck:
     return check_range(values, dtype, tensor.size - values.size)
 
 
+#: Up to this many values, `_check_range` looks at them one by one in Python: a few numpy calls
+#: cost more for so few (a million-node model has a few hundred thousand small constants).
+_FEW_VALUES = 16
+
+
 def _check_range(array: np.ndarray, dtype: str) -> RangeCheck:
+    if array.size <= _FEW_VALUES:
+        limit, smallest = FINITE_MAX[dtype], SMALLEST_SUBNORMAL[dtype]
+        nonzero = 0
+        for value in array.ravel().tolist():
+            magnitude = abs(value)
+            if magnitude == 0 or not math.isfinite(magnitude):
+                continue
+            if magnitude > limit or magnitude < smallest:
+                break  # one that converts inexactly: counted by the general case below
+            nonzero += 1
+        else:
+            return RangeCheck(0, 0, nonzero)
     magnitude = np.abs(array)
     finite_magnitude = magnitude[np.isfinite(magnitude)] if not np.isfinite(magnitude).all() \
         else magnitude
