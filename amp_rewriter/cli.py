@@ -226,7 +226,7 @@ def _convert(args: argparse.Namespace) -> int:
             raise CheckFailed(f"validation failed: relative error above rtol; nothing was "
                               f"written ({args.output} is as it was)")
         if staged_report is not None:
-            write_atomically(staged_report, report.to_json().encode())
+            write_atomically(staged_report, report.json_pieces())
         outputs.commit()
     # Warnings only once the run is through: an error (exit 2) prints that one line alone.
     _print_warnings(report)
@@ -277,7 +277,7 @@ def _run_auto(args: argparse.Namespace, auto: AutoOptions) -> int:
         runner = fmt.accuracy_runner(input_path, options)
         report, result = run_auto(runner, staged, args.inputs, auto, options.target, say)
         if staged_report is not None:
-            write_atomically(staged_report, report.to_json().encode())
+            write_atomically(staged_report, report.json_pieces())
         outputs.commit()
     _print_warnings(report)
     if not args.quiet:

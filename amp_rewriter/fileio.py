@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
 
 from .errors import AmpError
 
@@ -110,8 +111,9 @@ def scratch_dir(kind: str, parent: Path | None = None) -> tempfile.TemporaryDire
     return tempfile.TemporaryDirectory(dir=folder, prefix=f"{owned_prefix(prefix)}{kind}-")
 
 
-def write_atomically(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` so that a failure never leaves a partial file behind."""
+def write_atomically(path: str | os.PathLike, data: bytes | Iterable[str]) -> None:
+    """Write `data` to `path` so that a failure never leaves a partial file behind. `data`:
+    bytes, or text as UTF-8 in pieces (a report made as it is written, never whole in memory)."""
     target = Path(path)
     check_output_path(target)
     parent = Path(os.path.realpath(target)).parent
@@ -119,12 +121,29 @@ def write_atomically(path: str | os.PathLike, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=parent, prefix=owned_prefix())
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            if isinstance(data, bytes):
+                handle.write(data)
+            else:
+                _write_pieces(handle, data)
         os.chmod(tmp, default_file_mode())  # mkstemp makes it 0600
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+#: Text pieces joined per write of `_write_pieces` (a JSON encoder yields one per token).
+_PIECES_PER_WRITE = 1 << 16
+
+
+def _write_pieces(handle: BinaryIO, pieces: Iterable[str]) -> None:
+    batch: list[str] = []
+    for piece in pieces:
+        batch.append(piece)
+        if len(batch) >= _PIECES_PER_WRITE:
+            handle.write("".join(batch).encode())
+            batch.clear()
+    handle.write("".join(batch).encode())
 
 
 def non_regular_kind(mode: int) -> str | None:

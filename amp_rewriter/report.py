@@ -33,6 +33,30 @@ def to_json(data: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=False, default=_as_text) + "\n"
 
 
+def json_pieces(data: Any) -> Iterator[str]:
+    """`to_json(data)` in pieces, made as they are read: lists in `data` that are `Streamed`
+    are read an item at a time, so the whole text (or every item) is never in memory."""
+    # json's encoder with an indent is its Python one, which writes any list subclass by
+    # iterating it.
+    yield from json.JSONEncoder(indent=2, default=_as_text).iterencode(data)
+    yield "\n"
+
+
+class Streamed(list[Any]):  # json writes only lists (and subclasses) as arrays
+    """A sequence that json writes as an array by iterating it (its items made one at a time,
+    such as the report's node entries); as a list it is empty."""
+
+    def __init__(self, items: Sequence[Any]):
+        super().__init__()
+        self.items = items
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
 #: One node's entry, compact: (name, op, precision, class, kind, reason, graph or None,
 #: op-list reason or None, groups), each group (group, precision, kind, reason, via node or
 #: None, via group or None); `NodeEntries` stores it packed.
@@ -241,16 +265,27 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(replace(self, nodes=NodeEntries()))
         data["nodes"] = list(self.nodes)
-        for key in ("validation", "training", "optimizer", "cost", "weights", "auto"):
-            if data[key] is None:
-                del data[key]
-        return data
+        return _without_absent_parts(data)
 
     def to_json(self) -> str:
         return to_json(self.to_dict())
 
+    def json_pieces(self) -> Iterator[str]:
+        """`to_json()` in pieces, each node entry made as it is written (at a million nodes the
+        whole text and entries would take gigabytes)."""
+        data = asdict(replace(self, nodes=NodeEntries(), constants=[]))
+        data["nodes"], data["constants"] = Streamed(self.nodes), Streamed(self.constants)
+        return json_pieces(_without_absent_parts(data))
+
     def node(self, name: str) -> dict[str, Any] | None:
         return next((n for n in self.nodes if n["name"] == name), None)
+
+
+def _without_absent_parts(data: dict[str, Any]) -> dict[str, Any]:
+    for key in ("validation", "training", "optimizer", "cost", "weights", "auto"):
+        if data[key] is None:
+            del data[key]
+    return data
 
 
 def build_report(ctx: PassContext, original_nodes: Sequence[Node], results: list[PassResult],

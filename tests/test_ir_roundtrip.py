@@ -108,6 +108,7 @@ def test_converting_a_model_in_memory_reads_it_only(name):
     on_copy, copy_report, _ = convert_model_ir(model, Options(keep_io_types=True))
     assert converted.SerializeToString() == on_copy.SerializeToString()
     assert report.to_json() == copy_report.to_json()
+    assert "".join(report.json_pieces()) == report.to_json()  # what convert --report writes
     converted.graph.node[0].name = "changed"  # the result shares nothing with the input
     assert model.SerializeToString() == before
 
@@ -372,3 +373,21 @@ def test_random_dag_converts_and_matches_fp32(seed):
     assert any(n["precision"] == "fp16" for n in report.nodes)
     assert [o.name for o in converted.graph.output] == [o.name for o in model.graph.output]
     assert_close(model, converted, feeds_for(model), tol=3e-2)
+
+
+def test_a_report_written_in_pieces_is_its_json(tmp_path, monkeypatch):
+    """convert --report writes the report as it makes it, a batch of pieces at a time: the file
+    is the report's JSON, whatever the batch size, names that are not UTF-8 included."""
+    from amp_rewriter import fileio
+
+    model = BUILDERS[sorted(BUILDERS)[0]]()
+    _, report = amp_rewriter.convert(model, keep_io_types=True)
+    report.nodes.update(0, name=b"caf\xe9")
+    expected = report.to_json()
+    assert "caf\\\\xe9" in expected
+    for batch in (1, 3, 1 << 16):
+        monkeypatch.setattr(fileio, "_PIECES_PER_WRITE", batch)
+        path = tmp_path / f"report{batch}.json"
+        fileio.write_atomically(path, report.json_pieces())
+        assert path.read_bytes() == expected.encode()
+
