@@ -349,17 +349,26 @@ _RAW_NUMPY_DTYPES: dict[int, np.dtype] = {
         (_T.UINT32, "<u4"), (_T.UINT16, "<u2"), (_T.UINT8, "u1"), (_T.BOOL, "?"))}
 
 
-def _tensor_loader(tensor: onnx.TensorProto, base_dir: Path | None):
-    def load() -> np.ndarray:
+class _TensorLoad:
+    """Reads one TensorProto's values (a LazyTensor's `load`): an object with two slots rather
+    than a closure, which costs three times the memory for each of a few hundred thousand
+    constants."""
+
+    __slots__ = ("tensor", "base_dir")
+
+    def __init__(self, tensor: onnx.TensorProto, base_dir: Path | None):
+        self.tensor, self.base_dir = tensor, base_dir
+
+    def __call__(self) -> np.ndarray:
+        tensor = self.tensor
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            return numpy_helper.to_array(tensor, str(base_dir) if base_dir else "")
+            return numpy_helper.to_array(tensor, str(self.base_dir) if self.base_dir else "")
         raw_dtype = _RAW_NUMPY_DTYPES.get(tensor.data_type)
         if raw_dtype is not None and tensor.HasField("raw_data"):
             # What onnx's to_array does for these, without its general dispatch (a million-node
             # model's range checks read a few hundred thousand small constants).
             return np.frombuffer(tensor.raw_data, dtype=raw_dtype).reshape(tuple(tensor.dims))
         return numpy_helper.to_array(tensor)
-    return load
 
 
 def lazy_tensor(tensor: onnx.TensorProto, base_dir: Path | None) -> LazyTensor:
@@ -368,7 +377,7 @@ def lazy_tensor(tensor: onnx.TensorProto, base_dir: Path | None) -> LazyTensor:
     streams = (tensor.data_type == onnx.TensorProto.FLOAT
                and tensor.data_location == onnx.TensorProto.EXTERNAL)
     return LazyTensor(dtype_name(tensor.data_type) or "undefined", tuple(tensor.dims),
-                      _tensor_loader(tensor, base_dir), handle=tensor,
+                      _TensorLoad(tensor, base_dir), handle=tensor,
                       reader=(_chunk_reader(tensor, base_dir)
                               if streams and base_dir is not None else None))
 
@@ -566,6 +575,9 @@ class OnnxLoader:
             self._load_graph(self.model.graph, self.ir_model.graph)
             self._dtypes_from_consumers()
         self.ir_model.external_data = self.external_data
+        for graph in self.ir_model.graph.walk_graphs():
+            for value in graph.values.values():
+                value.trim()
         return self.ir_model
 
     def _check_tensor(self, tensor: onnx.TensorProto) -> None:
@@ -704,6 +716,7 @@ class OnnxLoader:
                 value.const = node.attrs["value"]
         self._build_type_groups(node)
         self._infer_output_dtypes(node)
+        node.trim()
         return node
 
     # -- type groups ------------------------------------------------------------------------
