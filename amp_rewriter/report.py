@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import marshal
+import zlib
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -132,14 +134,15 @@ class _TextTable(dict[str, int]):
 
 def _with_text_ids(record: tuple, table: Any) -> tuple:
     """`record` with each text (or text number) replaced by `table[text]`, None and the
-    nesting of its groups kept; but the node's own name, which no other node has, stays."""
+    nesting of its groups kept; but names of nodes stay (the node's own, which no other node
+    has, and the neighbours its groups followed, nearly as many: in the table they would only
+    cost an entry each)."""
     name, op, precision, op_class, kind, reason, graph, class_reason, groups = record
     return (name, table[op], table[precision], table[op_class], table[kind],
             table[reason], None if graph is None else table[graph],
             None if class_reason is None else table[class_reason],
             tuple([(table[g_name], table[g_precision], table[g_kind], table[g_reason],
-                    None if via_node is None else table[via_node],
-                    None if via_group is None else table[via_group])
+                    via_node, None if via_group is None else table[via_group])
                    for g_name, g_precision, g_kind, g_reason, via_node, via_group in groups]))
 
 
@@ -148,11 +151,15 @@ def node_entry(node: Node, graph_name: str) -> dict[str, Any]:
     return _entry(node_record(node, graph_name))
 
 
+#: Records per packed block of `NodeEntries`.
+_ENTRIES_PER_BLOCK = 256
+
+
 class NodeEntries(Sequence[dict[str, Any]]):
     """The report's node entries, read as the dicts the JSON holds. Each read builds a fresh
     dict, so change an entry through `update`, not the dict.
 
-    The entries are stored packed (each one marshalled into one shared buffer) rather than as a
+    The entries are stored packed (blocks of them marshalled and compressed) rather than as a
     Python object per node: a conversion's report outlives its IR, and per-node objects made
     while the IR was alive (the names it read from the model) would sit scattered through the
     IR's memory and keep the system from getting it back once the IR is freed (about 230 MB
@@ -162,8 +169,12 @@ class NodeEntries(Sequence[dict[str, Any]]):
     """
 
     def __init__(self, records: Iterable[NodeRecord | dict[str, Any]] = ()):
-        self._packed = bytearray()
-        self._starts = array("Q", [0])
+        #: Sealed blocks: each a list of records, marshalled and compressed (the records of
+        #: neighbouring nodes share most of their bytes); `_ends[i]`: entries up to block i.
+        self._blocks: list[bytes] = []
+        self._ends = [0]
+        self._pending: list[NodeRecord | dict[str, Any]] = []
+        self._decoded: tuple[int, list[Any]] = (-1, [])
         self._changed: dict[int, dict[str, Any]] = {}
         self._texts = bytearray()
         self._text_starts = array("Q", [0])
@@ -172,6 +183,7 @@ class NodeEntries(Sequence[dict[str, Any]]):
         text_ids = _TextTable(self._texts, self._text_starts)
         for record in records:
             self.append(record if isinstance(record, dict) else _with_text_ids(record, text_ids))
+        self._seal()
 
     def _texts_by_number(self) -> list[str]:
         if self._text_cache is None:  # decoded once, when first read
@@ -182,21 +194,40 @@ class NodeEntries(Sequence[dict[str, Any]]):
 
     def append(self, record: NodeRecord | dict[str, Any]) -> None:
         """Add an entry: a `node_record` or a dict as the JSON holds it."""
-        self._packed += marshal.dumps(record)
-        self._starts.append(len(self._packed))
+        self._pending.append(record)
+        if len(self._pending) >= _ENTRIES_PER_BLOCK:
+            self._seal()
+
+    def _seal(self) -> None:
+        """Pack the pending records into a block."""
+        if self._pending:
+            self._blocks.append(zlib.compress(marshal.dumps(self._pending), 1))
+            self._ends.append(self._ends[-1] + len(self._pending))
+            self._pending = []
+
+    def _stored(self, index: int) -> NodeRecord | dict[str, Any]:
+        sealed = self._ends[-1]
+        if index >= sealed:
+            record = self._pending[index - sealed]
+        else:
+            block = bisect.bisect_right(self._ends, index) - 1
+            if self._decoded[0] != block:  # read in order, each block is decoded once
+                self._decoded = (block, marshal.loads(zlib.decompress(self._blocks[block])))
+            record = self._decoded[1][index - self._ends[block]]
+        # A dict entry is handed out as a copy, as if decoded afresh.
+        return marshal.loads(marshal.dumps(record)) if isinstance(record, dict) else record
 
     def _record(self, index: int) -> NodeRecord | dict[str, Any]:
         changed = self._changed.get(index)
         if changed is not None:
             return changed
-        record: NodeRecord | dict[str, Any] = marshal.loads(
-            self._packed[self._starts[index]:self._starts[index + 1]])
+        record = self._stored(index)
         if isinstance(record, tuple) and isinstance(record[1], int):  # texts by number
             record = _with_text_ids(record, self._texts_by_number())
         return record
 
     def __len__(self) -> int:
-        return len(self._starts) - 1
+        return self._ends[-1] + len(self._pending)
 
     @overload
     def __getitem__(self, index: int) -> dict[str, Any]: ...

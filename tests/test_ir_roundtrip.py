@@ -391,3 +391,39 @@ def test_a_report_written_in_pieces_is_its_json(tmp_path, monkeypatch):
         fileio.write_atomically(path, report.json_pieces())
         assert path.read_bytes() == expected.encode()
 
+
+
+def test_report_entries_across_packed_blocks_read_as_given(monkeypatch):
+    """The report keeps its node entries in compressed blocks: every entry reads back as it was
+    given, in order and by index, across block boundaries and after a partly filled block, and
+    each read hands out a fresh dict (changing one changes nothing stored)."""
+    from amp_rewriter import report as report_module
+
+    monkeypatch.setattr(report_module, "_ENTRIES_PER_BLOCK", 3)
+    model = BUILDERS[sorted(BUILDERS)[0]]()
+    _, converted = amp_rewriter.convert(model, keep_io_types=True)
+    expected = list(converted.nodes)
+    assert len(expected) >= 4
+    records = [(e["name"], e["op"], e["precision"], e["class"], e["kind"], e["reason"],
+                e.get("graph"), e.get("class_reason"),
+                tuple((g["group"], g["precision"], g["kind"], g["reason"],
+                       g["via"]["node"] if "via" in g else None,
+                       g["via"]["group"] if "via" in g else None) for g in e.get("groups", [])))
+               for e in expected]
+    entries = report_module.NodeEntries(records)
+    assert len(entries) == len(expected) and list(entries) == expected
+    assert [entries[i] for i in reversed(range(len(expected)))] == expected[::-1]
+    assert entries[-1] == expected[-1]
+    entries.append({"name": "added", "op": "Relu", "groups": [{"group": "T"}]})
+    entries.append({"name": "added2", "op": "Relu", "groups": [{"group": "T"}]})
+    entries[len(expected)]["groups"].append("changed")
+    entries[-2]["groups"][0]["group"] = "changed"
+    assert entries[len(expected)] == {"name": "added", "op": "Relu", "groups": [{"group": "T"}]}
+    assert entries[-1]["name"] == "added2"
+    for _ in range(2):  # sealed in a block now
+        entries.append({"name": "more", "op": "Relu", "groups": [{"group": "T"}]})
+    entries[len(expected)]["groups"].append("changed")
+    assert entries[len(expected)]["groups"] == [{"group": "T"}]
+    entries.update(1, reason="updated")
+    assert entries[1] == dict(expected[1], reason="updated")
+    assert entries[2] == expected[2]
