@@ -249,7 +249,7 @@ def fill_tail_to_outputs(p: Painting) -> int:
         while stack:  # the tail groups connected to `start`
             g = stack.pop()
             component.append(g)
-            for n in gg.succ[g] + gg.pred[g]:
+            for n in (*gg.succ[g], *gg.pred[g]):
                 if n in tail and n not in seen:
                     seen.add(n)
                     stack.append(n)
@@ -305,7 +305,7 @@ def spread_through_clear(p: Painting) -> int:
         stack = [a]
         while stack:
             g = stack.pop()
-            for n in p.graph.succ[g] + p.graph.pred[g]:
+            for n in (*p.graph.succ[g], *p.graph.pred[g]):
                 if p.can_join(n, (CLEAR,)):
                     reason = reason or f"clear op connected to low-precision {label(a)}"
                     p.paint(n, decisions.PROPAGATION, reason, via=g)
