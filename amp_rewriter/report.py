@@ -169,9 +169,12 @@ class NodeEntries(Sequence[dict[str, Any]]):
     """
 
     def __init__(self, records: Iterable[NodeRecord | dict[str, Any]] = ()):
-        #: Sealed blocks: each a list of records, marshalled and compressed (the records of
-        #: neighbouring nodes share most of their bytes); `_ends[i]`: entries up to block i.
-        self._blocks: list[bytes] = []
+        #: Sealed blocks, back to back in one buffer (`_block_starts`): each a list of records,
+        #: marshalled and compressed (the records of neighbouring nodes share most of their
+        #: bytes). One buffer, not an object a block: those would sit among the IR's memory
+        #: and keep it from going back to the system. `_ends[i]`: entries up to block i.
+        self._blocks = bytearray()
+        self._block_starts = array("Q", [0])
         self._ends = [0]
         self._pending: list[NodeRecord | dict[str, Any]] = []
         self._decoded: tuple[int, list[Any]] = (-1, [])
@@ -201,7 +204,8 @@ class NodeEntries(Sequence[dict[str, Any]]):
     def _seal(self) -> None:
         """Pack the pending records into a block."""
         if self._pending:
-            self._blocks.append(zlib.compress(marshal.dumps(self._pending), 1))
+            self._blocks += zlib.compress(marshal.dumps(self._pending), 1)
+            self._block_starts.append(len(self._blocks))
             self._ends.append(self._ends[-1] + len(self._pending))
             self._pending = []
 
@@ -212,7 +216,9 @@ class NodeEntries(Sequence[dict[str, Any]]):
         else:
             block = bisect.bisect_right(self._ends, index) - 1
             if self._decoded[0] != block:  # read in order, each block is decoded once
-                self._decoded = (block, marshal.loads(zlib.decompress(self._blocks[block])))
+                start, end = self._block_starts[block], self._block_starts[block + 1]
+                with memoryview(self._blocks) as packed:
+                    self._decoded = (block, marshal.loads(zlib.decompress(packed[start:end])))
             record = self._decoded[1][index - self._ends[block]]
         # A dict entry is handed out as a copy, as if decoded afresh.
         return marshal.loads(marshal.dumps(record)) if isinstance(record, dict) else record
