@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import bisect
 import json
 import marshal
-import zlib
-from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -16,6 +13,7 @@ from .cost import casts_by_reason, compute_ops_left_fp32
 from .errors import AmpError
 from .fileio import read_input_text
 from .ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, Node, short_name
+from .packed import PackedRecords
 from .passes.base import PassContext, PassResult
 
 #: Report precisions that count as low precision (a node with several groups may be "mixed").
@@ -118,17 +116,16 @@ def _group_entry(group: tuple) -> dict[str, Any]:
 
 
 class _TextTable(dict[str, int]):
-    """Text -> its number in a packed table (marshalled texts in `texts`, where each ends at
-    `starts`), numbering a text the first time it is looked up."""
+    """Text -> its number in a packed table (`texts`), numbering a text the first time it is
+    looked up."""
 
-    def __init__(self, texts: bytearray, starts: array):
+    def __init__(self, texts: PackedRecords):
         super().__init__()
-        self.texts, self.starts = texts, starts
+        self.texts = texts
 
     def __missing__(self, text: str) -> int:
-        number = self[text] = len(self.starts) - 1
-        self.texts += marshal.dumps(text)
-        self.starts.append(len(self.texts))
+        number = self[text] = len(self.texts)
+        self.texts.append(text)
         return number
 
 
@@ -159,81 +156,50 @@ class NodeEntries(Sequence[dict[str, Any]]):
     """The report's node entries, read as the dicts the JSON holds. Each read builds a fresh
     dict, so change an entry through `update`, not the dict.
 
-    The entries are stored packed (blocks of them marshalled and compressed) rather than as a
-    Python object per node: a conversion's report outlives its IR, and per-node objects made
-    while the IR was alive (the names it read from the model) would sit scattered through the
-    IR's memory and keep the system from getting it back once the IR is freed (about 230 MB
-    at 100k nodes). Records given together (`NodeEntries(records)`, as `build_report` does)
-    keep each distinct text but their own names once, in a packed table, and refer to it by
-    number: their reasons repeat from node to node.
+    The entries are stored packed (`PackedRecords`) rather than as a Python object per node: a
+    conversion's report outlives its IR, and per-node objects made while the IR was alive (the
+    names it read from the model) would sit scattered through the IR's memory and keep the
+    system from getting it back once the IR is freed (about 230 MB at 100k nodes). Records
+    given together (`NodeEntries(records)`, as `build_report` does) keep each distinct text
+    but node names once, in a packed table, and refer to it by number: their reasons repeat
+    from node to node.
     """
 
     def __init__(self, records: Iterable[NodeRecord | dict[str, Any]] = ()):
-        #: Sealed blocks, back to back in one buffer (`_block_starts`): each a list of records,
-        #: marshalled and compressed (the records of neighbouring nodes share most of their
-        #: bytes). One buffer, not an object a block: those would sit among the IR's memory
-        #: and keep it from going back to the system. `_ends[i]`: entries up to block i.
-        self._blocks = bytearray()
-        self._block_starts = array("Q", [0])
-        self._ends = [0]
-        self._pending: list[NodeRecord | dict[str, Any]] = []
-        self._decoded: tuple[int, list[Any]] = (-1, [])
+        # Compressed: the records of neighbouring nodes share most of their bytes.
+        self._records = PackedRecords(_ENTRIES_PER_BLOCK, compress=True)
         self._changed: dict[int, dict[str, Any]] = {}
-        self._texts = bytearray()
-        self._text_starts = array("Q", [0])
+        self._texts = PackedRecords(_ENTRIES_PER_BLOCK)
         self._text_cache: list[str] | None = None
         # Only while these records are packed: it refers to the caller's strings.
-        text_ids = _TextTable(self._texts, self._text_starts)
+        text_ids = _TextTable(self._texts)
         for record in records:
             self.append(record if isinstance(record, dict) else _with_text_ids(record, text_ids))
-        self._seal()
+        self._records.seal()
+        self._texts.seal()
 
     def _texts_by_number(self) -> list[str]:
         if self._text_cache is None:  # decoded once, when first read
-            starts, texts = self._text_starts, self._texts
-            self._text_cache = [marshal.loads(texts[starts[i]:starts[i + 1]])
-                                for i in range(len(starts) - 1)]
+            self._text_cache = [self._texts[i] for i in range(len(self._texts))]
         return self._text_cache
 
     def append(self, record: NodeRecord | dict[str, Any]) -> None:
         """Add an entry: a `node_record` or a dict as the JSON holds it."""
-        self._pending.append(record)
-        if len(self._pending) >= _ENTRIES_PER_BLOCK:
-            self._seal()
-
-    def _seal(self) -> None:
-        """Pack the pending records into a block."""
-        if self._pending:
-            self._blocks += zlib.compress(marshal.dumps(self._pending), 1)
-            self._block_starts.append(len(self._blocks))
-            self._ends.append(self._ends[-1] + len(self._pending))
-            self._pending = []
-
-    def _stored(self, index: int) -> NodeRecord | dict[str, Any]:
-        sealed = self._ends[-1]
-        if index >= sealed:
-            record = self._pending[index - sealed]
-        else:
-            block = bisect.bisect_right(self._ends, index) - 1
-            if self._decoded[0] != block:  # read in order, each block is decoded once
-                start, end = self._block_starts[block], self._block_starts[block + 1]
-                with memoryview(self._blocks) as packed:
-                    self._decoded = (block, marshal.loads(zlib.decompress(packed[start:end])))
-            record = self._decoded[1][index - self._ends[block]]
-        # A dict entry is handed out as a copy, as if decoded afresh.
-        return marshal.loads(marshal.dumps(record)) if isinstance(record, dict) else record
+        self._records.append(record)
 
     def _record(self, index: int) -> NodeRecord | dict[str, Any]:
         changed = self._changed.get(index)
         if changed is not None:
             return changed
-        record = self._stored(index)
+        record = self._records[index]
+        if isinstance(record, dict):  # handed out as a copy, as if decoded afresh
+            return marshal.loads(marshal.dumps(record))
         if isinstance(record, tuple) and isinstance(record[1], int):  # texts by number
             record = _with_text_ids(record, self._texts_by_number())
         return record
 
     def __len__(self) -> int:
-        return self._ends[-1] + len(self._pending)
+        return len(self._records)
 
     @overload
     def __getitem__(self, index: int) -> dict[str, Any]: ...

@@ -220,3 +220,23 @@ def test_attributes_and_subgraphs_are_set_through_the_node():
     body = Graph("body", parent=graph, owner=a)
     a.add_subgraph("body", body)
     assert a.subgraphs == {"body": body} and b.subgraphs == {}
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_packed_records_read_back_as_appended(compress):
+    """Records read back in order and by index from full blocks, a block sealed early, and
+    records still pending; the buffer keeps growing after blocks were read."""
+    from amp_rewriter.packed import PackedRecords
+
+    records = PackedRecords(4, compress=compress)
+    expected = [("node", i, ("in",) * (i % 3), None) for i in range(10)]
+    for record in expected[:6]:
+        records.append(record)
+    records.seal()  # a partial block of 2
+    assert [records[i] for i in range(len(records))] == expected[:6]
+    for record in expected[6:]:
+        records.append(record)  # the last two stay pending
+    assert len(records) == 10
+    assert [records[i] for i in reversed(range(10))] == expected[::-1]
+    records.seal()
+    assert [records[i] for i in range(10)] == expected

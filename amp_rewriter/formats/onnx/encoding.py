@@ -7,10 +7,11 @@ and joined, instead of copied into one message first (four times the memory of t
 
 from __future__ import annotations
 
-import marshal
 from array import array
 from collections.abc import Iterable
 from typing import Any
+
+from ...packed import PackedRecords
 
 #: Field numbers of onnx.proto: ModelProto.graph, GraphProto.node, GraphProto.value_info.
 MODEL_GRAPH, GRAPH_NODE, GRAPH_VALUE_INFO = 7, 1, 13
@@ -61,9 +62,7 @@ class EncodedNodes:
         self.start = 0
         #: End of each node's field, from the start of the first.
         self.ends = array("Q")
-        self._chunks: list[bytes] = []
-        self._pending: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = []
-        self._decoded: tuple[int, list[Any]] = (-1, [])
+        self._names = PackedRecords(NAME_CHUNK)
 
     def __len__(self) -> int:
         return len(self.ends)
@@ -72,16 +71,11 @@ class EncodedNodes:
             outputs: tuple[str, ...]) -> None:
         """Record the next node: where its field ends, its op type and value names."""
         self.ends.append(end)
-        self._pending.append((op_type, inputs, outputs))
-        if len(self._pending) == NAME_CHUNK:
-            self._chunks.append(marshal.dumps(self._pending))
-            self._pending = []
+        self._names.append((op_type, inputs, outputs))
 
     def place(self, buffer: bytes | bytearray, start: int) -> None:
         """The nodes now lie in `buffer` from `start` on."""
-        if self._pending:
-            self._chunks.append(marshal.dumps(self._pending))
-            self._pending = []
+        self._names.seal()
         self.buffer, self.start = buffer, start
 
     def fields(self, first: int, last: int) -> bytes:
@@ -91,7 +85,5 @@ class EncodedNodes:
 
     def names(self, index: int) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
         """Node `index`'s op type, input names and output names."""
-        chunk, offset = divmod(index, NAME_CHUNK)
-        if self._decoded[0] != chunk:
-            self._decoded = (chunk, marshal.loads(self._chunks[chunk]))
-        return self._decoded[1][offset]
+        names: tuple[str, tuple[str, ...], tuple[str, ...]] = self._names[index]
+        return names
