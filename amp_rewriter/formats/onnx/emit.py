@@ -30,6 +30,7 @@ from .encoding import GRAPH_NODE, MODEL_GRAPH, EncodedNodes, append_field, field
 from .load import (
     PROTOBUF_LIMIT,
     all_tensors,
+    attribute_tensors,
     elem_type_code,
     external_range,
     walk_graph_protos,
@@ -183,9 +184,14 @@ def _emit_graph(graph: Graph, opset: int, deferred: dict[str, LazyTensor] | None
                  borrowed=target is not None)
 
 
+def _node_proto(node: Node, opset: int, borrowed: bool) -> onnx.NodeProto:
+    """`_patch_node` for a node of a graph whose protos are the caller's when `borrowed`: a
+    node that holds a body is the loader's copy even there."""
+    return _patch_node(node, opset, borrowed and not node.subgraphs)
+
+
 def _write_nodes(graph: Graph, proto: onnx.GraphProto, opset: int, borrowed: bool) -> None:
-    # A node that holds a body is the loader's copy even in a borrowed graph.
-    patched = [_patch_node(node, opset, borrowed and not node.subgraphs) for node in graph.nodes]
+    patched = [_node_proto(node, opset, borrowed) for node in graph.nodes]
     del proto.node[:]
     proto.node.extend(patched)
 
@@ -207,10 +213,8 @@ def _encode_nodes(graph: Graph, opset: int, encoded_nodes: bytearray, borrowed: 
     index_of_nodes = EncodedNodes()
     nodes = graph.take_nodes() if release else graph.nodes
     for index, node in enumerate(nodes):
-        # A node that holds a body is the loader's copy even in a borrowed graph.
         append_field(encoded_nodes, GRAPH_NODE,
-                     _patch_node(node, opset, borrowed and not node.subgraphs
-                                 ).SerializeToString())
+                     _node_proto(node, opset, borrowed).SerializeToString())
         index_of_nodes.add(len(encoded_nodes), node.op_type,
                            tuple([v.name if v is not None else "" for v in node.inputs]),
                            tuple([v.name if v is not None else "" for v in node.outputs]))
@@ -514,9 +518,7 @@ def _attribute_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
     for nodes in [g.node for g in bodies] + [f.node for f in model.functions]:
         for node in nodes:
             for attr in node.attribute:
-                if attr.HasField("t"):
-                    yield attr.t
-                yield from attr.tensors
+                yield from attribute_tensors(attr)
 
 
 def _deferred_tensor(tensor: onnx.TensorProto, deferred: dict[str, LazyTensor]

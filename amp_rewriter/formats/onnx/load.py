@@ -15,7 +15,7 @@ import mmap
 import os
 import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -466,22 +466,31 @@ def all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
         for node in g.node:
             for attr in node.attribute:
                 kind = attr.type
-                if kind == _TENSOR:
-                    yield attr.t
-                elif kind == _TENSORS:
-                    yield from attr.tensors
-                elif kind == _GRAPH:
+                if kind == _GRAPH:
                     stack.append(attr.g)
                 elif kind == _GRAPHS:
                     stack.extend(attr.graphs)
-                elif kind == _UNDEFINED:
-                    yield from _untyped_tensors(attr)
-                    stack.extend(_untyped_graphs(attr))
+                elif kind in _TENSOR_KINDS:
+                    yield from attribute_tensors(attr)
+                    if kind == _UNDEFINED:
+                        stack.extend(_untyped_graphs(attr))
 
 
-def _untyped_tensors(attr: onnx.AttributeProto) -> list[onnx.TensorProto]:
-    """The tensors of an attribute without a type (IR 1 models): whatever fields are set."""
-    return ([attr.t] if attr.HasField("t") else []) + list(attr.tensors)
+#: Attribute types that may hold tensors (an attribute without a type may hold anything).
+_TENSOR_KINDS = frozenset({_TENSOR, _TENSORS, _UNDEFINED})
+
+
+def attribute_tensors(attr: onnx.AttributeProto) -> Sequence[onnx.TensorProto]:
+    """The tensors an attribute holds, by its type; one without a type (IR 1 models): whatever
+    tensor fields are set."""
+    kind = attr.type
+    if kind == _TENSOR:
+        return (attr.t,)
+    if kind == _TENSORS:
+        return attr.tensors
+    if kind == _UNDEFINED:
+        return ([attr.t] if attr.HasField("t") else []) + list(attr.tensors)
+    return ()
 
 
 def _untyped_graphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
@@ -688,11 +697,8 @@ class OnnxLoader:
             elif kind == _TENSOR:
                 self._check_tensor(attr.t)
                 node.set_attr(attr.name, lazy_tensor(attr.t, self.base_dir))
-            elif kind == _TENSORS:
-                for tensor in attr.tensors:
-                    self._check_tensor(tensor)
-            elif kind == _UNDEFINED:
-                for tensor in _untyped_tensors(attr):
+            elif kind == _TENSORS or kind == _UNDEFINED:
+                for tensor in attribute_tensors(attr):
                     self._check_tensor(tensor)
             elif kind == _GRAPH:
                 self._collect_subgraph_hints()
