@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .ir import FLOAT32, LOW_PRECISION_DTYPES, Model, Node, TypeGroup, Value, decisions
+from .ir import FLOAT32, LOW_PRECISION_DTYPES, Model, Node, TypeGroup, decisions
 
 #: Bytes per element of the float dtypes.
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -131,27 +131,6 @@ def casts_by_reason(model: Model) -> dict[str, int]:
     roots = _Roots()
     counts = Counter(_cast_reason(cast, roots) for cast in inserted_casts(model))
     return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
-
-
-def activation_accesses(model: Model) -> dict[str, int]:
-    """Each top-level activation's name -> accesses (one write by its producer, one read per
-    consumer or graph output), constants excluded: the IR's use lists, read before the IR is
-    released, instead of a scan of the emitted model's nodes (seconds at a million nodes)."""
-    graph = model.graph
-
-    def reads(value: Value) -> int:
-        # Reads by nodes of nested graphs (captures) are the subgraph's traffic, not counted.
-        return (sum(1 for node, _ in value.uses if node.graph is graph)
-                + sum(1 for owner, _ in value.graph_output_uses if owner is graph))
-
-    accesses = {value.name: reads(value) for value in graph.inputs if value.const is None}
-    for node in graph.nodes:
-        if node.op_type == "Constant":
-            continue
-        for value in node.outputs:
-            if value is not None and value.const is None:
-                accesses[value.name] = 1 + reads(value)
-    return accesses
 
 
 def bytes_moved(tensors: Iterable[tuple[str, tuple[int, ...] | None, int]]) -> dict[str, Any]:

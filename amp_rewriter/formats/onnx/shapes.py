@@ -406,8 +406,9 @@ def validation_input_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]
 
 
 class _AccessCount:
-    """`cost.activation_accesses` (each top-level activation's write and reads, constants
-    excluded), counted on a graph proto's nodes as they are read."""
+    """Each top-level activation's name -> accesses (one write by its producer, one read per
+    consumer or graph output), constants excluded, counted on a graph proto's nodes as they are
+    read. Reads by nodes of nested graphs (captures) are the subgraph's traffic, not counted."""
 
     def __init__(self, graph: onnx.GraphProto):
         self.graph = graph
@@ -437,7 +438,7 @@ class _AccessCount:
 
 
 def _proto_accesses(graph: onnx.GraphProto) -> dict[str, int]:
-    """`cost.activation_accesses`, counted on a graph proto (top-level nodes only)."""
+    """`_AccessCount` of a graph proto's top-level nodes."""
     count = _AccessCount(graph)
     # One read of each node's fields: every access to a protobuf repeated field builds new
     # Python objects.
@@ -446,39 +447,35 @@ def _proto_accesses(graph: onnx.GraphProto) -> dict[str, int]:
     return count.result()
 
 
-def activation_traffic(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
-                       accesses: Mapping[str, int] | None = None,
-                       op_kinds: set[tuple[str, str]] | None = None) -> dict[str, Any]:
-    """`cost.bytes_moved` for the top-level graph's float activations at `input_shapes`.
-    `accesses` (name -> writes and reads, as `cost.activation_accesses` counts them on an IR)
-    and `op_kinds` (the nodes' (domain, op type) pairs, nested graphs included), when known,
-    save reading them off the model's nodes."""
-    return checked_activation_traffic(model, input_shapes, accesses, op_kinds)[0]
+def activation_traffic(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
+                       ) -> dict[str, Any]:
+    """`cost.bytes_moved` for the top-level graph's float activations at `input_shapes`, each
+    counted once written and once per read (`_proto_accesses`)."""
+    return checked_activation_traffic(model, input_shapes)[0]
 
 
 def checked_activation_traffic(model: onnx.ModelProto,
                                input_shapes: Mapping[str, tuple[int, ...]],
-                               accesses: Mapping[str, int] | None = None,
                                op_kinds: set[tuple[str, str]] | None = None,
                                type_check: bool = False,
                                encoded: EncodedNodes | None = None
                                ) -> tuple[dict[str, Any], bool]:
     """`activation_traffic`, and whether its shape inference passed the type and shape check of
-    onnx.checker's full check (asked for with `type_check`; see `_inferred`). `encoded`: where
-    the main graph's nodes lie in the model's encoding (see `_types_in_slices`)."""
+    onnx.checker's full check (asked for with `type_check`; see `_inferred`). `op_kinds`: the
+    nodes' (domain, op type) pairs, nested graphs included, when known (else read off the
+    model). `encoded`: where the main graph's nodes lie in the model's encoding (see
+    `_types_in_slices`)."""
     if op_kinds is None:
         op_kinds = {(node.domain, node.op_type) for g in walk_graph_protos(model.graph)
                     for node in g.node}
     sliced = _types_in_slices(model, input_shapes, type_check, encoded) \
         if _sliceable(model, op_kinds) else None
     if sliced is not None:
-        types, checked, counted = sliced
-        accesses = accesses if accesses is not None else counted
+        types, checked, accesses = sliced
     else:
         inferred, checked = _inferred(model, input_shapes, op_kinds, type_check)
         types = _types(inferred, model)
         del inferred
-    if accesses is None:
         accesses = _proto_accesses(model.graph)
     tensors = []
     for name, count in accesses.items():
