@@ -132,8 +132,9 @@ def test_every_pipeline_pass_leaves_the_ir_sound(model_name, monkeypatch):
     assert [r.name for r in results] == PIPELINES["onnx"]
     assert PIPELINES["onnx"][:4] == ["drop_identity_casts", "pin_nodes", "pin_front_end",
                                      "classify_ops"]
-    assert PIPELINES["onnx"][-5:] == ["insert_casts", "rescale_rms_statistics",
-                                      "saturate_masked_sums", "fold_casts", "convert_constants"]
+    assert PIPELINES["onnx"][-6:] == ["insert_casts", "rescale_rms_statistics",
+                                      "reduce_rotary_angles", "saturate_masked_sums", "fold_casts",
+                                      "convert_constants"]
 
 
 def test_passes_are_registered_with_a_summary():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -492,3 +493,97 @@ def test_rms_rescale_leaves_a_mean_that_is_a_graph_output_alone():
     x_value = np.linspace(-500, 500, 16, dtype=np.float32).reshape(2, 8)
     for actual, wanted in zip(run_as_fp16(converted, {"x": x_value}), run(model, {"x": x_value})):
         np.testing.assert_allclose(actual, wanted, rtol=3e-3)
+
+
+# -- rotary angles --------------------------------------------------------------------------------
+#: A rotary embedding's frequencies, 10000^(-2i/d) for d = 8, as fp32 (what the model holds).
+ROTARY_FREQUENCIES = (10000.0 ** -(np.arange(0, 8, 2) / 8)).astype(np.float32)
+#: Positions from the start to where fp32 itself stops holding integers (2^24).
+ROTARY_POSITIONS = np.array([[0, 1, 2047, 2049, 100003, 2**24 - 1]], np.int64)
+
+
+def rotary_block(positions_dtype: Any = np.int64, angle_output: bool = False) -> onnx.ModelProto:
+    """h = x @ I; emb = Concat(angle, angle), angle = float(positions[..., None]) * frequencies
+    (as torch exports LLaMA's rotary embedding); out = (h * cos(emb) + h * sin(emb)) @ I; cos
+    and sin are outputs too."""
+    b = GraphBuilder(opset=17)
+    x = b.input("x", [1, 6, 8])
+    positions = b.input("positions", [1, 6], dtype=positions_dtype)
+    eye = b.const("eye", np.eye(8, dtype=np.float32))
+    h = b.op("MatMul", x, eye, name="q")
+    column = b.op("Unsqueeze", positions, b.const("last", np.array([-1], np.int64)),
+                  name="column")
+    floats = b.op("Cast", column, to=onnx.TensorProto.FLOAT, name="to_float")
+    angle = b.op("Mul", floats, b.const("inv_freq", ROTARY_FREQUENCIES), name="angle")
+    emb = b.op("Concat", angle, angle, axis=-1, name="emb")
+    cos = b.op("Cos", emb, name="cos")
+    sin = b.op("Sin", emb, name="sin")
+    rotated = b.op("Add", b.op("Mul", h, cos, name="q_cos"), b.op("Mul", h, sin, name="q_sin"),
+                   name="rotated")
+    b.output(b.op("MatMul", rotated, eye, name="out"), cos, sin)
+    if angle_output:
+        b.output(angle)
+    return b.build()
+
+
+def _exact_cos_sin(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of emb in float64, from the fp32 frequencies the model holds."""
+    angle = positions[..., None].astype(np.float64) * ROTARY_FREQUENCIES.astype(np.float64)
+    emb = np.concatenate([angle, angle], axis=-1)
+    return np.cos(emb), np.sin(emb)
+
+
+@pytest.mark.parametrize("positions_dtype", [np.int64, np.int32])
+def test_rotary_angle_runs_fp16_reduced_modulo_two_pi_in_integers(positions_dtype):
+    model = rotary_block(positions_dtype)
+    converted, report = convert(model)
+    decided = precisions(report)
+    assert decided["emb"] == decided["cos"] == decided["sin"] == "fp16", decided
+    assert [s["rule"] for s in report.structures] == ["rotary_angle"]
+    record = report.structures[0]
+    assert "reduced modulo 2*pi in int64" in record["detail"] and record["added"]
+    assert "replaced by the angle reduced modulo 2*pi" in report.node("angle")["reason"]
+    ops = [n.op_type for n in converted.graph.node]
+    assert ops.count("Mod") == 1 and "to_float" not in {n.name for n in converted.graph.node}
+    # No fp32 tensor between the positions and the rotation: the casts are x's, the three
+    # outputs' and the reduced angle's (int32 positions: one more, to int64).
+    inferred = onnx.shape_inference.infer_shapes(converted)
+    fp32_inside = [v.name for v in inferred.graph.value_info
+                   if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT]
+    assert fp32_inside == [], fp32_inside
+    assert count_casts(converted) == 5 + (positions_dtype == np.int32)
+    x = np.random.default_rng(0).standard_normal((1, 6, 8)).astype(np.float32)
+    feeds = {"x": x, "positions": ROTARY_POSITIONS.astype(positions_dtype)}
+    exact_cos, exact_sin = _exact_cos_sin(ROTARY_POSITIONS)
+    for out, cos, sin in (run_as_fp16(converted, feeds), run(converted, feeds)):
+        # 2^-10 rad for the angle, plus fp16's rounding of cos and sin, at every position.
+        assert np.abs(cos - exact_cos).max() < 1.5e-3 and np.abs(sin - exact_sin).max() < 1.5e-3
+        assert np.isfinite(out).all()
+    # Where an fp16 product goes (ORT's float16 tool, onnxconverter-common): position 2049 is
+    # 2048 in fp16, an angle off by 1 rad (and past 65504 it is infinite).
+    naive = (ROTARY_POSITIONS[:, :4, None].astype(np.float16) *
+             ROTARY_FREQUENCIES.astype(np.float16)).astype(np.float64)
+    assert np.abs(np.cos(naive) - exact_cos[:, :4, :4]).max() > 0.1
+    # The fp32 model agrees where fp32 holds the angle to better than fp16's rounding.
+    fp32_out, fp32_cos, _ = run(model, feeds)
+    assert np.abs(run(converted, feeds)[1] - fp32_cos)[:, :4].max() < 1.5e-3
+
+
+def test_rotary_angle_read_by_anything_else_is_left_to_the_painting():
+    """The angle is also a graph output: its value, not only its cos and sin, is observable, so
+    it is not reduced (it stays fp32, read by the fp32 output)."""
+    converted, report = convert(rotary_block(angle_output=True))
+    assert report.structures == [] or all(s["rule"] != "rotary_angle"
+                                          for s in report.structures)
+    assert "Mod" not in {n.op_type for n in converted.graph.node}
+    assert precisions(report)["angle"] == "fp32"
+
+
+@pytest.mark.parametrize("options", [dict(target="bf16"), dict(keep_nodes=["cos"])])
+def test_rotary_angle_stays_as_before_for_bf16_and_for_kept_readers(options):
+    """bf16 holds an angle in [-pi, pi) only to 2^-7 rad: the exact fp32 angle is better. A user
+    pin on a reader leaves the rule out as well."""
+    converted, report = convert(rotary_block(), **options)
+    assert all(s["rule"] != "rotary_angle" for s in report.structures)
+    assert "Mod" not in {n.op_type for n in converted.graph.node}
+    assert precisions(report)["angle"] == "fp32"

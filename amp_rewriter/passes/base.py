@@ -45,8 +45,9 @@ class FormatRules:
     lookup_ops: ops that look values up in a table by index (Gather): a float table read by
         indices is data (an embedding), not index math.
     mask_build_ops: ops an additive attention mask may be built with (Where, Mul, Expand, ...).
-    mask_carry_ops: op -> input slots through which a masked sum passes with its values unchanged
-        or only selected (Reshape's data, Where's branches, Concat's inputs, ...).
+    carry_ops: op -> input slots through which a value passes with its values unchanged or only
+        selected (Reshape's data, Where's branches, Concat's inputs, ...): how an attention
+        mask's masked sum reaches the Softmax, or a rotary angle its Cos and Sin.
     saturate_op: the op that clips a tensor to [min, max] with both bounds as inputs (ONNX Clip);
         empty: the format cannot saturate a masked sum, and the attention-mask rule is off.
     saturate_pair: (max, min) ops that saturate in two steps (ONNX Max, Min), used where the
@@ -55,6 +56,11 @@ class FormatRules:
         ("abs", "reduce_max" (the same signature as the norm's mean), "clip" (bounds as inputs),
         "div", "mul"; casts are the IR's own); empty: the format keeps an RMS norm's mean
         square fp32.
+    periodic_ops: ops periodic in their input with period 2*pi (Cos, Sin): an angle read only by
+        them may be reduced modulo 2*pi.
+    integer_ops: role -> op name for the int64 arithmetic a rotary angle is reduced with
+        ("mul", "add", "sub", "mod" (the remainder with the divisor's sign), "div" (the integer
+        quotient)); empty: the format leaves rotary angles to the painting.
     """
 
     name: str
@@ -69,10 +75,12 @@ class FormatRules:
     metadata_ops: frozenset[str] = frozenset()
     lookup_ops: frozenset[str] = frozenset()
     mask_build_ops: frozenset[str] = frozenset()
-    mask_carry_ops: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    carry_ops: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     saturate_op: str = ""
     saturate_pair: tuple[str, ...] = ()
     rescale_ops: Mapping[str, str] = field(default_factory=dict)
+    periodic_ops: frozenset[str] = frozenset()
+    integer_ops: Mapping[str, str] = field(default_factory=dict)
 
     def role(self, op: str) -> str:
         """The arithmetic role of `op` ("" for none)."""
@@ -109,7 +117,7 @@ class StructureRecord:
     """A structural rule applied to a part of the graph, for the report: which rule, on which
     nodes, and what it did (with its numeric argument)."""
 
-    rule: str  # "attention_mask", "tanh_gelu_cube", "rms_norm", "index_math", "pattern_rule"
+    rule: str  # "attention_mask", "tanh_gelu_cube", "rms_norm", "rotary_angle", "index_math", ...
     nodes: list[str]
     detail: str
     #: Nodes a rewrite pass added for the rule (the attention mask's saturation).
@@ -142,6 +150,21 @@ class RescalePlan:
 
 
 @dataclass
+class RotaryPlan:
+    """A rotary embedding's angle, integer positions times constant frequencies read only by
+    Cos and Sin, that is reduced modulo 2*pi in integers (planned by `recognize_rotary_angles`,
+    built by `reduce_rotary_angles` once the painting has put the product in low precision)."""
+
+    #: The integer positions the model casts to float.
+    positions: Value
+    #: positions (as floats) x frequencies.
+    product: Node
+    #: The constant frequencies.
+    frequencies: Value
+    record: StructureRecord
+
+
+@dataclass
 class PassContext:
     """The model being rewritten plus everything a pass may read or record."""
 
@@ -164,6 +187,8 @@ class PassContext:
     saturations: list[SaturationPlan] = field(default_factory=list)
     #: RMS norms whose mean square is rescaled into low precision (see RescalePlan).
     rescales: list[RescalePlan] = field(default_factory=list)
+    #: Rotary angles reduced modulo 2*pi in integers (see RotaryPlan).
+    rotaries: list[RotaryPlan] = field(default_factory=list)
     #: ids of nodes a user's pattern rule decided: structural rules leave them as the user said.
     user_rule_nodes: set[int] = field(default_factory=set)
 

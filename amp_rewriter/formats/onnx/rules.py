@@ -80,7 +80,7 @@ ONNX_RULES = FormatRules(
         "Squeeze", "Concat", "Tile", "Slice", "Transpose", "Gather", "Identity", "Trilu",
         "Min", "Max", "Clip", "Flatten",
     }),
-    mask_carry_ops={
+    carry_ops={
         "Reshape": (0,), "Transpose": (0,), "Squeeze": (0,), "Unsqueeze": (0,), "Expand": (0,),
         "Slice": (0,), "Gather": (0,), "Tile": (0,), "Identity": (0,), "Flatten": (0,),
         "Split": (0,), "Cast": (0,), "Where": (1, 2), "Concat": tuple(range(64)),
@@ -89,4 +89,7 @@ ONNX_RULES = FormatRules(
     saturate_pair=("Max", "Min"),
     rescale_ops={"abs": "Abs", "reduce_max": "ReduceMax", "clip": "Clip", "div": "Div",
                  "mul": "Mul"},
+    periodic_ops=frozenset({"Cos", "Sin"}),
+    # Mod without fmod: the remainder takes the divisor's sign (integers only).
+    integer_ops={"mul": "Mul", "add": "Add", "sub": "Sub", "mod": "Mod", "div": "Div"},
 )

@@ -229,7 +229,7 @@ def _sum_step(node: Node, kind: str, sum_slots: list[int], mask_slots: list[int]
         if kind == "div" and slot == 0 and not mask_slots and others == [1] \
                 and _positive_constant(node.inputs[1]):
             return "region"
-    carry = rules.mask_carry_ops.get(node.op_type)
+    carry = rules.carry_ops.get(node.op_type)
     if carry is not None and all(s in carry for s in sum_slots + mask_slots):
         return "region"  # data movement and selection
     return (f"refused: the masked sum reaches {node.name} ({node.op_type}), which is not a "
@@ -242,7 +242,7 @@ def _selection_only(mask: _Mask, ctx: PassContext) -> list[Node]:
     precision, the constant entering them as -inf through a runtime cast, since no arithmetic
     sees the -inf before the saturated sum. Arithmetic (Mul, Sub, Add of masks) and constant
     fills stay fp32: (1 - m) * -inf would be NaN where m is 1."""
-    carry = ctx.rules.mask_carry_ops
+    carry = ctx.rules.carry_ops
     joins = {id(n) for n in mask.joins + mask.region + mask.sinks}
     fills = {id(n) for n in mask.construction if not any(v is not None for v in n.inputs)
              or n.op_type in ctx.rules.constant_fill_attrs}

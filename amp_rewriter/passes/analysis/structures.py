@@ -9,6 +9,9 @@
   one of the per-row scale out of them. Where the backend has the kernels, it plans
   (`RescalePlan`) the mean square in fp16 on the row divided by 2^-7 of its largest |x|, which
   `rescale_rms_statistics` builds after the painting: only one value per row stays fp32.
+- `recognize_rotary_angles`: a rotary embedding's angle (integer positions times constant
+  frequencies, read only by Cos and Sin) runs in fp16, reduced modulo 2*pi in integers by
+  `reduce_rotary_angles` after the painting, where an fp16 product would be off by radians.
 - `keep_index_math_fp32`: float arithmetic that computes a shape, length or index (from integers
   and constants, feeding a Cast to an integer, a comparison, Floor/Ceil or a shape input) stays
   fp32: fp16 holds integers exactly only up to 2048.
@@ -39,7 +42,14 @@ from ...ir import (
     short_name,
 )
 from ...ir.dtypes import FINITE_MAX, SMALLEST_NORMAL
-from ..base import FormatRules, PassContext, RescalePlan, StructureRecord, register_pass
+from ..base import (
+    FormatRules,
+    PassContext,
+    RescalePlan,
+    RotaryPlan,
+    StructureRecord,
+    register_pass,
+)
 from .classify import set_class
 
 # -- tanh-GELU's cube -------------------------------------------------------------------------
@@ -319,6 +329,106 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
         ctx.structures.append(record)
         if rescaled and parts is not None:
             ctx.rescales.append(RescalePlan(x, parts[0], parts[1], record))
+        found += 1
+    return found, []
+
+
+# -- rotary angles ----------------------------------------------------------------------------
+
+#: Integer dtypes of the positions a rotary angle's reduction reads (int32 widened first).
+_POSITION_DTYPES = frozenset({"int64", "int32"})
+
+
+def _periodic_readers(angle: Value, rules: FormatRules) -> list[Node] | None:
+    """The nodes that read `angle`: periodic ops (Cos, Sin) and the ops carrying it to them with
+    its values unchanged or only selected (`rules.carry_ops`, float outputs); None when anything
+    else reads it or what they carry (another op or slot, a graph output, a nested graph)."""
+    readers: list[Node] = []
+    seen: set[int] = set()
+    stack = [angle]
+    while stack:
+        value = stack.pop()
+        if value.graph_output_uses:
+            return None
+        for node, slot in value.uses:
+            if node.graph is not angle.graph:
+                return None
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            readers.append(node)
+            if node.op_type in rules.periodic_ops:
+                continue
+            carried = [v for v in node.outputs if v is not None]
+            if slot not in rules.carry_ops.get(node.op_type, ()) \
+                    or not all(_is_float(v) for v in carried):
+                return None
+            stack.extend(carried)
+    return readers if any(n.op_type in rules.periodic_ops for n in readers) else None
+
+
+def rotary_angle(node: Node, rules: FormatRules) -> tuple[Value, Value, list[Node]] | None:
+    """(integer positions, frequencies, readers) when `node` is a rotary embedding's angle:
+    integer positions cast to fp32 times constant frequencies (finite, none above 1 in
+    magnitude, not all zero), read only by Cos and Sin (`_periodic_readers`)."""
+    if rules.role(node.op_type) != "mul" or len(node.inputs) != 2 or len(node.outputs) != 1 \
+            or node.outputs[0] is None or node.outputs[0].original_dtype != FLOAT32:
+        return None
+    for slot in (0, 1):
+        floats, frequencies = node.inputs[slot], node.inputs[1 - slot]
+        values = _constant(frequencies)
+        if values is None or frequencies is None or frequencies.dtype != FLOAT32 \
+                or floats is None or floats.dtype != FLOAT32 or floats.producer is None:
+            continue
+        cast = floats.producer
+        positions = cast.inputs[0] if cast.inputs else None
+        if rules.role(cast.op_type) != "cast" or positions is None \
+                or positions.dtype not in _POSITION_DTYPES:
+            continue
+        largest = float(np.max(np.abs(values))) if values.size else 0.0
+        if not np.all(np.isfinite(values)) or not 0.0 < largest <= 1.0:
+            continue
+        readers = _periodic_readers(node.outputs[0], rules)
+        return (positions, frequencies, readers) if readers is not None else None
+    return None
+
+
+@register_pass("recognize_rotary_angles")
+def recognize_rotary_angles(ctx: PassContext) -> tuple[int, list[str]]:
+    """Run a rotary embedding's angle, and the Cos and Sin reading it, in fp16 without its
+    rounding error: the product of positions and frequencies becomes an allow op, and
+    `reduce_rotary_angles` computes it modulo 2*pi in int64 once the painting has put it in fp16
+    (to within 2^-10 rad at any position below 2^24). Painted as an ordinary product, an fp16
+    angle is off by up to 1 rad at position 2048; kept fp32, it leaves fp32 tensors and casts.
+    Only for fp16 (a bf16 angle in [-pi, pi) would be off by 2^-7 rad: those stay as painted)
+    and where the backend runs the periodic ops in it."""
+    rules = ctx.rules
+    if ctx.target_dtype != FLOAT16 or not rules.integer_ops or not rules.periodic_ops:
+        return 0, []
+    found = 0
+    for node in list(ctx.model.graph.nodes):
+        ctx.focus = node
+        match = rotary_angle(node, rules)
+        if match is None:
+            continue
+        positions, frequencies, readers = match
+        members = [node, *readers]
+        if any(m.pin_reason or m.class_kind == decisions.USER_OVERRIDE
+               or id(m) in ctx.user_rule_nodes for m in members):
+            continue
+        periodic = [m for m in readers if m.op_type in rules.periodic_ops]
+        if not all(m.op_class in (ALLOW, INFER) and any(g.paintable for g in m.float_groups())
+                   for m in periodic):
+            continue  # the backend keeps Cos/Sin fp32: the angle is left as it is
+        why = (f"rotary angle (integer positions {short_name(positions.dtype)} x constant "
+               f"frequencies, read only by {', '.join(sorted({m.op_type for m in periodic}))}): "
+               f"reduced modulo 2*pi in int64 and run in fp16 within [-pi, pi), off by at most "
+               f"2^-10 rad for positions below 2^24 (an fp16 product is off by up to 1 rad at "
+               f"position 2048)")
+        set_class(ctx, node, ALLOW, why, decisions.STRUCTURE)
+        record = StructureRecord("rotary_angle", [m.name for m in (node, *periodic)], why)
+        ctx.structures.append(record)
+        ctx.rotaries.append(RotaryPlan(positions, node, frequencies, record))
         found += 1
     return found, []
 

@@ -14,10 +14,16 @@ from ...ir.dtypes import NUMPY_DTYPES
 
 def scalar_constant(model: Model, graph: Graph, base_name: str, value: float,
                     dtype: str) -> Value:
-    """A new scalar initializer of `dtype` in `graph`."""
-    data = np.asarray(value, dtype=NUMPY_DTYPES[dtype])
-    constant = Value(model.unique_name(base_name), graph, dtype, ())
-    constant.const = LazyTensor(dtype, (), lambda: data)
+    """A new scalar initializer of `dtype` (a float dtype) in `graph`."""
+    return array_constant(model, graph, base_name, np.asarray(value, dtype=NUMPY_DTYPES[dtype]))
+
+
+def array_constant(model: Model, graph: Graph, base_name: str, data: np.ndarray) -> Value:
+    """A new initializer in `graph` holding `data`, typed by its numpy dtype's name (float16,
+    int64, ...: the IR's dtype names)."""
+    dtype = data.dtype.name
+    constant = Value(model.unique_name(base_name), graph, dtype, tuple(data.shape))
+    constant.const = LazyTensor(dtype, tuple(data.shape), lambda: data)
     graph.add_initializer(constant)
     return constant
 

@@ -1,0 +1,184 @@
+"""Reduce a rotary embedding's angle modulo 2*pi in integers (`RotaryPlan`).
+
+A rotary embedding rotates by angles p * f: integer positions p times constant frequencies f
+(|f| <= 1), read only by Cos and Sin. Converted as an ordinary product, the angle is off by whole
+radians once p * f passes 2048 (fp16's spacing there is 2); kept fp32, it leaves fp32 tensors
+and casts in every decoder. Once the painting has put the product in fp16, this pass replaces
+
+    Cast(p -> fp32) -> Mul(f)                               the angle, unbounded
+
+by the same angle reduced into [-pi, pi) in int64, where it is exact, and only then rounded:
+
+    F = round(f * 2^K), P = round(2*pi * 2^K), H = floor(P / 2)            K = 38
+    r = Mod(p * F + H, P) - H                      int64: (p * f reduced modulo 2*pi) * 2^K
+    angle = Cast16(Div(r, 2^(K - 14))) * 2^-14     fp16, in [-pi, pi]
+
+Why it is within 2^-10 rad of p * f modulo 2*pi for |p| < 2^24 (where fp32 itself stops holding
+integers exactly): |F| <= 2^38, so |p * F| < 2^62 and adding H < 2^41 stays inside int64. F is
+within 2^-39 * 2^K of f * 2^K, so p * F is within 2^-15 rad of p * f. P is within 2^-39 rad of
+2*pi per period, and at most 2^22 periods are taken away: 2^-17 rad. Mod with a positive divisor
+gives a remainder in [0, P) for either sign of p, so r lies in [-H, H]; the integer quotient by
+2^24 is off by less than one unit, 2^-14 rad, and its magnitude is at most 51472, which fp16
+holds finitely, rounded to 11 significant bits: at most 2^4 units, 2^-10 rad (2^-11 for angles
+below 2). The scaling by 2^-14 is exact (powers of two of normal fp16 numbers). Cos and Sin are
+1-Lipschitz, so their fp16 results differ from fp32's by at most the sum, about 1.1e-3, plus
+their own rounding, at every position; an fp16 product's error grows with the position.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...ir import FLOAT16, Graph, Node, Value, decisions, present
+from ..base import PassContext, RotaryPlan, register_pass
+from .building import array_constant, new_node, remove_everywhere
+from .insert_casts import CAST
+
+#: The class the report gives the nodes this pass builds.
+ROTARY_CLASS = "rotary"
+#: Fraction bits of the angle in int64: |f| <= 1 and |p| < 2^24 keep p * F below 2^62.
+FIXED_POINT_BITS = 38
+#: Fraction bits of the integer fp16 is given: pi * 2^14 < 65504.
+LOW_BITS = 14
+INT64 = "int64"
+
+
+def fixed_point(frequencies: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """(F, P, H) for `frequencies`: F = round(f * 2^K), P = round(2*pi * 2^K), H = P // 2."""
+    scale = float(2**FIXED_POINT_BITS)
+    fixed = np.round(np.asarray(frequencies, dtype=np.float64) * scale).astype(np.int64)
+    period = int(round(2.0 * math.pi * scale))
+    return fixed, period, period // 2
+
+
+class _Builder:
+    """Makes the new nodes of one plan, in order, in the product's graph."""
+
+    def __init__(self, ctx: PassContext, plan: RotaryPlan, graph: Graph):
+        self.ctx, self.plan, self.graph = ctx, plan, graph
+        self.nodes: list[Node] = []
+
+    def node(self, op: str, inputs: list[Value], dtype: str, attrs: dict | None = None) -> Value:
+        """One new node reading `inputs`, with one output of `dtype` and the angle's shape."""
+        product = self.plan.product
+        shape = present(product.outputs[0]).shape
+        node = new_node(self.ctx.model, self.graph, f"{product.name}/reduced_{op.lower()}", op,
+                        list(inputs), None, dtype, shape, op_class=ROTARY_CLASS,
+                        reason=self.plan.record.detail, kind=decisions.STRUCTURE,
+                        order=product.order, attrs=attrs)
+        self.nodes.append(node)
+        return present(node.outputs[0])
+
+    def constant(self, label: str, data: np.ndarray) -> Value:
+        return array_constant(self.ctx.model, self.graph,
+                              f"{self.plan.product.name}/reduced_{label}", data)
+
+
+def _casts_back(value: Value | None, source: Value) -> list[Node] | None:
+    """The chain of casts from `source` to `value` (the model's own cast of the positions, and
+    any the painting retargeted or added), nearest first; None when `value` is not one."""
+    casts: list[Node] = []
+    while value is not source:
+        cast = value.producer if value is not None else None
+        if cast is None or cast.op_type != CAST or not cast.inputs:
+            return None
+        casts.append(cast)
+        value = cast.inputs[0]
+    return casts
+
+
+def _applies(plan: RotaryPlan) -> int | None:
+    """The product's positions slot, when the painting left the plan's shape: the product in
+    fp16, reading the positions through casts alone."""
+    product = plan.product
+    angle = product.outputs[0] if product.outputs and product.graph is not None else None
+    if angle is None or angle.dtype != FLOAT16 or len(product.inputs) != 2:
+        return None
+    for slot in (0, 1):
+        if _casts_back(product.inputs[slot], plan.positions):
+            return slot
+    return None
+
+
+def _dropped_sources(value: Value | None) -> list[Node]:
+    """Nodes left computing only `value` once its reader is gone: casts of it back to where it
+    was first made, and the constant node that made it; an initializer nothing reads goes."""
+    doomed: list[Node] = []
+    while value is not None and not value.is_used and not value.graph_output_uses:
+        producer = value.producer
+        if producer is None:
+            if value.const is not None and value.graph is not None \
+                    and value.name in value.graph.initializers:
+                value.graph.remove_initializer(value)
+            break
+        if producer.op_type != CAST and producer.inputs:
+            break
+        doomed.append(producer)
+        source = producer.inputs[0] if producer.inputs else None
+        producer.detach_inputs()
+        value = source
+    return doomed
+
+
+def _reduce(ctx: PassContext, plan: RotaryPlan, slot: int, doomed: list[Node],
+            inserts: dict[int, tuple[Graph, dict[int, list[Node]]]]) -> None:
+    """Build the reduced angle of one plan: the new nodes go to `inserts` (graph -> product ->
+    nodes to put before it), the nodes they replace to `doomed`."""
+    product, ops = plan.product, ctx.rules.integer_ops
+    assert product.graph is not None and plan.frequencies.const is not None
+    build = _Builder(ctx, plan, product.graph)
+    frequencies = np.asarray(plan.frequencies.const.numpy(), dtype=np.float64)
+    fixed, period, half = fixed_point(frequencies)
+    positions = plan.positions
+    if positions.dtype != INT64:
+        positions = build.node(CAST, [positions], INT64, {"to": INT64})
+
+    def integer(label: str, value: int) -> Value:
+        return build.constant(label, np.asarray(value, dtype=np.int64))
+
+    scaled = build.node(ops["mul"], [positions, build.constant("frequencies", fixed)], INT64)
+    shifted = build.node(ops["add"], [scaled, integer("half_period", half)], INT64)
+    wrapped = build.node(ops["mod"], [shifted, integer("period", period)], INT64)
+    centered = build.node(ops["sub"], [wrapped, integer("half_period", half)], INT64)
+    steps = build.node(ops["div"], [centered, integer("step", 2 ** (FIXED_POINT_BITS - LOW_BITS))],
+                       INT64)
+    low = build.node(CAST, [steps], FLOAT16, {"to": FLOAT16})
+    angle = build.node(ops["mul"], [low, build.constant(
+        "scale", np.asarray(2.0**-LOW_BITS, dtype=np.float16))], FLOAT16)
+    replaced = (f"replaced by the angle reduced modulo 2*pi in int64 "
+                f"({', '.join(n.name for n in build.nodes)})")
+    floats = product.inputs[slot]
+    for node in (product, *(_casts_back(floats, plan.positions) or [])):
+        for group in node.float_groups():  # for the report: these nodes go from the graph
+            group.decide(FLOAT16, decisions.STRUCTURE, replaced)
+    present(product.outputs[0]).replace_all_uses_with(angle)
+    inserts.setdefault(id(product.graph), (product.graph, {}))[1][id(product)] = build.nodes
+    former = list(product.inputs)
+    product.detach_inputs()
+    doomed.append(product)
+    for value in former:
+        doomed.extend(_dropped_sources(value))
+    plan.record.added.extend(n.name for n in build.nodes)
+
+
+@register_pass("reduce_rotary_angles")
+def reduce_rotary_angles(ctx: PassContext) -> tuple[int, list[str]]:
+    """Compute each planned rotary angle modulo 2*pi in int64 and round it to fp16 only then
+    (see the module's docstring): no fp32 tensor, and no error that grows with the position."""
+    done = 0
+    doomed: list[Node] = []
+    inserts: dict[int, tuple[Graph, dict[int, list[Node]]]] = {}
+    for plan in ctx.rotaries:
+        ctx.focus = plan.product
+        slot = _applies(plan)
+        if slot is None:
+            continue
+        _reduce(ctx, plan, slot, doomed, inserts)
+        done += 1
+    ctx.focus = None
+    for graph, before in inserts.values():
+        graph.insert_nodes(before=before)
+    remove_everywhere(ctx.model, doomed)
+    return done, []
