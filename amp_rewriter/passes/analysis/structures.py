@@ -376,14 +376,15 @@ def rotary_angle(node: Node, rules: FormatRules) -> tuple[Value, Value, list[Nod
         return None
     for slot in (0, 1):
         floats, frequencies = node.inputs[slot], node.inputs[1 - slot]
-        values = _constant(frequencies)
-        if values is None or frequencies is None or frequencies.dtype != FLOAT32 \
-                or floats is None or floats.dtype != FLOAT32 or floats.producer is None:
+        cast = floats.producer if floats is not None else None
+        positions = cast.inputs[0] if cast is not None and cast.inputs else None
+        if cast is None or rules.role(cast.op_type) != "cast" or positions is None \
+                or positions.dtype not in _POSITION_DTYPES or floats is None \
+                or floats.dtype != FLOAT32 or frequencies is None \
+                or frequencies.dtype != FLOAT32:
             continue
-        cast = floats.producer
-        positions = cast.inputs[0] if cast.inputs else None
-        if rules.role(cast.op_type) != "cast" or positions is None \
-                or positions.dtype not in _POSITION_DTYPES:
+        values = _constant(frequencies)  # read last: most products are not rotary angles
+        if values is None:
             continue
         largest = float(np.max(np.abs(values))) if values.size else 0.0
         if not np.all(np.isfinite(values)) or not 0.0 < largest <= 1.0:
