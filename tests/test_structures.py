@@ -308,7 +308,9 @@ def test_rms_norm_runs_its_mean_square_fp16_on_the_rescaled_row(form, opset):
     converted, report = convert(model)
     decided = precisions(report)
     assert decided["residual"] == decided["gamma_mul"] == decided["proj"] == "fp16", decided
-    assert decided["root"] == decided["add_eps"] == "fp32", decided
+    # x * 1/sqrt(.): the inverse root is rebuilt in fp16 too; x / sqrt(.) keeps it fp32.
+    whole = form != "div"
+    assert decided["root"] == decided["add_eps"] == ("fp16" if whole else "fp32"), decided
     assert decided["scale"] == "fp16", decided
     assert [s["rule"] for s in report.structures] == ["rms_norm"]
     record = report.structures[0]
@@ -318,10 +320,18 @@ def test_rms_norm_runs_its_mean_square_fp16_on_the_rescaled_row(form, opset):
     assert "scaling step of an RMS norm" in report.node("scale")["class_reason"]
     ops = [n.op_type for n in converted.graph.node]
     assert "Pow" not in ops and ops.count("ReduceMax") == 1 and ops.count("ReduceMean") == 1
-    # No fp32 copy of the row: the statistics are fp32 on one value per row only.
+    # No fp32 copy of the row: the statistics are fp32 on one value per row only, or not at all.
     assert _fp32_tensors_of_row_shape(converted) == []
-    # The graph's input and output, the scaled mean and the row's scale up, the inverse down.
-    assert count_casts(converted) == 5
+    if whole:
+        assert "replaced by the rescaled mean square" in report.node("add_eps")["reason"]
+        assert "no fp32 tensor" in record["detail"]
+        inferred = onnx.shape_inference.infer_shapes(converted)
+        assert not [v.name for v in inferred.graph.value_info
+                    if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT]
+        assert {n.op_type for n in converted.graph.node} >= {"Sqrt", "Reciprocal"}
+    # The graph's input and output (and, with an fp32 inverse root: the scaled mean and the
+    # row's scale up, the inverse down).
+    assert count_casts(converted) == (2 if whole else 5)
     x = _rms_rows()
     expected = run(model, {"x": x})[0]
     for actual in (run_as_fp16(converted, {"x": x})[0], run(converted, {"x": x})[0]):
@@ -587,3 +597,23 @@ def test_rotary_angle_stays_as_before_for_bf16_and_for_kept_readers(options):
     assert all(s["rule"] != "rotary_angle" for s in report.structures)
     assert "Mod" not in {n.op_type for n in converted.graph.node}
     assert precisions(report)["angle"] == "fp32"
+
+
+def test_rms_norm_inverse_root_in_fp16_keeps_tiny_rows():
+    """Rows below sqrt(eps) (where eps, not the mean square, sets the scale, 1/sqrt(eps) = 1000
+    here; fp16 normal numbers, so that x itself is exact enough) and a row near fp16's largest
+    values: the inverse root rebuilt in fp16 follows fp32 on each (the floor on s keeps
+    (sqrt(eps)/s)^2 finite: without it these rows come out 0)."""
+    model = rms_norm_block("reciprocal")
+    converted, _ = convert(model)
+    x = np.zeros((2, 3, 8), np.float32)
+    x[0, 0] = np.linspace(-1e-4, 1e-4, 8)
+    x[0, 1] = np.linspace(1e-4, 4e-4, 8)
+    x[0, 2] = [3e-4, -2e-4, 0, 0, 0, 0, 0, 1e-4]
+    x[1, 0] = np.linspace(-4e-4, 5e-4, 8)
+    x[1, 1] = np.linspace(-60000, 60000, 8)
+    x[1, 2] = [1e-3, 0, 0, 0, 0, 0, 0, 0]
+    expected = run(model, {"x": x})[0]
+    for actual in (run_as_fp16(converted, {"x": x})[0], run(converted, {"x": x})[0]):
+        assert np.isfinite(actual).all()
+        assert_close_per_row(actual, expected, 3e-3)

@@ -54,8 +54,8 @@ class FormatRules:
         backend has no low-precision kernel for `saturate_op`.
     rescale_ops: role -> op name for the ops the RMS norm's rescaled mean square is built with
         ("abs", "reduce_max" (the same signature as the norm's mean), "clip" (bounds as inputs),
-        "div", "mul"; casts are the IR's own); empty: the format keeps an RMS norm's mean
-        square fp32.
+        "div", "mul", and for the inverse root in low precision "add", "sqrt", "reciprocal";
+        casts are the IR's own); empty: the format keeps an RMS norm's mean square fp32.
     periodic_ops: ops periodic in their input with period 2*pi (Cos, Sin): an angle read only by
         them may be reduced modulo 2*pi.
     integer_ops: role -> op name for the int64 arithmetic a rotary angle is reduced with
@@ -147,6 +147,12 @@ class RescalePlan:
     square: Node
     mean: Node
     record: StructureRecord
+    eps: float = 0.0
+    #: The scaling step and the nodes from the mean to the inverse root it reads (+eps, root,
+    #: inverse; nearest the step first) when the whole statistic runs in low precision; empty:
+    #: +eps, root and inverse stay fp32 on one value per row.
+    step: Node | None = None
+    after_mean: list[Node] = field(default_factory=list)
 
 
 @dataclass

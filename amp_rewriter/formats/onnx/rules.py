@@ -88,7 +88,7 @@ ONNX_RULES = FormatRules(
     saturate_op="Clip",
     saturate_pair=("Max", "Min"),
     rescale_ops={"abs": "Abs", "reduce_max": "ReduceMax", "clip": "Clip", "div": "Div",
-                 "mul": "Mul"},
+                 "mul": "Mul", "add": "Add", "sqrt": "Sqrt", "reciprocal": "Reciprocal"},
     periodic_ops=frozenset({"Cos", "Sin"}),
     # Mod without fmod: the remainder takes the divisor's sign (integers only).
     integer_ops={"mul": "Mul", "add": "Add", "sub": "Sub", "mod": "Mod", "div": "Div"},

@@ -230,10 +230,18 @@ def scaling_fits(eps: float, dtype: str) -> bool:
     return root >= SMALLEST_NORMAL[dtype] and 1.0 / root <= FINITE_MAX[dtype]
 
 
-def _rms_norm_reasons(eps: float, dtype: str, rescaled: bool) -> tuple[str, str | None]:
+def _rms_norm_reasons(eps: float, dtype: str, rescaled: bool,
+                      whole: bool = False) -> tuple[str, str | None]:
     """Why the statistics stay fp32, and why the scaling step runs low (None: it stays fp32).
-    `rescaled`: whether the mean square runs in low precision on a rescaled row."""
-    if rescaled:
+    `rescaled`: whether the mean square runs in low precision on a rescaled row; `whole`:
+    the inverse root too (see rescale_rms)."""
+    if rescaled and whole and scaling_fits(eps, dtype):
+        statistics = (f"the statistics of an RMS norm (eps {eps:g}) run in {short_name(dtype)} "
+                      f"on the row divided by 2^-7 of its largest |x| (s; at least "
+                      f"8*sqrt(eps)): 1/sqrt(mean(x^2) + eps) = 1/s * 1/sqrt(mean((x/s)^2) + "
+                      f"(sqrt(eps)/s)^2), every term below 18800 and the mean accumulated in "
+                      f"fp32 by the reduction, so no fp32 tensor is left")
+    elif rescaled:
         statistics = (f"the statistics of an RMS norm (eps {eps:g}) stay fp32 on one value per "
                       f"row (+eps, root, inverse); the mean square runs in "
                       f"{short_name(dtype)} on the row divided by 2^-7 of its largest |x| "
@@ -261,6 +269,35 @@ def _square_and_mean(members: list[Node], rules: FormatRules) -> tuple[Node, Nod
             if square is not None and any(square is m for m in members):
                 return square, mean
     return None
+
+
+def _chain_to_mean(step: Node, x: Value, mean: Node, rules: FormatRules) -> list[Node] | None:
+    """The nodes between the mean and a scaling step x * 1/sqrt(mean + eps) (the inverse, the
+    root when separate, +eps; nearest the step first) when each is read only by the next and
+    the mean only by +eps: the statistic is then a chain that can be rebuilt as a whole."""
+    if rules.role(step.op_type) != "mul" or len(step.inputs) != 2:
+        return None
+    value = step.inputs[1] if step.inputs[0] is x else step.inputs[0]
+    chain: list[Node] = []
+    averaged = mean.outputs[0] if mean.outputs else None
+    while value is not averaged:
+        node = value.producer if value is not None else None
+        if node is None or value is None or len(value.uses) != 1 or value.graph_output_uses \
+                or len(chain) == 3 or not node.inputs:
+            return None
+        role = rules.role(node.op_type)
+        if role == "add":
+            value = next((v for v in node.inputs if _scalar(v) is None), None)
+        elif role == "div":
+            value = node.inputs[1] if len(node.inputs) == 2 else None
+        elif role in ("reciprocal", "sqrt", "rsqrt"):
+            value = node.inputs[0]
+        else:
+            return None
+        chain.append(node)
+    if averaged is None or len(averaged.uses) != 1 or averaged.graph_output_uses:
+        return None
+    return chain
 
 
 def can_rescale(ctx: PassContext, mean: Node) -> bool:
@@ -312,7 +349,10 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
             continue
         parts = _square_and_mean(members, ctx.rules)
         rescaled = parts is not None and can_rescale(ctx, parts[1])
-        why, scaling_why = _rms_norm_reasons(eps, ctx.target_dtype, rescaled)
+        chain = _chain_to_mean(node, x, parts[1], ctx.rules) if rescaled and parts else None
+        why, scaling_why = _rms_norm_reasons(eps, ctx.target_dtype, rescaled, chain is not None)
+        if scaling_why is None:
+            chain = None  # the step stays fp32: it reads the fp32 inverse as before
         for member in members:
             if member is node and scaling_why is not None:
                 low_class = member.op_class if member.op_class in (ALLOW, INFER) else INFER
@@ -328,7 +368,8 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
                                  why if scaling_why is None else f"{why}; {scaling_why}")
         ctx.structures.append(record)
         if rescaled and parts is not None:
-            ctx.rescales.append(RescalePlan(x, parts[0], parts[1], record))
+            ctx.rescales.append(RescalePlan(x, parts[0], parts[1], record, eps,
+                                            node if chain else None, chain or []))
         found += 1
     return found, []
 

@@ -21,9 +21,24 @@ in fp32 (ORT's CUDA and CPU reductions do) and rounds once. A row of only subnor
 (max|x| < 2^-14) has a mean square below 2^-28, under any eps it is added to. An all-zero row
 gives 0 / s = 0, as fp32 does; an infinite element gives an infinite mean square, so, as in
 fp32, the finite elements scale to 0 and the infinite one to NaN (the clip keeps s finite).
+
+Where the norm's step multiplies x by 1/sqrt(mean(x^2) + eps), each of +eps, root and inverse
+read only by the next (`RescalePlan.after_mean`), the inverse root runs in fp16 too:
+
+    1/sqrt(mean(x^2) + eps) = 1/s * 1/sqrt(mean(y^2) + (sqrt(eps)/s)^2)
+
+with the clipped max|x| at least 8 sqrt(eps), so that s >= sqrt(eps)/16 and (sqrt(eps)/s)^2 <=
+2^8: the sum stays below 18500 + 256, its root is at least min(sqrt(mean(y^2)), 16), which is a
+normal number (the mean is above 14000/n where the floor does not bind, and where it binds the
+sum is at least 256), and the result lies within [1/(1.07 max|x|), 1/sqrt(eps)], the scaling
+step's own range (see `scaling_fits`). Each of the six steps rounds once, so the inverse is
+within about 3 * 2^-11 (relative) of fp32's. Squares that underflow where the floor binds lose
+less than 2^-25 each against a sum of at least 256. No fp32 tensor and no cast are left.
 """
 
 from __future__ import annotations
+
+import math
 
 from ...ir import FLOAT32, LOW_PRECISION_DTYPES, Graph, Node, Value, decisions, present, short_name
 from ...ir.dtypes import FINITE_MAX, SMALLEST_NORMAL
@@ -37,6 +52,9 @@ RESCALE_CLASS = "rescale"
 #: The scaled row's largest |y| (see above): its square, 2^14, keeps the mean of a long row a
 #: normal fp16 number and stays far from fp16's 65504.
 HEADROOM = 2.0**7
+#: With the inverse root in low precision, the clipped max|x| is at least this many sqrt(eps):
+#: s >= sqrt(eps) / 16 then, and (sqrt(eps) / s)^2 <= 2^8.
+INVERSE_FLOOR = 8.0
 
 
 class _Builder:
@@ -68,6 +86,29 @@ def _cast_source(value: Value | None, x: Value) -> Node | None:
     if cast is None or cast.op_type != CAST or not cast.inputs or cast.inputs[0] is not x:
         return None
     return cast
+
+
+def _low_inverse_readers(plan: RescalePlan) -> list[Value] | None:
+    """Where the scaling step reads the inverse root in low precision (the inverse's value, or
+    the painting's casts of it), when the plan rebuilds the whole statistic and the painting
+    left the chain as planned; None otherwise."""
+    step, chain = plan.step, plan.after_mean
+    if step is None or not chain or step.graph is None:
+        return None
+    inverse = chain[0].outputs[0] if chain[0].outputs else None
+    if inverse is None:
+        return None
+    readers: list[Value] = []
+    for value in step.inputs:
+        if value is None:
+            continue
+        cast = value.producer
+        if value is inverse or (cast is not None and cast.op_type == CAST
+                                and cast.inputs[:1] == [inverse]):
+            readers.append(value)
+    if not readers or any(v.dtype not in LOW_PRECISION_DTYPES for v in readers):
+        return None
+    return readers
 
 
 def _applies(plan: RescalePlan) -> list[Node] | None:
@@ -105,25 +146,59 @@ def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], doomed: lis
     def widen(value: Value) -> Value:
         return build.node(CAST, [value], FLOAT32, row, {"to": FLOAT32})
 
+    inverse_readers = _low_inverse_readers(plan)
+    floor = SMALLEST_NORMAL[low]
+    if inverse_readers is not None:  # (sqrt(eps) / s)^2 <= 2^8 needs s >= sqrt(eps) / 16
+        floor = max(floor, INVERSE_FLOOR * math.sqrt(plan.eps))
     magnitude = build.node(ops["abs"], [x], low, x.shape)
     largest = build.node(ops["reduce_max"], [magnitude, *axes_inputs], low, row, reduce_attrs)
-    bounded = build.node(ops["clip"], [largest, build.constant("floor", SMALLEST_NORMAL[low], low),
+    bounded = build.node(ops["clip"], [largest, build.constant("floor", floor, low),
                                        build.constant("ceiling", FINITE_MAX[low], low)], low, row)
     scale = build.node(ops["mul"], [bounded, build.constant("step", 1.0 / HEADROOM, low)], low,
                        row)
     scaled = build.node(ops["div"], [x, scale], low, x.shape)
     squares = build.node(ops["mul"], [scaled, scaled], low, x.shape)
     scaled_mean = build.node(mean.op_type, [squares, *axes_inputs], low, row, reduce_attrs)
-    wide_scale = widen(scale)
-    scale_squared = build.node(ops["mul"], [wide_scale, wide_scale], FLOAT32, row)
-    result = build.node(ops["mul"], [widen(scaled_mean), scale_squared], FLOAT32, row)
+    replaced_nodes = [plan.square, mean]
+    if inverse_readers is not None:
+        shift = build.node(ops["div"], [build.constant("root_eps", math.sqrt(plan.eps), low),
+                                        scale], low, row)
+        shifted = build.node(ops["add"], [scaled_mean, build.node(ops["mul"], [shift, shift],
+                                                                   low, row)], low, row)
+        inverse = build.node(ops["reciprocal"], [build.node(ops["sqrt"], [shifted], low, row)],
+                             low, row)
+        result = build.node(ops["div"], [inverse, scale], low, row)
+        how = f"{short_name(low)} throughout: no fp32 tensor"
+        replaced_nodes += plan.after_mean
+        for reader in inverse_readers:
+            reader.replace_all_uses_with(result)
+        former = [v for node in plan.after_mean for v in node.inputs]
+        for reader in inverse_readers:
+            if reader.producer is not None and reader.producer.op_type == CAST:
+                reader.producer.detach_inputs()
+                doomed.append(reader.producer)
+        for node in plan.after_mean:
+            node.detach_inputs()
+        doomed.extend(plan.after_mean)
+        for value in former:  # eps, and the 1 of a 1 / root, when nothing else reads them
+            if value is None or value.const is None or value.is_used:
+                continue
+            if value.producer is not None and not value.producer.inputs:
+                doomed.append(value.producer)
+            elif value.producer is None and value.graph is not None \
+                    and value.graph.initializers.get(value.name) is value:
+                value.graph.remove_initializer(value)
+    else:
+        wide_scale = widen(scale)
+        scale_squared = build.node(ops["mul"], [wide_scale, wide_scale], FLOAT32, row)
+        result = build.node(ops["mul"], [widen(scaled_mean), scale_squared], FLOAT32, row)
+        how = "fp32 on one value per row"
+        averaged.replace_all_uses_with(result)
     replaced = (f"replaced by the rescaled mean square ({', '.join(n.name for n in build.nodes)}):"
-                f" {short_name(low)} on the row divided by 2^-7 of its largest |x|, fp32 on one "
-                f"value per row")
-    for node in (plan.square, mean):
+                f" {short_name(low)} on the row divided by 2^-7 of its largest |x|, {how}")
+    for node in replaced_nodes:
         for group in node.float_groups():  # for the report: the node is gone from the graph
             group.decide(low, decisions.STRUCTURE, replaced)
-    averaged.replace_all_uses_with(result)
     inserts.setdefault(id(mean.graph), (mean.graph, {}))[1][id(mean)] = build.nodes
     square_inputs = [v for v in plan.square.inputs if v is not None]
     mean.detach_inputs()
