@@ -1,5 +1,7 @@
 """What rewrite passes build the graph with: nodes and scalar constants they add, with their
-dtypes fixed (the painting is over) and no type groups, and nodes they drop from any graph."""
+dtypes fixed (the painting is over) and no type groups, and nodes they drop from any graph.
+`PlanBuilder` and `GraphEdits` serve the passes that replace a recognised structure (an RMS
+norm's statistics, a rotary angle) by nodes of their own."""
 
 from __future__ import annotations
 
@@ -8,8 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from ...ir import Graph, LazyTensor, Model, Node, Value
+from ...ir import Graph, LazyTensor, Model, Node, Value, decisions, present
 from ...ir.dtypes import NUMPY_DTYPES
+
+#: The IR's cast op: every loader reads its format's cast as this, every emitter writes it back.
+CAST = "Cast"
 
 
 def scalar_constant(model: Model, graph: Graph, base_name: str, value: float,
@@ -60,3 +65,70 @@ def remove_everywhere(model: Model, doomed: Iterable[Node]) -> int:
         return 0
     return sum(graph.remove_nodes(by_graph[id(graph)]) for graph in model.graph.walk_graphs()
                if id(graph) in by_graph)
+
+
+class PlanBuilder:
+    """Makes the new nodes of one planned rewrite, in order, in `anchor`'s graph: named after
+    `anchor` (the node they are placed before), with the plan's class and reason."""
+
+    def __init__(self, model: Model, anchor: Node, node_prefix: str, constant_prefix: str,
+                 op_class: str, reason: str):
+        assert anchor.graph is not None, "the anchor is still in its graph"
+        self.model, self.anchor, self.graph = model, anchor, anchor.graph
+        self.node_prefix, self.constant_prefix = node_prefix, constant_prefix
+        self.op_class, self.reason = op_class, reason
+        self.nodes: list[Node] = []
+
+    def node(self, op: str, inputs: list[Value | None], dtype: str, shape: tuple | None,
+             attrs: dict | None = None) -> Value:
+        """One new node reading `inputs`, with one output of `dtype` and `shape`."""
+        node = new_node(self.model, self.graph, f"{self.anchor.name}/{self.node_prefix}_"
+                        f"{op.lower()}", op, inputs, None, dtype, shape, op_class=self.op_class,
+                        reason=self.reason, kind=decisions.STRUCTURE, order=self.anchor.order,
+                        attrs=attrs)
+        self.nodes.append(node)
+        return present(node.outputs[0])
+
+    def constant(self, label: str, data: np.ndarray) -> Value:
+        """A new constant holding `data`."""
+        return array_constant(self.model, self.graph,
+                              f"{self.anchor.name}/{self.constant_prefix}_{label}", data)
+
+
+class GraphEdits:
+    """Nodes to put before others and nodes to drop, applied with one sweep per graph (one
+    search per insertion would make a pass quadratic in the graph's size)."""
+
+    def __init__(self) -> None:
+        self.doomed: list[Node] = []
+        self._before: dict[int, tuple[Graph, dict[int, list[Node]]]] = {}
+
+    def insert_before(self, anchor: Node, nodes: list[Node]) -> None:
+        assert anchor.graph is not None, "the anchor is still in its graph"
+        self._before.setdefault(id(anchor.graph), (anchor.graph, {}))[1][id(anchor)] = nodes
+
+    def apply(self, model: Model) -> None:
+        for graph, before in self._before.values():
+            graph.insert_nodes(before=before)
+        remove_everywhere(model, self.doomed)
+
+
+def dropped_sources(value: Value | None) -> list[Node]:
+    """Nodes left computing only `value` once its readers are gone: the casts of it back to
+    where it was made, and the constant node that made it; an initializer nothing reads any
+    more leaves its graph. Each dropped node stops reading its inputs."""
+    doomed: list[Node] = []
+    while value is not None and not value.is_used and not value.graph_output_uses:
+        producer = value.producer
+        if producer is None:
+            if value.const is not None and value.graph is not None \
+                    and value.graph.initializers.get(value.name) is value:
+                value.graph.remove_initializer(value)
+            break
+        if producer.op_type != CAST and (producer.inputs or value.const is None):
+            break
+        doomed.append(producer)
+        source = producer.inputs[0] if producer.inputs else None
+        producer.detach_inputs()
+        value = source
+    return doomed

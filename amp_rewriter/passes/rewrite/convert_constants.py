@@ -13,8 +13,7 @@ import numpy as np
 
 from ...ir import FLOAT32, LOW_PRECISION_DTYPES, LazyTensor, Node, Value, convert_array
 from ..base import ConstantRecord, PassContext, register_pass
-from .building import remove_everywhere
-from .insert_casts import CAST
+from .building import CAST, remove_everywhere
 
 
 def _converted_tensor(tensor: LazyTensor, dtype: str, clamp: bool, name: str,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ...ir import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, Node, Value
 from ..base import PassContext, register_pass
-from .insert_casts import CAST
+from .building import CAST
 
 #: (from, to) pairs where every value of `from` is exactly representable in `to`.
 EXACT_WIDENINGS = {

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 from ...ir import FLOAT_DTYPES, Graph, Model, Node, Value, present, short_name
 from ..base import PassContext, register_pass
-from .building import new_node
-
-#: The IR's cast op: every loader reads its format's cast as this, every emitter writes it back.
-CAST = "Cast"
+from .building import CAST, new_node
 
 
 class CastBuilder:

@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import math
 
-from ...ir import FLOAT32, LOW_PRECISION_DTYPES, Graph, Node, Value, decisions, present, short_name
-from ...ir.dtypes import FINITE_MAX, SMALLEST_NORMAL
+import numpy as np
+
+from ...ir import FLOAT32, LOW_PRECISION_DTYPES, Node, Value, decisions, short_name
+from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES, SMALLEST_NORMAL
 from ..base import PassContext, RescalePlan, register_pass
-from .building import new_node, remove_everywhere, scalar_constant
-from .insert_casts import CAST
+from .building import CAST, GraphEdits, PlanBuilder, dropped_sources
 
 #: The class the report gives the nodes this pass builds.
 RESCALE_CLASS = "rescale"
@@ -55,29 +56,6 @@ HEADROOM = 2.0**7
 #: With the inverse root in low precision, the clipped max|x| is at least this many sqrt(eps):
 #: s >= sqrt(eps) / 16 then, and (sqrt(eps) / s)^2 <= 2^8.
 INVERSE_FLOOR = 8.0
-
-
-class _Builder:
-    """Makes the new nodes of one plan, in order, in the mean's graph."""
-
-    def __init__(self, ctx: PassContext, plan: RescalePlan, graph: Graph):
-        self.ctx, self.plan, self.graph = ctx, plan, graph
-        self.nodes: list[Node] = []
-
-    def node(self, op: str, inputs: list[Value | None], dtype: str, shape: tuple | None,
-             attrs: dict | None = None) -> Value:
-        """One new node reading `inputs`, with one output of `dtype` and `shape`."""
-        name = f"{self.plan.mean.name}/rescaled_{op.lower()}"
-        node = new_node(self.ctx.model, self.graph, name, op, inputs, None, dtype, shape,
-                        op_class=RESCALE_CLASS, reason=self.plan.record.detail,
-                        kind=decisions.STRUCTURE, order=self.plan.mean.order, attrs=attrs)
-        self.nodes.append(node)
-        return present(node.outputs[0])
-
-    def constant(self, label: str, value: float, dtype: str) -> Value:
-        """A scalar constant of `dtype`."""
-        return scalar_constant(self.ctx.model, self.graph,
-                               f"{self.plan.mean.name}/rescale_{label}", value, dtype)
 
 
 def _cast_source(value: Value | None, x: Value) -> Node | None:
@@ -98,14 +76,8 @@ def _low_inverse_readers(plan: RescalePlan) -> list[Value] | None:
     inverse = chain[0].outputs[0] if chain[0].outputs else None
     if inverse is None:
         return None
-    readers: list[Value] = []
-    for value in step.inputs:
-        if value is None:
-            continue
-        cast = value.producer
-        if value is inverse or (cast is not None and cast.op_type == CAST
-                                and cast.inputs[:1] == [inverse]):
-            readers.append(value)
+    readers = [value for value in step.inputs if value is not None
+               and (value is inverse or _cast_source(value, inverse) is not None)]
     if not readers or any(v.dtype not in LOW_PRECISION_DTYPES for v in readers):
         return None
     return readers
@@ -130,15 +102,17 @@ def _applies(plan: RescalePlan) -> list[Node] | None:
     return [cast for cast in casts if cast is not None]
 
 
-def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], doomed: list[Node],
-             inserts: dict[int, tuple[Graph, dict[int, list[Node]]]]) -> None:
-    """Build the rescaled mean square of one plan: the new nodes go to `inserts` (graph ->
-    mean -> nodes to put before it), the nodes they replace to `doomed`."""
+def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], edits: GraphEdits) -> None:
+    """Build the rescaled mean square of one plan before its mean, which goes with the nodes
+    the new ones replace."""
     x, mean = plan.x, plan.mean
     averaged = mean.outputs[0]
-    assert x.dtype is not None and averaged is not None and mean.graph is not None
+    assert x.dtype is not None and averaged is not None
     ops, low = ctx.rules.rescale_ops, x.dtype
-    build = _Builder(ctx, plan, mean.graph)
+    build = PlanBuilder(ctx.model, mean, "rescaled", "rescale", RESCALE_CLASS, plan.record.detail)
+
+    def constant(label: str, value: float) -> Value:
+        return build.constant(label, np.asarray(value, dtype=NUMPY_DTYPES[low]))
     row = averaged.shape
     reduce_attrs = {k: v for k, v in mean.attrs.items() if isinstance(v, (int, float, tuple))}
     axes_inputs = list(mean.inputs[1:])
@@ -152,17 +126,16 @@ def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], doomed: lis
         floor = max(floor, INVERSE_FLOOR * math.sqrt(plan.eps))
     magnitude = build.node(ops["abs"], [x], low, x.shape)
     largest = build.node(ops["reduce_max"], [magnitude, *axes_inputs], low, row, reduce_attrs)
-    bounded = build.node(ops["clip"], [largest, build.constant("floor", floor, low),
-                                       build.constant("ceiling", FINITE_MAX[low], low)], low, row)
-    scale = build.node(ops["mul"], [bounded, build.constant("step", 1.0 / HEADROOM, low)], low,
-                       row)
+    bounded = build.node(ops["clip"], [largest, constant("floor", floor),
+                                       constant("ceiling", FINITE_MAX[low])], low, row)
+    scale = build.node(ops["mul"], [bounded, constant("step", 1.0 / HEADROOM)], low, row)
     scaled = build.node(ops["div"], [x, scale], low, x.shape)
     squares = build.node(ops["mul"], [scaled, scaled], low, x.shape)
     scaled_mean = build.node(mean.op_type, [squares, *axes_inputs], low, row, reduce_attrs)
     replaced_nodes = [plan.square, mean]
     if inverse_readers is not None:
-        shift = build.node(ops["div"], [build.constant("root_eps", math.sqrt(plan.eps), low),
-                                        scale], low, row)
+        shift = build.node(ops["div"], [constant("root_eps", math.sqrt(plan.eps)), scale], low,
+                           row)
         shifted = build.node(ops["add"], [scaled_mean, build.node(ops["mul"], [shift, shift],
                                                                    low, row)], low, row)
         inverse = build.node(ops["reciprocal"], [build.node(ops["sqrt"], [shifted], low, row)],
@@ -172,22 +145,14 @@ def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], doomed: lis
         replaced_nodes += plan.after_mean
         for reader in inverse_readers:
             reader.replace_all_uses_with(result)
+        for reader in inverse_readers:  # the painting's casts of the fp32 inverse
+            edits.doomed.extend(dropped_sources(reader))
         former = [v for node in plan.after_mean for v in node.inputs]
-        for reader in inverse_readers:
-            if reader.producer is not None and reader.producer.op_type == CAST:
-                reader.producer.detach_inputs()
-                doomed.append(reader.producer)
         for node in plan.after_mean:
             node.detach_inputs()
-        doomed.extend(plan.after_mean)
+        edits.doomed.extend(plan.after_mean)
         for value in former:  # eps, and the 1 of a 1 / root, when nothing else reads them
-            if value is None or value.const is None or value.is_used:
-                continue
-            if value.producer is not None and not value.producer.inputs:
-                doomed.append(value.producer)
-            elif value.producer is None and value.graph is not None \
-                    and value.graph.initializers.get(value.name) is value:
-                value.graph.remove_initializer(value)
+            edits.doomed.extend(dropped_sources(value))
     else:
         wide_scale = widen(scale)
         scale_squared = build.node(ops["mul"], [wide_scale, wide_scale], FLOAT32, row)
@@ -199,14 +164,14 @@ def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], doomed: lis
     for node in replaced_nodes:
         for group in node.float_groups():  # for the report: the node is gone from the graph
             group.decide(low, decisions.STRUCTURE, replaced)
-    inserts.setdefault(id(mean.graph), (mean.graph, {}))[1][id(mean)] = build.nodes
+    edits.insert_before(mean, build.nodes)
     square_inputs = [v for v in plan.square.inputs if v is not None]
     mean.detach_inputs()
     plan.square.detach_inputs()
-    doomed.extend([mean, plan.square])
-    doomed.extend(cast for cast in casts if not cast.is_used)
+    edits.doomed.extend([mean, plan.square])
+    edits.doomed.extend(cast for cast in casts if not cast.is_used)
     # The square's exponent, when a Constant node made it for the square alone.
-    doomed.extend(v.producer for v in square_inputs
+    edits.doomed.extend(v.producer for v in square_inputs
                   if v.const is not None and v.producer is not None and not v.producer.inputs
                   and not v.producer.is_used)
     plan.record.added.extend(n.name for n in build.nodes)
@@ -217,17 +182,14 @@ def rescale_rms_statistics(ctx: PassContext) -> tuple[int, list[str]]:
     """Compute each planned RMS norm's mean square in low precision on its row divided by 2^-7
     of the row's largest |x| (no fp32 copy of the row, no fp32 square)."""
     done = 0
-    doomed: list[Node] = []
-    inserts: dict[int, tuple[Graph, dict[int, list[Node]]]] = {}
+    edits = GraphEdits()
     for plan in ctx.rescales:
         ctx.focus = plan.mean
         casts = _applies(plan)
         if casts is None:
             continue
-        _rescale(ctx, plan, casts, doomed, inserts)
+        _rescale(ctx, plan, casts, edits)
         done += 1
     ctx.focus = None
-    for graph, before in inserts.values():  # one sweep per graph, not one search per norm
-        graph.insert_nodes(before=before)
-    remove_everywhere(ctx.model, doomed)
+    edits.apply(ctx.model)
     return done, []

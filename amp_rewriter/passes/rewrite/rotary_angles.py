@@ -31,10 +31,9 @@ import math
 
 import numpy as np
 
-from ...ir import FLOAT16, Graph, Node, Value, decisions, present
+from ...ir import FLOAT16, Node, Value, decisions, present
 from ..base import PassContext, RotaryPlan, register_pass
-from .building import array_constant, new_node, remove_everywhere
-from .insert_casts import CAST
+from .building import CAST, GraphEdits, PlanBuilder, dropped_sources
 
 #: The class the report gives the nodes this pass builds.
 ROTARY_CLASS = "rotary"
@@ -53,29 +52,6 @@ def fixed_point(frequencies: np.ndarray) -> tuple[np.ndarray, int, int]:
     return fixed, period, period // 2
 
 
-class _Builder:
-    """Makes the new nodes of one plan, in order, in the product's graph."""
-
-    def __init__(self, ctx: PassContext, plan: RotaryPlan, graph: Graph):
-        self.ctx, self.plan, self.graph = ctx, plan, graph
-        self.nodes: list[Node] = []
-
-    def node(self, op: str, inputs: list[Value], dtype: str, attrs: dict | None = None) -> Value:
-        """One new node reading `inputs`, with one output of `dtype` and the angle's shape."""
-        product = self.plan.product
-        shape = present(product.outputs[0]).shape
-        node = new_node(self.ctx.model, self.graph, f"{product.name}/reduced_{op.lower()}", op,
-                        list(inputs), None, dtype, shape, op_class=ROTARY_CLASS,
-                        reason=self.plan.record.detail, kind=decisions.STRUCTURE,
-                        order=product.order, attrs=attrs)
-        self.nodes.append(node)
-        return present(node.outputs[0])
-
-    def constant(self, label: str, data: np.ndarray) -> Value:
-        return array_constant(self.ctx.model, self.graph,
-                              f"{self.plan.product.name}/reduced_{label}", data)
-
-
 def _casts_back(value: Value | None, source: Value) -> list[Node] | None:
     """The chain of casts from `source` to `value` (the model's own cast of the positions, and
     any the painting retargeted or added), nearest first; None when `value` is not one."""
@@ -89,77 +65,59 @@ def _casts_back(value: Value | None, source: Value) -> list[Node] | None:
     return casts
 
 
-def _applies(plan: RotaryPlan) -> int | None:
-    """The product's positions slot, when the painting left the plan's shape: the product in
-    fp16, reading the positions through casts alone."""
+def _applies(plan: RotaryPlan) -> tuple[int, list[Node]] | None:
+    """The product's positions slot and the casts it reads them through, when the painting left
+    the plan's shape: the product in fp16, reading the positions through casts alone."""
     product = plan.product
     angle = product.outputs[0] if product.outputs and product.graph is not None else None
     if angle is None or angle.dtype != FLOAT16 or len(product.inputs) != 2:
         return None
     for slot in (0, 1):
-        if _casts_back(product.inputs[slot], plan.positions):
-            return slot
+        casts = _casts_back(product.inputs[slot], plan.positions)
+        if casts:
+            return slot, casts
     return None
 
 
-def _dropped_sources(value: Value | None) -> list[Node]:
-    """Nodes left computing only `value` once its reader is gone: casts of it back to where it
-    was first made, and the constant node that made it; an initializer nothing reads goes."""
-    doomed: list[Node] = []
-    while value is not None and not value.is_used and not value.graph_output_uses:
-        producer = value.producer
-        if producer is None:
-            if value.const is not None and value.graph is not None \
-                    and value.name in value.graph.initializers:
-                value.graph.remove_initializer(value)
-            break
-        if producer.op_type != CAST and producer.inputs:
-            break
-        doomed.append(producer)
-        source = producer.inputs[0] if producer.inputs else None
-        producer.detach_inputs()
-        value = source
-    return doomed
-
-
-def _reduce(ctx: PassContext, plan: RotaryPlan, slot: int, doomed: list[Node],
-            inserts: dict[int, tuple[Graph, dict[int, list[Node]]]]) -> None:
-    """Build the reduced angle of one plan: the new nodes go to `inserts` (graph -> product ->
-    nodes to put before it), the nodes they replace to `doomed`."""
+def _reduce(ctx: PassContext, plan: RotaryPlan, casts: list[Node], edits: GraphEdits) -> None:
+    """Build the reduced angle of one plan before its product, which goes with the casts of the
+    positions nothing else reads."""
     product, ops = plan.product, ctx.rules.integer_ops
-    assert product.graph is not None and plan.frequencies.const is not None
-    build = _Builder(ctx, plan, product.graph)
+    assert plan.frequencies.const is not None
+    build = PlanBuilder(ctx.model, product, "reduced", "reduced", ROTARY_CLASS,
+                        plan.record.detail)
+    shape = present(product.outputs[0]).shape
     frequencies = np.asarray(plan.frequencies.const.numpy(), dtype=np.float64)
     fixed, period, half = fixed_point(frequencies)
     positions = plan.positions
     if positions.dtype != INT64:
-        positions = build.node(CAST, [positions], INT64, {"to": INT64})
+        positions = build.node(CAST, [positions], INT64, shape, {"to": INT64})
 
     def integer(label: str, value: int) -> Value:
         return build.constant(label, np.asarray(value, dtype=np.int64))
 
-    scaled = build.node(ops["mul"], [positions, build.constant("frequencies", fixed)], INT64)
-    shifted = build.node(ops["add"], [scaled, integer("half_period", half)], INT64)
-    wrapped = build.node(ops["mod"], [shifted, integer("period", period)], INT64)
-    centered = build.node(ops["sub"], [wrapped, integer("half_period", half)], INT64)
+    scaled = build.node(ops["mul"], [positions, build.constant("frequencies", fixed)], INT64,
+                        shape)
+    shifted = build.node(ops["add"], [scaled, integer("half_period", half)], INT64, shape)
+    wrapped = build.node(ops["mod"], [shifted, integer("period", period)], INT64, shape)
+    centered = build.node(ops["sub"], [wrapped, integer("half_period", half)], INT64, shape)
     steps = build.node(ops["div"], [centered, integer("step", 2 ** (FIXED_POINT_BITS - LOW_BITS))],
-                       INT64)
-    low = build.node(CAST, [steps], FLOAT16, {"to": FLOAT16})
+                       INT64, shape)
+    low = build.node(CAST, [steps], FLOAT16, shape, {"to": FLOAT16})
     angle = build.node(ops["mul"], [low, build.constant(
-        "scale", np.asarray(2.0**-LOW_BITS, dtype=np.float16))], FLOAT16)
+        "scale", np.asarray(2.0**-LOW_BITS, dtype=np.float16))], FLOAT16, shape)
     replaced = (f"replaced by the angle reduced modulo 2*pi in int64 "
                 f"({', '.join(n.name for n in build.nodes)})")
-    floats = product.inputs[slot]
-    for node in (product, *(_casts_back(floats, plan.positions) or [])):
+    for node in (product, *casts):
         for group in node.float_groups():  # for the report: these nodes go from the graph
             group.decide(FLOAT16, decisions.STRUCTURE, replaced)
     present(product.outputs[0]).replace_all_uses_with(angle)
-    inserts.setdefault(id(product.graph), (product.graph, {}))[1][id(product)] = build.nodes
+    edits.insert_before(product, build.nodes)
     former = list(product.inputs)
     product.detach_inputs()
-    doomed.append(product)
+    edits.doomed.append(product)
     for value in former:
-        doomed.extend(_dropped_sources(value))
+        edits.doomed.extend(dropped_sources(value))
     plan.record.added.extend(n.name for n in build.nodes)
 
 
@@ -168,17 +126,14 @@ def reduce_rotary_angles(ctx: PassContext) -> tuple[int, list[str]]:
     """Compute each planned rotary angle modulo 2*pi in int64 and round it to fp16 only then
     (see the module's docstring): no fp32 tensor, and no error that grows with the position."""
     done = 0
-    doomed: list[Node] = []
-    inserts: dict[int, tuple[Graph, dict[int, list[Node]]]] = {}
+    edits = GraphEdits()
     for plan in ctx.rotaries:
         ctx.focus = plan.product
-        slot = _applies(plan)
-        if slot is None:
+        applies = _applies(plan)
+        if applies is None:
             continue
-        _reduce(ctx, plan, slot, doomed, inserts)
+        _reduce(ctx, plan, applies[1], edits)
         done += 1
     ctx.focus = None
-    for graph, before in inserts.values():
-        graph.insert_nodes(before=before)
-    remove_everywhere(ctx.model, doomed)
+    edits.apply(ctx.model)
     return done, []
