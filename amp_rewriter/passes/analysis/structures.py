@@ -234,8 +234,8 @@ def _rms_norm_reasons(eps: float, dtype: str, rescaled: bool,
                       whole: bool = False) -> tuple[str, str | None]:
     """Why the statistics stay fp32, and why the scaling step runs low (None: it stays fp32).
     `rescaled`: whether the mean square runs in low precision on a rescaled row; `whole`:
-    the inverse root too (see rescale_rms)."""
-    if rescaled and whole and scaling_fits(eps, dtype):
+    the inverse root too (see rescale_rms; only where the scaling step runs low)."""
+    if rescaled and whole:
         statistics = (f"the statistics of an RMS norm (eps {eps:g}) run in {short_name(dtype)} "
                       f"on the row divided by 2^-7 of its largest |x| (s; at least "
                       f"8*sqrt(eps)): 1/sqrt(mean(x^2) + eps) = 1/s * 1/sqrt(mean((x/s)^2) + "
@@ -349,10 +349,10 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
             continue
         parts = _square_and_mean(members, ctx.rules)
         rescaled = parts is not None and can_rescale(ctx, parts[1])
-        chain = _chain_to_mean(node, x, parts[1], ctx.rules) if rescaled and parts else None
+        # Only a step that runs low reads the inverse in low precision.
+        chain = _chain_to_mean(node, x, parts[1], ctx.rules) \
+            if rescaled and parts and scaling_fits(eps, ctx.target_dtype) else None
         why, scaling_why = _rms_norm_reasons(eps, ctx.target_dtype, rescaled, chain is not None)
-        if scaling_why is None:
-            chain = None  # the step stays fp32: it reads the fp32 inverse as before
         for member in members:
             if member is node and scaling_why is not None:
                 low_class = member.op_class if member.op_class in (ALLOW, INFER) else INFER
