@@ -579,6 +579,31 @@ def test_rotary_angle_runs_fp16_reduced_modulo_two_pi_in_integers(positions_dtyp
     assert np.abs(run(converted, feeds)[1] - fp32_cos)[:, :4].max() < 1.5e-3
 
 
+def test_rotary_angle_before_opset_10_is_left_to_the_painting():
+    """Mod, which the reduction is built with, came with opset 10: an opset-9 model keeps its
+    angle as painted (and stays valid), with a note saying why."""
+    b = GraphBuilder(opset=9)
+    x = b.input("x", [1, 6, 8])
+    positions = b.input("positions", [1, 6], dtype=np.int64)
+    eye = b.const("eye", np.eye(8, dtype=np.float32))
+    h = b.op("MatMul", x, eye, name="q")
+    floats = b.op("Cast", b.op("Unsqueeze", positions, axes=[2], name="column"),
+                  to=onnx.TensorProto.FLOAT, name="to_float")
+    angle = b.op("Mul", floats, b.const("inv_freq", ROTARY_FREQUENCIES), name="angle")
+    emb = b.op("Concat", angle, angle, axis=2, name="emb")
+    rotated = b.op("Add", b.op("Mul", h, b.op("Cos", emb, name="cos"), name="q_cos"),
+                   b.op("Mul", h, b.op("Sin", emb, name="sin"), name="q_sin"), name="rotated")
+    b.output(b.op("MatMul", rotated, eye, name="out"))
+    converted, report = convert(b.build())  # the checker's full check passes
+    assert "Mod" not in {n.op_type for n in converted.graph.node}
+    assert all(s["rule"] != "rotary_angle" for s in report.structures)
+    notes = next(p["notes"] for p in report.passes if p["name"] == "recognize_rotary_angles")
+    assert notes == ["rotary angles are left to the painting: the model's format version has "
+                     "no Mod to reduce them with"]
+    feeds = {"x": np.ones((1, 6, 8), np.float32), "positions": ROTARY_POSITIONS[:, :6] % 1000}
+    assert np.isfinite(run(converted, feeds)[0]).all()
+
+
 def test_rotary_angle_read_by_anything_else_is_left_to_the_painting():
     """The angle is also a graph output: its value, not only its cos and sin, is observable, so
     it is not reduced (it stays fp32, read by the fp32 output)."""

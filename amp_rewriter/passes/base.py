@@ -170,6 +170,10 @@ class RotaryPlan:
     record: StructureRecord
 
 
+def _every_op(op: str) -> bool:
+    return True
+
+
 @dataclass
 class PassContext:
     """The model being rewritten plus everything a pass may read or record."""
@@ -197,6 +201,9 @@ class PassContext:
     rotaries: list[RotaryPlan] = field(default_factory=list)
     #: ids of nodes a user's pattern rule decided: structural rules leave them as the user said.
     user_rule_nodes: set[int] = field(default_factory=set)
+    #: Whether the model may hold an op a rewrite would add (ONNX: the op exists at the model's
+    #: opset; Mod, which the rotary rule needs, came with opset 10).
+    op_available: Callable[[str], bool] = _every_op
 
     @property
     def target_dtype(self) -> str:

@@ -8,6 +8,7 @@ import marshal
 import os
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,7 +34,14 @@ from .emit import (
     has_external_data,
     save_onnx,
 )
-from .load import PROTOBUF_LIMIT, all_tensors, load_onnx, read_model_file, walk_graph_protos
+from .load import (
+    PROTOBUF_LIMIT,
+    all_tensors,
+    load_onnx,
+    op_in_opset,
+    read_model_file,
+    walk_graph_protos,
+)
 from .optimize import optimized_copy, options_after
 from .rules import ONNX_RULES
 from .shapes import checked_activation_traffic, validation_input_shapes
@@ -168,7 +176,8 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         input_external = ir_model.external_data
         original_nodes = list(ir_model.graph.walk_nodes())
         original_names = ValueNames(ir_model) if keep_ir else None
-        ctx = PassContext(ir_model, lists, options, ONNX_RULES, pins=dict(pins or {}))
+        ctx = PassContext(ir_model, lists, options, ONNX_RULES, pins=dict(pins or {}),
+                          op_available=partial(op_in_opset, opset=opset))
         results = run_pipeline(ctx, "onnx", on_pass=steps.start)
         ctx.range_checks.clear()  # the passes' cache; its memory serves what follows
         steps.start("emitting")

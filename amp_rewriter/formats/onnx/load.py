@@ -152,6 +152,15 @@ def _formal(op_type: str, domain: str, opset: int) -> _Formal | None:
     return _Formal(ort_schema) if ort_schema is not None else None
 
 
+def op_in_opset(op_type: str, opset: int) -> bool:
+    """Whether the default domain has `op_type` at `opset` (for ops a pass would add)."""
+    try:
+        onnx.defs.get_schema(op_type, opset, "")
+    except Exception:  # onnx raises SchemaError for an op not defined there yet
+        return False
+    return True
+
+
 def schema_since_version(op_type: str, domain: str, opset: int) -> int | None:
     """The version the op's schema at `opset` dates from (kernels are registered by it)."""
     formal = _formal(op_type, domain, opset)

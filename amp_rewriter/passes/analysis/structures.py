@@ -447,10 +447,14 @@ def recognize_rotary_angles(ctx: PassContext) -> tuple[int, list[str]]:
     rules = ctx.rules
     if ctx.target_dtype != FLOAT16 or not rules.integer_ops or not rules.periodic_ops:
         return 0, []
+    missing = sorted({op for op in rules.integer_ops.values() if not ctx.op_available(op)})
     found = 0
     for node in list(ctx.model.graph.nodes):
         ctx.focus = node
         match = rotary_angle(node, rules)
+        if match is not None and missing:
+            return 0, [f"rotary angles are left to the painting: the model's format version "
+                       f"has no {', '.join(missing)} to reduce them with"]
         if match is None:
             continue
         positions, frequencies, readers = match
