@@ -100,6 +100,19 @@ def external_data_escape(tmp_path: Path) -> list[str | Path]:
     return ["convert", model_path, tmp_path / OUTPUT_NAME]
 
 
+def ancient_opset(tmp_path: Path) -> list[str | Path]:
+    """A valid opset-5 model: its casts would name their type (Cast before opset 6), which onnx
+    cannot type-check and onnxruntime does not run."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="relu")], "ancient",
+        inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        outputs=[helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 5)], ir_version=3)
+    path = tmp_path / "ancient.onnx"
+    path.write_bytes(model.SerializeToString())
+    return ["convert", path, tmp_path / OUTPUT_NAME]
+
+
 BAD_INPUTS: dict[str, Callable[[Path], list[str | Path]]] = {
     "missing_file": missing_file,
     "directory": directory,
@@ -108,6 +121,7 @@ BAD_INPUTS: dict[str, Callable[[Path], list[str | Path]]] = {
     "unknown_target": unknown_target,
     "output_is_input": output_is_input,
     "external_data_escape": external_data_escape,
+    "ancient_opset": ancient_opset,
 }
 
 

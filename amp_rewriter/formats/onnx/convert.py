@@ -170,6 +170,7 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         steps = progress.Steps(drawn)
         steps.start("loading")
         opset = default_opset(model)
+        _refuse_old_opset(opset)
         lists = OpLists.load("onnx", options.target, options.backend or DEFAULT_BACKEND,
                              options.overrides, opset)
         ir_model = load_onnx(model, base, borrowed=borrowed)
@@ -265,6 +266,19 @@ def _freeing_the_ir(ir_model: Model, report: Report) -> None:
     gc.collect(0)
     if packed is not None:
         report.constants, report.structures, report.cost, report.passes = marshal.loads(packed)
+
+
+#: The first default-domain opset converted: before it, Cast names its target type (a string
+#: `to`), which onnx's type inference cannot follow, so no converted model would pass the
+#: checker's full check (and onnxruntime runs opset 7 and newer only).
+FIRST_OPSET = 6
+
+
+def _refuse_old_opset(opset: int) -> None:
+    if 0 < opset < FIRST_OPSET:
+        raise AmpError(f"the model imports opset {opset} of the ONNX domain; amp-rewriter "
+                       f"converts opset {FIRST_OPSET} and newer (onnxruntime runs 7 and newer): "
+                       f"upgrade it first with onnx.version_converter.convert_version(model, 17)")
 
 
 def _refuse_tf_options(options: Options) -> None:
