@@ -243,22 +243,25 @@ def test_bad_pattern_rule_on_the_cli_exits_2(tmp_path, capsys):
 
 # -- RMS norm -------------------------------------------------------------------------------------
 def rms_norm_block(form: str = "reciprocal", eps: float = 1e-6, identity_cast: bool = False,
-                   opset: int = 17) -> onnx.ModelProto:
+                   opset: int = 17, constant_shape: tuple[int, ...] = ()) -> onnx.ModelProto:
     """x -> MatMul -> h; RMSNorm(h) as exports write it -> MatMul -> residual Add(h, .) -> MatMul.
-    From opset 18 on, the mean takes its axes as an input (torch's exports: a Constant node)."""
+    From opset 18 on, the mean takes its axes as an input (torch's exports: a Constant node).
+    `constant_shape`: the shape of the exponent 2 and of eps (one element each)."""
     b = GraphBuilder(opset=opset)
     x = b.input("x", [2, 3, 8])
     eye = b.const("eye", np.eye(8, dtype=np.float32))
     h = b.op("MatMul", x, eye, name="fc")
     hx = b.op("Cast", h, to=onnx.TensorProto.FLOAT, name="to_float") if identity_cast else h
-    square = b.op("Pow", hx, b.const("two", np.float32(2)), name="square")
+    square = b.op("Pow", hx, b.const("two", np.full(constant_shape, 2, np.float32)),
+                  name="square")
     if opset >= 18:
         axes = b.op("Constant", value=onnx.numpy_helper.from_array(np.array([-1], np.int64)),
                     name="axes")
         mean = b.op("ReduceMean", square, axes, name="mean")
     else:
         mean = b.op("ReduceMean", square, axes=[-1], name="mean")
-    shifted = b.op("Add", mean, b.const("eps", np.float32(eps)), name="add_eps")
+    shifted = b.op("Add", mean, b.const("eps", np.full(constant_shape, eps, np.float32)),
+                   name="add_eps")
     root = b.op("Sqrt", shifted, name="root")
     if form == "reciprocal":
         normed = b.op("Mul", hx, b.op("Reciprocal", root, name="inverse"), name="scale")
@@ -272,6 +275,20 @@ def rms_norm_block(form: str = "reciprocal", eps: float = 1e-6, identity_cast: b
     residual = b.op("Add", hx, proj, name="residual")
     b.output(b.op("MatMul", residual, eye, name="head"))
     return b.build()
+
+
+def test_rms_norm_with_constants_that_raise_the_rank_is_left_alone():
+    """A one-element exponent and eps of shape [1, 1, 1, 1] broadcast the norm (and the model's
+    output) to rank 4; the rescaled statistic, rebuilt without them, would lose that. The rule
+    takes constants of rank 0 or 1 only."""
+    model = rms_norm_block(constant_shape=(1, 1, 1, 1))
+    converted, report = convert(model)  # the checker's full check passes
+    assert all(s["rule"] != "rms_norm" for s in report.structures)
+    x = _rms_rows() / 1000
+    assert run(converted, {"x": x})[0].shape == run(model, {"x": x})[0].shape == (1, 2, 3, 8)
+    # A [1] exponent and eps keep the rank: the rule applies as to scalars.
+    _, report = convert(rms_norm_block(constant_shape=(1,)))
+    assert [s["rule"] for s in report.structures] == ["rms_norm"]
 
 
 def _rms_rows() -> np.ndarray:
@@ -554,7 +571,7 @@ def test_rotary_angle_runs_fp16_reduced_modulo_two_pi_in_integers(positions_dtyp
     assert "reduced modulo 2*pi in int64" in record["detail"] and record["added"]
     assert "replaced by the angle reduced modulo 2*pi" in report.node("angle")["reason"]
     ops = [n.op_type for n in converted.graph.node]
-    assert ops.count("Mod") == 1 and "to_float" not in {n.name for n in converted.graph.node}
+    assert ops.count("Mod") == 2 and "to_float" not in {n.name for n in converted.graph.node}
     # No fp32 tensor between the positions and the rotation: the casts are x's, the three
     # outputs' and the reduced angle's (int32 positions: one more, to int64).
     inferred = onnx.shape_inference.infer_shapes(converted)
@@ -577,6 +594,22 @@ def test_rotary_angle_runs_fp16_reduced_modulo_two_pi_in_integers(positions_dtyp
     # The fp32 model agrees where fp32 holds the angle to better than fp16's rounding.
     fp32_out, fp32_cos, _ = run(model, feeds)
     assert np.abs(run(converted, feeds)[1] - fp32_cos)[:, :4].max() < 1.5e-3
+
+
+@pytest.mark.parametrize("positions_dtype", [np.int64, np.int32])
+def test_rotary_angle_stays_in_int64_for_positions_past_2_to_the_24(positions_dtype):
+    """p * round(f 2^38) alone would pass 2^63 from p = 2^25 on (f near 1, as LLaMA's first
+    frequency): the reduction splits p into a * 2^24 + b. Out to int32's ends the angle is then
+    within p * (2^-39 + 2^-41) rad plus fp16's rounding of exact; fp32 itself rounds the
+    position there (by up to 64 at 2^31)."""
+    far = np.array([[2**25, 2**26 + 3, 2**30 + 12345, 2**31 - 1, -2**31, -(2**26) - 5]],
+                   np.int64)
+    converted, _ = convert(rotary_block(positions_dtype))
+    feeds = {"x": np.ones((1, 6, 8), np.float32), "positions": far.astype(positions_dtype)}
+    exact_cos, exact_sin = _exact_cos_sin(far)
+    bound = np.abs(far)[..., None] * (2.0**-39 + 2.0**-41) + 1.5e-3
+    for _, cos, sin in (run_as_fp16(converted, feeds), run(converted, feeds)):
+        assert np.all(np.abs(cos - exact_cos) < bound) and np.all(np.abs(sin - exact_sin) < bound)
 
 
 def test_rotary_angle_before_opset_10_is_left_to_the_painting():
@@ -614,10 +647,12 @@ def test_rotary_angle_read_by_anything_else_is_left_to_the_painting():
     assert precisions(report)["angle"] == "fp32"
 
 
-@pytest.mark.parametrize("options", [dict(target="bf16"), dict(keep_nodes=["cos"])])
+@pytest.mark.parametrize("options", [dict(target="bf16"), dict(keep_nodes=["cos"]),
+                                     dict(keep_nodes=["to_float"])])
 def test_rotary_angle_stays_as_before_for_bf16_and_for_kept_readers(options):
     """bf16 holds an angle in [-pi, pi) only to 2^-7 rad: the exact fp32 angle is better. A user
-    pin on a reader leaves the rule out as well."""
+    pin on a reader, or on the positions' cast the reduction would remove, leaves the rule out
+    as well."""
     converted, report = convert(rotary_block(), **options)
     assert all(s["rule"] != "rotary_angle" for s in report.structures)
     assert "Mod" not in {n.op_type for n in converted.graph.node}

@@ -63,9 +63,12 @@ def _constant(value: Value | None) -> np.ndarray | None:
 
 
 def _scalar(value: Value | None) -> float | None:
-    """The value of a one-element constant input, or None."""
+    """The value of a one-element constant input of rank 0 or 1, or None. (A one-element
+    constant of higher rank may raise the rank of what it is broadcast with: a rule that
+    rebuilds the computation without it would lose that.)"""
     data = _constant(value)
-    return float(data.reshape(-1)[0]) if data is not None and data.size == 1 else None
+    return float(data.reshape(-1)[0]) if data is not None and data.size == 1 \
+        and data.ndim <= 1 else None
 
 
 def _positive_constant(value: Value | None) -> bool:
@@ -408,10 +411,11 @@ def _periodic_readers(angle: Value, rules: FormatRules) -> list[Node] | None:
     return readers if any(n.op_type in rules.periodic_ops for n in readers) else None
 
 
-def rotary_angle(node: Node, rules: FormatRules) -> tuple[Value, Value, list[Node]] | None:
-    """(integer positions, frequencies, readers) when `node` is a rotary embedding's angle:
-    integer positions cast to fp32 times constant frequencies (finite, none above 1 in
-    magnitude, not all zero), read only by Cos and Sin (`_periodic_readers`)."""
+def rotary_angle(node: Node, rules: FormatRules
+                 ) -> tuple[Value, Value, list[Node], Node] | None:
+    """(integer positions, frequencies, readers, the positions' cast) when `node` is a rotary
+    embedding's angle: integer positions cast to fp32 times constant frequencies (finite, none
+    above 1 in magnitude, not all zero), read only by Cos and Sin (`_periodic_readers`)."""
     if rules.role(node.op_type) != "mul" or len(node.inputs) != 2 or len(node.outputs) != 1 \
             or node.outputs[0] is None or node.outputs[0].original_dtype != FLOAT32:
         return None
@@ -431,7 +435,7 @@ def rotary_angle(node: Node, rules: FormatRules) -> tuple[Value, Value, list[Nod
         if not np.all(np.isfinite(values)) or not 0.0 < largest <= 1.0:
             continue
         readers = _periodic_readers(node.outputs[0], rules)
-        return (positions, frequencies, readers) if readers is not None else None
+        return (positions, frequencies, readers, cast) if readers is not None else None
     return None
 
 
@@ -457,8 +461,8 @@ def recognize_rotary_angles(ctx: PassContext) -> tuple[int, list[str]]:
                        f"has no {', '.join(missing)} to reduce them with"]
         if match is None:
             continue
-        positions, frequencies, readers = match
-        members = [node, *readers]
+        positions, frequencies, readers, cast = match
+        members = [node, *readers, cast]  # the cast goes too: a pin on it counts
         if any(m.pin_reason or m.class_kind == decisions.USER_OVERRIDE
                or id(m) in ctx.user_rule_nodes for m in members):
             continue

@@ -10,19 +10,27 @@ and casts in every decoder. Once the painting has put the product in fp16, this 
 by the same angle reduced into [-pi, pi) in int64, where it is exact, and only then rounded:
 
     F = round(f * 2^K), P = round(2*pi * 2^K), H = floor(P / 2)            K = 38
-    r = Mod(p * F + H, P) - H                      int64: (p * f reduced modulo 2*pi) * 2^K
+    b = Mod(p, 2^S), a = (p - b) / 2^S              p = a * 2^S + b, 0 <= b < 2^S    S = 24
+    G = (F * 2^S) mod P                             (offline)
+    r = Mod(a * G + b * F + H, P) - H              int64: (p * f reduced modulo 2*pi) * 2^K
     angle = Cast16(Div(r, 2^(K - 14))) * 2^-14     fp16, in [-pi, pi]
 
+No product leaves int64 for |p| < 2^45: |b * F| < 2^24 * 2^38 = 2^62, |a| < 2^21, G < P < 2^41
+so |a * G| < 2^62 - 2^41, and H < 2^41 (p * F itself would pass 2^63 from p = 2^25 on). a * G
+is congruent to a * 2^S * F modulo P, so r is p * F reduced modulo P exactly.
+
 Why it is within 2^-10 rad of p * f modulo 2*pi for |p| < 2^24 (where fp32 itself stops holding
-integers exactly): |F| <= 2^38, so |p * F| < 2^62 and adding H < 2^41 stays inside int64. F is
-within 2^-39 * 2^K of f * 2^K, so p * F is within 2^-15 rad of p * f. P is within 2^-39 rad of
-2*pi per period, and at most 2^22 periods are taken away: 2^-17 rad. Mod with a positive divisor
-gives a remainder in [0, P) for either sign of p, so r lies in [-H, H]; the integer quotient by
-2^24 is off by less than one unit, 2^-14 rad, and its magnitude is at most 51472, which fp16
-holds finitely, rounded to 11 significant bits: at most 2^4 units, 2^-10 rad (2^-11 for angles
-below 2). The scaling by 2^-14 is exact (powers of two of normal fp16 numbers). Cos and Sin are
-1-Lipschitz, so their fp16 results differ from fp32's by at most the sum, about 1.1e-3, plus
-their own rounding, at every position; an fp16 product's error grows with the position.
+integers exactly): F is within 2^-39 * 2^K of f * 2^K, so p * F is within 2^-15 rad of p * f.
+P is within 2^-39 rad of 2*pi per period, and at most 2^22 periods are taken away: 2^-17 rad.
+Mod with a positive divisor gives a remainder in [0, P) for either sign of p, so r lies in
+[-H, H]; the integer quotient by 2^24 is off by less than one unit, 2^-14 rad, and its
+magnitude is at most 51472, which fp16 holds finitely, rounded to 11 significant bits: at most
+2^4 units, 2^-10 rad (2^-11 for angles below 2). The scaling by 2^-14 is exact (powers of two
+of normal fp16 numbers). Cos and Sin are 1-Lipschitz, so their fp16 results differ from fp32's
+by at most the sum, about 1.1e-3, plus their own rounding, at every position; an fp16
+product's error grows with the position. Past 2^24 the first two terms grow with p (p * 2^-39
+and p * 2^-41 rad: 2^-8 at p = 2^31), where fp32 itself rounds the position (by up to 64 at
+2^31).
 """
 
 from __future__ import annotations
@@ -37,8 +45,10 @@ from .building import CAST, GraphEdits, PlanBuilder, dropped_sources
 
 #: The class the report gives the nodes this pass builds.
 ROTARY_CLASS = "rotary"
-#: Fraction bits of the angle in int64: |f| <= 1 and |p| < 2^24 keep p * F below 2^62.
+#: Fraction bits of the angle in int64: |f| <= 1 and 0 <= b < 2^24 keep b * F below 2^62.
 FIXED_POINT_BITS = 38
+#: Bits of the position's low part b (p = a * 2^S + b).
+POSITION_SPLIT_BITS = 24
 #: Fraction bits of the integer fp16 is given: pi * 2^14 < 65504.
 LOW_BITS = 14
 INT64 = "int64"
@@ -96,8 +106,16 @@ def _reduce(ctx: PassContext, plan: RotaryPlan, casts: list[Node], edits: GraphE
     def integer(label: str, value: int) -> Value:
         return build.constant(label, np.asarray(value, dtype=np.int64))
 
-    scaled = build.node(ops["mul"], [positions, build.constant("frequencies", fixed)], INT64,
-                        shape)
+    split = integer("split", 2 ** POSITION_SPLIT_BITS)
+    low_part = build.node(ops["mod"], [positions, split], INT64, shape)
+    high_part = build.node(ops["div"], [build.node(ops["sub"], [positions, low_part], INT64,
+                                                   shape), split], INT64, shape)
+    shifted_frequencies = np.mod(fixed * 2 ** POSITION_SPLIT_BITS, period)
+    scaled = build.node(ops["add"], [
+        build.node(ops["mul"], [high_part, build.constant("frequencies_high",
+                                                          shifted_frequencies)], INT64, shape),
+        build.node(ops["mul"], [low_part, build.constant("frequencies", fixed)], INT64, shape),
+    ], INT64, shape)
     shifted = build.node(ops["add"], [scaled, integer("half_period", half)], INT64, shape)
     wrapped = build.node(ops["mod"], [shifted, integer("period", period)], INT64, shape)
     centered = build.node(ops["sub"], [wrapped, integer("half_period", half)], INT64, shape)
