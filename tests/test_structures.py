@@ -291,6 +291,22 @@ def test_rms_norm_with_constants_that_raise_the_rank_is_left_alone():
     assert [s["rule"] for s in report.structures] == ["rms_norm"]
 
 
+@pytest.mark.parametrize("eps,whole", [(6e7, True), (1e8, False)])
+def test_rms_norm_inverse_root_runs_low_only_while_its_floor_is_finite(eps, whole):
+    """The whole statistic in fp16 needs the clip's floor, 8 sqrt(eps), to be a finite fp16
+    number (8 sqrt(1e8) = 8e4 is not): above that eps the inverse root stays fp32, and no
+    constant of the converted model is infinite."""
+    model = rms_norm_block(eps=eps)
+    converted, report = convert(model)
+    detail = next(s["detail"] for s in report.structures if s["rule"] == "rms_norm")
+    assert ("run in fp16" in detail) == whole, detail
+    floats = [onnx.numpy_helper.to_array(t).astype(np.float64) for t in converted.graph.initializer
+              if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)]
+    assert all(np.isfinite(values).all() for values in floats)
+    x = _rms_rows() / 1000
+    assert_close_per_row(run(converted, {"x": x})[0], run(model, {"x": x})[0], 1e-2)
+
+
 def _rms_rows() -> np.ndarray:
     """Rows whose squares overflow fp16 (1000^2 > 65504), rows whose squares underflow it
     (1e-3^2 < 2^-24), one dominated by a single element, and an all-zero row."""

@@ -155,6 +155,12 @@ class RescalePlan:
     after_mean: list[Node] = field(default_factory=list)
 
 
+#: With an RMS norm's inverse root in low precision, the clipped max|x| is at least this many
+#: sqrt(eps): s >= sqrt(eps) / 16 then, and (sqrt(eps) / s)^2 <= 2^8 (see rescale_rms). The
+#: floor must itself be a finite number of the target, which bounds eps.
+INVERSE_FLOOR = 8.0
+
+
 @dataclass
 class RotaryPlan:
     """A rotary embedding's angle, integer positions times constant frequencies read only by

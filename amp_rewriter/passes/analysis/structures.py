@@ -43,6 +43,7 @@ from ...ir import (
 )
 from ...ir.dtypes import FINITE_MAX, SMALLEST_NORMAL
 from ..base import (
+    INVERSE_FLOOR,
     FormatRules,
     PassContext,
     RescalePlan,
@@ -354,7 +355,8 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
         rescaled = parts is not None and can_rescale(ctx, parts[1])
         # Only a step that runs low reads the inverse in low precision.
         chain = _chain_to_mean(node, x, parts[1], ctx.rules) \
-            if rescaled and parts and scaling_fits(eps, ctx.target_dtype) else None
+            if rescaled and parts and scaling_fits(eps, ctx.target_dtype) \
+            and INVERSE_FLOOR * eps ** 0.5 <= FINITE_MAX[ctx.target_dtype] else None
         why, scaling_why = _rms_norm_reasons(eps, ctx.target_dtype, rescaled, chain is not None)
         for member in members:
             if member is node and scaling_why is not None:

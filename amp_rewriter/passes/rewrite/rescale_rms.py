@@ -44,7 +44,7 @@ import numpy as np
 
 from ...ir import FLOAT32, LOW_PRECISION_DTYPES, Node, Value, decisions, short_name
 from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES, SMALLEST_NORMAL
-from ..base import PassContext, RescalePlan, register_pass
+from ..base import INVERSE_FLOOR, PassContext, RescalePlan, register_pass
 from .building import CAST, GraphEdits, PlanBuilder, dropped_sources
 
 #: The class the report gives the nodes this pass builds.
@@ -53,9 +53,6 @@ RESCALE_CLASS = "rescale"
 #: The scaled row's largest |y| (see above): its square, 2^14, keeps the mean of a long row a
 #: normal fp16 number and stays far from fp16's 65504.
 HEADROOM = 2.0**7
-#: With the inverse root in low precision, the clipped max|x| is at least this many sqrt(eps):
-#: s >= sqrt(eps) / 16 then, and (sqrt(eps) / s)^2 <= 2^8.
-INVERSE_FLOOR = 8.0
 
 
 def _cast_source(value: Value | None, x: Value) -> Node | None:
