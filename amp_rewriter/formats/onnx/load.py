@@ -154,11 +154,7 @@ def _formal(op_type: str, domain: str, opset: int) -> _Formal | None:
 
 def op_in_opset(op_type: str, opset: int) -> bool:
     """Whether the default domain has `op_type` at `opset` (for ops a pass would add)."""
-    try:
-        onnx.defs.get_schema(op_type, opset, "")
-    except Exception:  # onnx raises SchemaError for an op not defined there yet
-        return False
-    return True
+    return _formal(op_type, "", opset) is not None
 
 
 def schema_since_version(op_type: str, domain: str, opset: int) -> int | None:
