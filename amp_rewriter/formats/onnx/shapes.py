@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import onnx
 
@@ -73,8 +73,19 @@ def skeleton_bytes(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int,
     return bytes(encoded)
 
 
-def _skeleton_without_nodes(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
-                            ) -> onnx.ModelProto:
+class _SkeletonParts(NamedTuple):
+    """A skeleton (see `skeleton`) before its graph's initializers and inputs are added."""
+
+    #: The model's header and the graph's name and outputs.
+    head: onnx.ModelProto
+    #: The small initializers that stay: the model's own messages, not copies.
+    small_initializers: list[onnx.TensorProto]
+    #: Each large initializer as an input, then the graph's inputs at concrete sizes.
+    inputs: list[onnx.ValueInfoProto]
+
+
+def _skeleton_parts(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
+                    ) -> _SkeletonParts:
     sk = onnx.ModelProto()
     sk.ir_version = max(model.ir_version, 4)  # initializers need not be listed as inputs
     sk.opset_import.extend(model.opset_import)
@@ -83,18 +94,20 @@ def _skeleton_without_nodes(model: onnx.ModelProto, input_shapes: Mapping[str, t
     graph.name = source.name
     graph.output.extend(source.output)
     initializer_names = set()
+    small: list[onnx.TensorProto] = []
+    inputs: list[onnx.ValueInfoProto] = []
     for tensor in source.initializer:
         initializer_names.add(tensor.name)
         if tensor.data_location != onnx.TensorProto.EXTERNAL \
                 and _elements(tensor) <= SMALL_INITIALIZER:
-            graph.initializer.append(tensor)
+            small.append(tensor)
         else:
-            graph.input.append(onnx.helper.make_tensor_value_info(
+            inputs.append(onnx.helper.make_tensor_value_info(
                 tensor.name, tensor.data_type, list(tensor.dims)))
     for info in source.input:
         if info.name in initializer_names:
             continue
-        copy = graph.input.add()
+        copy = onnx.ValueInfoProto()
         copy.CopyFrom(info)
         shape = input_shapes.get(info.name)
         if shape is not None and info.type.HasField("tensor_type"):
@@ -102,7 +115,16 @@ def _skeleton_without_nodes(model: onnx.ModelProto, input_shapes: Mapping[str, t
             del dims[:]
             for size in shape:
                 dims.add().dim_value = size
-    return sk
+        inputs.append(copy)
+    return _SkeletonParts(sk, small, inputs)
+
+
+def _skeleton_without_nodes(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
+                            ) -> onnx.ModelProto:
+    head, small_initializers, inputs = _skeleton_parts(model, input_shapes)
+    head.graph.initializer.extend(small_initializers)
+    head.graph.input.extend(inputs)
+    return head
 
 
 @cache
@@ -245,10 +267,10 @@ class _Slicer:
         self.nodes = model.graph.node
         self.encoded = encoded
         self.type_check = type_check
-        head = _skeleton_without_nodes(model, input_shapes)
+        head, small_initializers, inputs = _skeleton_parts(model, input_shapes)
         self.graph_name = model.graph.name
-        self.graph_inputs = {info.name: info for info in head.graph.input}
-        self.small_initializers = {tensor.name: tensor for tensor in head.graph.initializer}
+        self.graph_inputs = {info.name: info for info in inputs}
+        self.small_initializers = {tensor.name: tensor for tensor in small_initializers}
         head.ClearField("graph")
         self.head = head.SerializeToString()
         self.declared = ({info.name: info for info in model.graph.value_info} if type_check
@@ -269,15 +291,23 @@ class _Slicer:
 
     def infer(self, members: list[tuple[int, Sequence[str], Sequence[str]]]) -> bool:
         """Infer one slice (node index, inputs, outputs of each node); False when that fails."""
+        member_reads, produced = _slice_reads(members)
         prefix = [(index, *self.shape_like_nodes[index])
-                  for index in self._shape_like_sources(_slice_reads(members))]
+                  for index in self._shape_like_sources(member_reads)]
+        reads = member_reads
+        if prefix:
+            prefix_reads, prefix_produced = _slice_reads(prefix)
+            seen = prefix_produced.union(prefix_reads)
+            reads = prefix_reads + [name for name in member_reads if name not in seen]
+            produced |= prefix_produced
         sliced = onnx.GraphProto(name=self.graph_name)
-        if not self._declare_inputs(sliced, _slice_reads(prefix + members)):
+        if not self._declare_inputs(sliced, reads):
             return False
-        computed = [name for _, _, outs in prefix + members for name in outs]
-        sliced.value_info.extend(self.declared[name] for name in computed
-                                 if name in self.declared)
-        sliced.output.extend(self.outputs[name] for name in computed if name in self.outputs)
+        if self.declared:
+            computed = [name for _, _, outs in prefix + members for name in outs]
+            sliced.value_info.extend(self.declared[name] for name in computed
+                                     if name in self.declared)
+        sliced.output.extend(info for name, info in self.outputs.items() if name in produced)
         graph = bytearray()
         for index, _, _ in prefix:
             graph += self._fields(index, index + 1)
@@ -297,11 +327,15 @@ class _Slicer:
         found = _types(inferred, inferred, self.partial)
         del inferred
         self.types.update(found)
-        for index, ins, outs in members:
-            if any(_shape_like(*found.get(name, (None, None))) for name in outs):
-                self.shape_like_nodes[index] = (ins, outs)
-                for name in outs:
-                    self.producer[name] = index
+        # The types of values found share a handful of tuples: each is judged once.
+        like = {known for known in set(found.values()) if _shape_like(*known)}
+        shape_like = {name for name, known in found.items() if known in like} if like else ()
+        if shape_like:
+            for index, ins, outs in members:
+                if any(name in shape_like for name in outs):
+                    self.shape_like_nodes[index] = (ins, outs)
+                    for name in outs:
+                        self.producer[name] = index
         return True
 
     def _shape_like_sources(self, reads: list[str]) -> list[int]:
@@ -345,8 +379,10 @@ def _shape_like(dtype: str | None, shape: tuple[int, ...] | None) -> bool:
     return len(shape) <= 1 and math.prod(shape) <= SMALL_INITIALIZER
 
 
-def _slice_reads(members: list[tuple[int, Sequence[str], Sequence[str]]]) -> list[str]:
-    """The values a run of nodes reads before producing them (in order of first read)."""
+def _slice_reads(members: list[tuple[int, Sequence[str], Sequence[str]]]
+                 ) -> tuple[list[str], set[str]]:
+    """The values a run of nodes reads before producing them (in order of first read), and
+    the values it produces."""
     produced: set[str] = set()
     reads: dict[str, None] = {}
     for _, ins, outs in members:
@@ -354,7 +390,7 @@ def _slice_reads(members: list[tuple[int, Sequence[str], Sequence[str]]]) -> lis
             if name and name not in produced:
                 reads[name] = None
         produced.update(outs)
-    return list(reads)
+    return list(reads), produced
 
 
 def _types(inferred: onnx.ModelProto | None, model: onnx.ModelProto,
@@ -426,15 +462,19 @@ class _AccessCount:
         self.produced += outputs
 
     def result(self) -> dict[str, int]:
-        """Name -> accesses, graph inputs first, then in order of production."""
-        reads = Counter(self.read)
-        reads.update(info.name for info in self.graph.output)
-        constants = self.constants
-        constants.add("")
-        writes = set(self.produced)
-        names = [info.name for info in self.graph.input if info.name not in constants]
-        names += [name for name in self.produced if name not in constants]
-        return {name: int(name in writes) + reads[name] for name in dict.fromkeys(names)}
+        """Name -> accesses of each activation."""
+        # Counter counts an iterable in C: one pass over the names, no Python per name.
+        writes = dict.fromkeys(self.produced, 1)
+        accesses = Counter(writes)
+        accesses.update(self.read)
+        accesses.update(info.name for info in self.graph.output)
+        inputs = {info.name for info in self.graph.input}
+        for name in inputs:
+            accesses.setdefault(name, 0)
+        # Read but no activation of this graph (an initializer), or a constant.
+        for name in (accesses.keys() - writes.keys() - inputs) | self.constants | {""}:
+            accesses.pop(name, None)
+        return dict(accesses)
 
 
 def _proto_accesses(graph: onnx.GraphProto) -> dict[str, int]:
