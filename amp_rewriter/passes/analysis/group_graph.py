@@ -33,14 +33,14 @@ class GroupGraph:
             values: list[Value | None] = [node.outputs[s] for s in group.output_slots]
             values += group.inner_defs
             targets: list[TypeGroup] = []
-            for value in values:
-                if value is None:
+            for defined in values:
+                if defined is None:
                     continue
-                for consumer, slot in value.uses:
+                for consumer, slot in defined.uses:
                     target = consumer.input_group[slot]
                     if target is not None and target in pred and target not in targets:
                         targets.append(target)
-                for sub, index in value.graph_output_uses:
+                for sub, index in defined.graph_output_uses:
                     target = owner_of_use.get((id(sub), index))
                     if target is not None and target not in targets:
                         targets.append(target)
