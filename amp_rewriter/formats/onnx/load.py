@@ -745,11 +745,16 @@ class OnnxLoader:
         if formal is None:
             node.has_schema = False
             return
-        present = (tuple(v is not None for v in node.inputs),
-                   tuple(v is not None for v in node.outputs))
-        shape_key = (node.op_type, node.domain, present)
+        inputs, outputs = node.inputs, node.outputs
+        # Most nodes fill every slot they have: then the slot counts say which are present.
+        shape_key: tuple = (node.op_type, node.domain, len(inputs), len(outputs))
+        if None in inputs or None in outputs:
+            shape_key = (node.op_type, node.domain, tuple([v is not None for v in inputs]),
+                         tuple([v is not None for v in outputs]))
         shapes = self.group_shapes.get(shape_key)
         if shapes is None:
+            present = (tuple([v is not None for v in inputs]),
+                       tuple([v is not None for v in outputs]))
             shapes = self.group_shapes[shape_key] = _group_shapes(formal, node.op_type, present)
         for key, allowed, fixed_reason, input_slots, output_slots in shapes:
             group = TypeGroup(node, key, input_slots, output_slots, allowed,
