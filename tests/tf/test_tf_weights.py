@@ -141,3 +141,35 @@ def test_cli_reports_the_weights_and_opts_out(exported, tmp_path, capsys):
                      "--keep-fp32-weights", "--quiet"]) == 0
     assert (tmp_path / "b" / "variables" / "variables.index").read_bytes() == \
         (exported / "variables" / "variables.index").read_bytes()
+
+
+class _Saliency(tf.Module):
+    """A signature that takes a gradient through a nested function: TensorFlow's `__forward_*`
+    function returns the weight's read (its backward pass needs it), declared float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = tf.Variable(np.random.default_rng(0).standard_normal((4, 4)).astype("float32"))
+
+    @tf.function
+    def inner(self, x):
+        return tf.tanh(tf.matmul(x, self.w))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.float32)])
+    def saliency(self, x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(self.inner(x))
+        return {"g": tape.gradient(y, x)}
+
+
+def test_a_read_a_function_returns_keeps_its_variable_fp32(tmp_path):
+    module = _Saliency()
+    src = tmp_path / "saliency"
+    tf.saved_model.save(module, str(src),
+                        signatures={"saliency": module.saliency.get_concrete_function()})
+    convert_saved_model(src, tmp_path / "out", target="bf16", backend="tf-cpu")
+    x = tf.ones([2, 4])
+    expected = tf.saved_model.load(str(src)).signatures["saliency"](x=x)["g"].numpy()
+    got = tf.saved_model.load(str(tmp_path / "out")).signatures["saliency"](x=x)["g"].numpy()
+    assert np.allclose(got, expected, atol=0.05)

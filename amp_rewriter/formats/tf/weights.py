@@ -92,6 +92,9 @@ class _Function:
         self.fdef = fdef
         self.nodes = {nd.name: nd for nd in fdef.node_def}
         self.args = [arg.name for arg in fdef.signature.input_arg]
+        #: Nodes whose values the function returns (a `__forward_*` function hands the reads
+        #: its backward pass needs to its caller, declared with their dtype).
+        self.returned = {_producer(ref) for ref in fdef.ret.values()}
         #: producer name -> (consumer node, input position, full reference)
         self.consumers: dict[str, list[tuple[node_def_pb2.NodeDef, int, str]]] = {}
         for nd in fdef.node_def:
@@ -139,7 +142,7 @@ class _Reads:
         return node.op if node.op in self.library else None
 
     def _read_is_low(self, fn: _Function, read: node_def_pb2.NodeDef) -> bool:
-        if read.attr["dtype"].type != FLOAT:
+        if read.attr["dtype"].type != FLOAT or read.name in fn.returned:
             return False
         consumers = fn.consumers.get(read.name, [])
         return bool(consumers) and all(
