@@ -66,6 +66,12 @@ def unknown_target(tmp_path: Path) -> list[str | Path]:
     return ["convert", write_cnn(tmp_path / "cnn.onnx"), tmp_path / OUTPUT_NAME, "--target", "fp8"]
 
 
+def savedmodel_option(tmp_path: Path) -> list[str | Path]:
+    """A valid model with an option for TensorFlow SavedModels only (it was ignored)."""
+    return ["convert", write_cnn(tmp_path / "cnn.onnx"), tmp_path / OUTPUT_NAME,
+            "--keep-fp32-weights"]
+
+
 def output_is_input(tmp_path: Path) -> list[str | Path]:
     """Output path equal to the input path (must not overwrite the input)."""
     model = write_cnn(tmp_path / "cnn.onnx")
@@ -119,6 +125,7 @@ BAD_INPUTS: dict[str, Callable[[Path], list[str | Path]]] = {
     "text_file": text_file,
     "truncated_protobuf": truncated_protobuf,
     "unknown_target": unknown_target,
+    "savedmodel_option": savedmodel_option,
     "output_is_input": output_is_input,
     "external_data_escape": external_data_escape,
     "ancient_opset": ancient_opset,

@@ -327,6 +327,13 @@ def test_cli_in_process(tmp_path, capsys):
     code = cli.main(["explain", str(src), "mm", "--outputs", "y", "--target", "bf16"])
     assert code == 0 and "allow" in capsys.readouterr().out
 
+    # A SavedModel's option: refused, not silently ignored (the constants convert all the same).
+    code = cli.main(["convert", str(src), str(tmp_path / "o5.pb"), "--outputs", "y",
+                     "--keep-fp32-weights"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--keep-fp32-weights" in err
+    assert not (tmp_path / "o5.pb").exists()
+
     code = cli.main(["convert", str(src), str(tmp_path / "o4.pb"), "--outputs", "y",
                      "--deny", "Rellu", "--quiet"])
     assert code == 0 and "--deny Rellu: no such TensorFlow op" in capsys.readouterr().err

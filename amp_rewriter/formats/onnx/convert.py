@@ -284,6 +284,10 @@ def _refuse_old_opset(opset: int) -> None:
 def _refuse_tf_options(options: Options) -> None:
     if options.outputs:
         raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its outputs")
+    if options.keep_fp32_weights:
+        raise AmpError("--keep-fp32-weights is for TensorFlow SavedModels (their variables): an "
+                       "ONNX model's initializers convert with the nodes that read them, "
+                       "range-checked")
 
 
 def default_opset(model: onnx.ModelProto) -> int:

@@ -118,6 +118,9 @@ def convert_graph_def_ir(graph_def: graph_pb2.GraphDef, options: Options,
                          ) -> tuple[graph_pb2.GraphDef, Report, tuple[Model, ValueNames]]:
     """`convert_graph_def`, also returning the IR the passes left and the values' names before
     them (for the accuracy tools)."""
+    if options.keep_fp32_weights:
+        raise AmpError("--keep-fp32-weights is for SavedModels (their variables): a GraphDef's "
+                       "constants convert with the nodes that read them, range-checked")
     options, lists = _resolved(options)
     copy = graph_pb2.GraphDef()
     copy.CopyFrom(graph_def)
