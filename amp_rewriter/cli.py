@@ -240,7 +240,8 @@ def _convert(args: argparse.Namespace) -> int:
             print(_training_line(report.training))
         if report.weights is not None:
             w = report.weights
-            print(f"weights: {len(w['variables'])} variables stored in {short_name(w['dtype'])} "
+            count = w["objects"] - w.get("copies", 0)
+            print(f"weights: {count} variables stored in {short_name(w['dtype'])} "
                   f"({w['bytes_before'] / 1e6:.1f} MB -> {w['bytes_after'] / 1e6:.1f} MB), read "
                   f"without a cast (--keep-fp32-weights keeps them fp32)")
     return 0

@@ -173,3 +173,33 @@ def test_a_read_a_function_returns_keeps_its_variable_fp32(tmp_path):
     expected = tf.saved_model.load(str(src)).signatures["saliency"](x=x)["g"].numpy()
     got = tf.saved_model.load(str(tmp_path / "out")).signatures["saliency"](x=x)["g"].numpy()
     assert np.allclose(got, expected, atol=0.05)
+
+
+class _WithState(tf.Module):
+    """Two read variables and one no function reads, all named "Variable" (the default), the
+    unread one with the same value as a read one."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = tf.Variable(np.random.default_rng(0).standard_normal((4, 4)).astype("float32"))
+        self.b = tf.Variable(tf.zeros([4]))
+        self.running_total = tf.Variable(tf.zeros([4]))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.float32)])
+    def serve(self, x):
+        return {"y": tf.matmul(x, self.w) + self.b}
+
+
+def test_a_variable_no_function_reads_keeps_its_dtype(tmp_path, capsys):
+    module = _WithState()
+    src = tmp_path / "state"
+    tf.saved_model.save(module, str(src), signatures={"serving_default": module.serve})
+    out = tmp_path / "out"
+    assert cli.main(["convert", str(src), str(out), "--target", "bf16"]) == 0
+    assert "weights: 2 variables stored in bf16" in capsys.readouterr().out
+    dtypes = tf.train.load_checkpoint(str(out / "variables" / "variables")).get_variable_to_dtype_map()
+    assert dtypes["running_total/.ATTRIBUTES/VARIABLE_VALUE"] == tf.float32
+    assert dtypes["w/.ATTRIBUTES/VARIABLE_VALUE"] == tf.bfloat16
+    loaded = tf.saved_model.load(str(out))
+    loaded.running_total.assign_add(tf.ones([4]))  # still a float32 variable
+    assert np.array_equal(loaded.running_total.numpy(), np.ones(4, np.float32))

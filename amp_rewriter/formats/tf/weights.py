@@ -69,6 +69,8 @@ class WeightsPlan:
     keys: set[str] = field(default_factory=set)
     #: (function, ReadVariableOp node) of every read of those variables
     read_nodes: set[tuple[str, str]] = field(default_factory=set)
+    #: How many of `variables` are second copies of others (Keras's `_all_variables`).
+    copies: int = 0
     casts_removed: int = 0
     bytes_before: int = 0
     bytes_after: int = 0
@@ -76,7 +78,8 @@ class WeightsPlan:
     def summary(self) -> dict:
         """What the report says about the stored weights."""
         return {"dtype": self.dtype, "variables": sorted(set(self.variables.values())),
-                "objects": len(self.variables), "casts_removed": self.casts_removed,
+                "objects": len(self.variables), "copies": self.copies,
+                "casts_removed": self.casts_removed,
                 "bytes_before": self.bytes_before, "bytes_after": self.bytes_after}
 
 
@@ -184,7 +187,8 @@ def plan_low_precision_weights(meta_graph: meta_graph_pb2.MetaGraphDef, variable
               for read in found}
     candidates = {n for n in candidates if not read_nodes[n] & shared}
     keys_of = _checkpoint_keys(variables_prefix)
-    candidates |= _unread_twins(object_graph, candidates, verdict, keys_of, variables_prefix)
+    twins = _unread_twins(object_graph, candidates, verdict, keys_of, variables_prefix)
+    candidates |= twins
     for node_id in candidates:
         read_nodes.setdefault(node_id, set())
     key_owners: dict[str, set[int]] = {}
@@ -198,6 +202,7 @@ def plan_low_precision_weights(meta_graph: meta_graph_pb2.MetaGraphDef, variable
         plan.variables[node_id] = object_graph.nodes[node_id].variable.name
         plan.keys.update(keys)
     plan.read_nodes = {r for n in plan.variables for r in read_nodes[n]}
+    plan.copies = len(twins & plan.variables.keys())
     return plan
 
 
@@ -205,8 +210,14 @@ def _unread_twins(object_graph, lowered: set[int], captured: dict[int, bool],
                   keys_of: dict[int, set[str]], prefix: Path) -> set[int]:
     """Variables no function reads that are copies of lowered ones: Keras's `model.export`
     tracks each variable twice (`variables/N` and `_all_variables/N`, separate objects with the
-    same name and value). A copy follows its twin; any other unread variable keeps its dtype."""
+    same name and value). A copy listed there follows its twin; any other unread variable
+    keeps its dtype (a tf.Module's state that no function reads, which may share the default
+    name "Variable" and the value of a lowered one)."""
     reader = tf.train.load_checkpoint(str(prefix))
+    keras_lists = {child.node_id for node in object_graph.nodes for child in node.children
+                   if child.local_name == "_all_variables"}
+    listed = {child.node_id for list_id in keras_lists
+              for child in object_graph.nodes[list_id].children}
 
     def value(node_id: int) -> np.ndarray | None:
         keys = sorted(keys_of.get(node_id, ()))
@@ -219,7 +230,8 @@ def _unread_twins(object_graph, lowered: set[int], captured: dict[int, bool],
             by_name.setdefault(object_graph.nodes[node_id].variable.name, []).append(tensor)
     twins = set()
     for node_id, node in enumerate(object_graph.nodes):
-        if not node.HasField("variable") or node_id in captured or node.variable.dtype != FLOAT:
+        if not node.HasField("variable") or node_id in captured or node_id not in listed \
+                or node.variable.dtype != FLOAT:
             continue
         tensor = value(node_id)
         if tensor is not None and any(
