@@ -387,6 +387,21 @@ def test_fp16_overflowing_constant_keeps_its_consumer_fp32():
     c.run(rtol=2e-2)
 
 
+def test_an_overflowing_constant_read_through_identity_keeps_its_reader_fp32():
+    """Frozen TF2 graphs read each weight through an Identity: the range guard follows it, so
+    the MatMul behind it stays fp32 rather than casting the 1e5 weight to fp16 (inf)."""
+    def model():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf.constant(np.full((4, 4), 1e5, np.float32), name="w")
+        read = tf.identity(w, name="w_read")
+        tf.identity(tf.matmul(x, read, name="mm") * 1e-5, name="y")
+
+    c = Converted(build(model), ["y"], target="fp16", backend="tf-gpu")
+    assert c.precision("w_read") == "fp32" and c.precision("mm") == "fp32"
+    assert "w_read" in c.entries["mm"]["reason"]
+    c.run(rtol=1e-3)
+
+
 def test_a_divisor_that_partly_flushes_keeps_the_division_fp32():
     """`x / c` (RealDiv) with one element of c below fp16's smallest subnormal stays fp32, as
     ONNX's Div does: in fp16 that element would be 0, and relu's zeros / 0 NaN."""

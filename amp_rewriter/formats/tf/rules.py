@@ -55,6 +55,12 @@ TF_RULES = FormatRules(
     rounding_ops=frozenset({"Floor", "Ceil", "Round", "Rint"}),
     metadata_ops=frozenset({"Shape", "ShapeN", "Size", "Rank"}),
     lookup_ops=frozenset({"Gather", "GatherV2", "GatherNd", "ResourceGather"}),
+    # Ops that hand on their input's values unchanged or only selected: a constant's range
+    # guard follows them (frozen TF2 graphs read every weight through an Identity).
+    carry_ops={"Identity": (0,), "Snapshot": (0,), "StopGradient": (0,), "Reshape": (0,),
+               "ExpandDims": (0,), "Squeeze": (0,), "Transpose": (0,), "Tile": (0,),
+               "BroadcastTo": (0,), "GatherV2": (0,), "Gather": (0,), "StridedSlice": (0,),
+               "Slice": (0,)},
     # No saturate_op: the TF emitter writes only the casts a pass adds, so the attention-mask
     # rule is off for TF graphs (their masks keep the constant-range rule).
 )

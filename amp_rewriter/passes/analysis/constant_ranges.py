@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ...ir import FLOAT32, LazyTensor, TypeGroup, Value
+from ...ir import FLOAT32, LazyTensor, Node, TypeGroup, Value
 from ...ir.dtypes import FINITE_MAX
 from ..base import ConstantRecord, PassContext, register_pass
 
@@ -68,4 +68,32 @@ def guard_constant_ranges(ctx: PassContext) -> tuple[int, list[str]]:
                 detail=f"feeds {group.node.name} ({group.node.op_type}), which stays fp32"))
         group.forced_deny = why
         forced += 1
+        if slot >= 0:
+            forced += _force_carried_readers(ctx, group.node, slot, why)
     return forced, []
+
+
+def _force_carried_readers(ctx: PassContext, node: Node, slot: int, why: str) -> int:
+    """Keep fp32 the groups that read a constant's values through ops that carry them unchanged
+    or only selected (`rules.carry_ops`: an Identity, a Reshape; every frozen TF2 graph reads
+    its weights through Identity nodes): a cast after the carrying op would overflow just the
+    same. Returns how many groups it forced."""
+    forced = 0
+    seen: set[int] = set()
+    stack = [(node, slot)]
+    while stack:
+        carrier, carried_slot = stack.pop()
+        if carried_slot not in ctx.rules.carry_ops.get(carrier.op_type, ()):
+            continue
+        for value in carrier.outputs:
+            if value is None or id(value) in seen:
+                continue
+            seen.add(id(value))
+            for reader, reader_slot in value.uses:
+                group = reader.input_group[reader_slot] \
+                    if reader_slot < len(reader.input_group) else None
+                if group is not None and group.paintable and not group.forced_deny:
+                    group.forced_deny = f"{why}; read through {carrier.name} ({carrier.op_type})"
+                    forced += 1
+                stack.append((reader, reader_slot))
+    return forced
