@@ -203,3 +203,24 @@ def test_a_variable_no_function_reads_keeps_its_dtype(tmp_path, capsys):
     loaded = tf.saved_model.load(str(out))
     loaded.running_total.assign_add(tf.ones([4]))  # still a float32 variable
     assert np.array_equal(loaded.running_total.numpy(), np.ones(4, np.float32))
+
+
+class _Huge(tf.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = tf.Variable(np.full((4, 4), 1e5, np.float32))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.float32)])
+    def serve(self, x):
+        return {"y": tf.matmul(x, self.w) * 1e-5}
+
+
+def test_a_variable_beyond_fp16_stays_fp32_in_the_checkpoint_with_a_warning(tmp_path):
+    module = _Huge()
+    src = tmp_path / "huge"
+    tf.saved_model.save(module, str(src), signatures={"serving_default": module.serve})
+    report = convert_saved_model(src, tmp_path / "out", target="fp16", backend="tf-gpu")
+    dtypes = tf.train.load_checkpoint(
+        str(tmp_path / "out" / "variables" / "variables")).get_variable_to_dtype_map()
+    assert dtypes["w/.ATTRIBUTES/VARIABLE_VALUE"] == tf.float32
+    assert any("1 variable(s) hold values fp16 cannot represent" in w for w in report.warnings)

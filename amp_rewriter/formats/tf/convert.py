@@ -282,6 +282,14 @@ def _lower_weights(saved: saved_model_pb2.SavedModel, input_dir: Path, options: 
                                      if not _convertible(f))
     plan = plan_low_precision_weights(meta_graph, prefix, TARGET_DTYPES[options.target],
                                       checkpoint_functions)
+    if plan.out_of_range:
+        target = options.target
+        report.warnings.append(
+            f"{len(plan.out_of_range)} variable(s) hold values {target} cannot represent "
+            f"(beyond its range, or all flushing to zero): {', '.join(plan.out_of_range[:5])}"
+            f"{' ...' if len(plan.out_of_range) > 5 else ''}; they stay fp32 in the checkpoint, "
+            f"but the nodes reading them run in {target} and cast them on every call (inf or 0 "
+            f"there): keep those nodes fp32 with --keep-node, or let --auto measure and pin them")
     if not plan.variables:
         return None
     apply_low_precision_weights(meta_graph, plan, checkpoint_functions)

@@ -31,6 +31,7 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, typ
 from tensorflow.core.protobuf import meta_graph_pb2, trackable_object_graph_pb2
 
 from ...errors import AmpError
+from ...ir import check_range
 from .load import dtype_enum
 
 _Function_T = TypeVar("_Function_T", bound=Callable[..., Any])
@@ -71,6 +72,9 @@ class WeightsPlan:
     read_nodes: set[tuple[str, str]] = field(default_factory=set)
     #: How many of `variables` are second copies of others (Keras's `_all_variables`).
     copies: int = 0
+    #: Names of variables read only in low precision whose values the dtype cannot hold
+    #: (beyond its finite range, or every non-zero value flushing to zero): kept fp32.
+    out_of_range: list[str] = field(default_factory=list)
     casts_removed: int = 0
     bytes_before: int = 0
     bytes_after: int = 0
@@ -189,6 +193,9 @@ def plan_low_precision_weights(meta_graph: meta_graph_pb2.MetaGraphDef, variable
     keys_of = _checkpoint_keys(variables_prefix)
     twins = _unread_twins(object_graph, candidates, verdict, keys_of, variables_prefix)
     candidates |= twins
+    out_of_range = _out_of_range(object_graph, candidates, keys_of, variables_prefix, dtype)
+    candidates -= out_of_range
+    plan.out_of_range = sorted({object_graph.nodes[n].variable.name for n in out_of_range})
     for node_id in candidates:
         read_nodes.setdefault(node_id, set())
     key_owners: dict[str, set[int]] = {}
@@ -239,6 +246,23 @@ def _unread_twins(object_graph, lowered: set[int], captured: dict[int, bool],
                 for t in by_name.get(node.variable.name, [])):
             twins.add(node_id)
     return twins
+
+
+def _out_of_range(object_graph, candidates: set[int], keys_of: dict[int, set[str]],
+                  prefix: Path, dtype: str) -> set[int]:
+    """The candidates whose stored values `dtype` cannot hold: some beyond its finite range, or
+    every non-zero one flushing to zero (`check_range`, as constants are checked)."""
+    reader = tf.train.load_checkpoint(str(prefix))
+    refused = set()
+    for node_id in candidates:
+        keys = sorted(keys_of.get(node_id, ()))
+        if not keys:
+            continue
+        values = np.asarray(reader.get_tensor(keys[0]), dtype=np.float32)
+        result = check_range(values, dtype)
+        if result.overflowed or result.vanishes:
+            refused.add(node_id)
+    return refused
 
 
 def _checkpoint_keys(prefix: Path) -> dict[int, set[str]]:
