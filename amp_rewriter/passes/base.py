@@ -154,6 +154,11 @@ class RescalePlan:
     step: Node | None = None
     after_mean: list[Node] = field(default_factory=list)
 
+    @property
+    def anchor(self) -> Node:
+        """The node the rewrite's nodes go before (and a failure is blamed on)."""
+        return self.mean
+
 
 #: With an RMS norm's inverse root in low precision, the clipped max|x| is at least this many
 #: sqrt(eps): s >= sqrt(eps) / 16 then, and (sqrt(eps) / s)^2 <= 2^8 (see rescale_rms). The
@@ -174,6 +179,11 @@ class RotaryPlan:
     #: The constant frequencies.
     frequencies: Value
     record: StructureRecord
+
+    @property
+    def anchor(self) -> Node:
+        """The node the rewrite's nodes go before (and a failure is blamed on)."""
+        return self.product
 
 
 def _every_op(op: str) -> bool:

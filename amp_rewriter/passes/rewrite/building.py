@@ -1,17 +1,18 @@
 """What rewrite passes build the graph with: nodes and scalar constants they add, with their
 dtypes fixed (the painting is over) and no type groups, and nodes they drop from any graph.
-`PlanBuilder` and `GraphEdits` serve the passes that replace a recognised structure (an RMS
-norm's statistics, a rotary angle) by nodes of their own."""
+`PlanBuilder`, `GraphEdits` and `rewrite_plans` serve the passes that replace a recognised
+structure (an RMS norm's statistics, a rotary angle) by nodes of their own."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ...ir import Graph, LazyTensor, Model, Node, Value, decisions, present
 from ...ir.dtypes import NUMPY_DTYPES
+from ..base import PassContext, RescalePlan, RotaryPlan
 
 #: The IR's cast op: every loader reads its format's cast as this, every emitter writes it back.
 CAST = "Cast"
@@ -111,6 +112,29 @@ class GraphEdits:
         for graph, before in self._before.values():
             graph.insert_nodes(before=before)
         remove_everywhere(model, self.doomed)
+
+
+Plan = TypeVar("Plan", RescalePlan, RotaryPlan)
+
+
+def rewrite_plans(ctx: PassContext, plans: Iterable[Plan],
+                  applies: Callable[[Plan], list[Node] | None],
+                  rewrite: Callable[[PassContext, Plan, list[Node], GraphEdits], None]) -> int:
+    """Rewrite each plan the painting left in its planned shape (`applies`: the casts the
+    rewrite takes over, None to leave the plan), its new nodes and removals applied in one sweep
+    at the end; returns how many were rewritten."""
+    done = 0
+    edits = GraphEdits()
+    for plan in plans:
+        ctx.focus = plan.anchor
+        casts = applies(plan)
+        if casts is None:
+            continue
+        rewrite(ctx, plan, casts, edits)
+        done += 1
+    ctx.focus = None
+    edits.apply(ctx.model)
+    return done
 
 
 def dropped_sources(value: Value | None) -> list[Node]:

@@ -45,7 +45,7 @@ import numpy as np
 from ...ir import FLOAT32, LOW_PRECISION_DTYPES, Node, Value, decisions, short_name
 from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES, SMALLEST_NORMAL
 from ..base import INVERSE_FLOOR, PassContext, RescalePlan, register_pass
-from .building import CAST, GraphEdits, PlanBuilder, dropped_sources
+from .building import CAST, GraphEdits, PlanBuilder, dropped_sources, rewrite_plans
 
 #: The class the report gives the nodes this pass builds.
 RESCALE_CLASS = "rescale"
@@ -178,15 +178,4 @@ def _rescale(ctx: PassContext, plan: RescalePlan, casts: list[Node], edits: Grap
 def rescale_rms_statistics(ctx: PassContext) -> tuple[int, list[str]]:
     """Compute each planned RMS norm's mean square in low precision on its row divided by 2^-7
     of the row's largest |x| (no fp32 copy of the row, no fp32 square)."""
-    done = 0
-    edits = GraphEdits()
-    for plan in ctx.rescales:
-        ctx.focus = plan.mean
-        casts = _applies(plan)
-        if casts is None:
-            continue
-        _rescale(ctx, plan, casts, edits)
-        done += 1
-    ctx.focus = None
-    edits.apply(ctx.model)
-    return done, []
+    return rewrite_plans(ctx, ctx.rescales, _applies, _rescale), []

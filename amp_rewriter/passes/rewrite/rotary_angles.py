@@ -41,7 +41,7 @@ import numpy as np
 
 from ...ir import FLOAT16, Node, Value, decisions, present
 from ..base import PassContext, RotaryPlan, register_pass
-from .building import CAST, GraphEdits, PlanBuilder, dropped_sources
+from .building import CAST, GraphEdits, PlanBuilder, dropped_sources, rewrite_plans
 
 #: The class the report gives the nodes this pass builds.
 ROTARY_CLASS = "rotary"
@@ -75,9 +75,9 @@ def _casts_back(value: Value | None, source: Value) -> list[Node] | None:
     return casts
 
 
-def _applies(plan: RotaryPlan) -> tuple[int, list[Node]] | None:
-    """The product's positions slot and the casts it reads them through, when the painting left
-    the plan's shape: the product in fp16, reading the positions through casts alone."""
+def _applies(plan: RotaryPlan) -> list[Node] | None:
+    """The casts the product reads the positions through, when the painting left the plan's
+    shape: the product in fp16, reading the positions through casts alone."""
     product = plan.product
     angle = product.outputs[0] if product.outputs and product.graph is not None else None
     if angle is None or angle.dtype != FLOAT16 or len(product.inputs) != 2:
@@ -85,7 +85,7 @@ def _applies(plan: RotaryPlan) -> tuple[int, list[Node]] | None:
     for slot in (0, 1):
         casts = _casts_back(product.inputs[slot], plan.positions)
         if casts:
-            return slot, casts
+            return casts
     return None
 
 
@@ -143,15 +143,4 @@ def _reduce(ctx: PassContext, plan: RotaryPlan, casts: list[Node], edits: GraphE
 def reduce_rotary_angles(ctx: PassContext) -> tuple[int, list[str]]:
     """Compute each planned rotary angle modulo 2*pi in int64 and round it to fp16 only then
     (see the module's docstring): no fp32 tensor, and no error that grows with the position."""
-    done = 0
-    edits = GraphEdits()
-    for plan in ctx.rotaries:
-        ctx.focus = plan.product
-        applies = _applies(plan)
-        if applies is None:
-            continue
-        _reduce(ctx, plan, applies[1], edits)
-        done += 1
-    ctx.focus = None
-    edits.apply(ctx.model)
-    return done, []
+    return rewrite_plans(ctx, ctx.rotaries, _applies, _reduce), []
