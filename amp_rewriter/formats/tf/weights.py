@@ -190,12 +190,14 @@ def plan_low_precision_weights(meta_graph: meta_graph_pb2.MetaGraphDef, variable
     shared = {read for node_id, found in read_nodes.items() if node_id not in candidates
               for read in found}
     candidates = {n for n in candidates if not read_nodes[n] & shared}
-    keys_of = _checkpoint_keys(variables_prefix)
-    twins = _unread_twins(object_graph, candidates, verdict, keys_of, variables_prefix)
-    candidates |= twins
-    out_of_range = _out_of_range(object_graph, candidates, keys_of, variables_prefix, dtype)
+    checkpoint = _Checkpoint(variables_prefix)
+    keys_of = checkpoint.keys
+    # Before the twins are added: a twin holds its lowered variable's value, in range then.
+    out_of_range = _out_of_range(candidates, checkpoint, dtype)
     candidates -= out_of_range
     plan.out_of_range = sorted({object_graph.nodes[n].variable.name for n in out_of_range})
+    twins = _unread_twins(object_graph, candidates, verdict, checkpoint)
+    candidates |= twins
     for node_id in candidates:
         read_nodes.setdefault(node_id, set())
     key_owners: dict[str, set[int]] = {}
@@ -214,25 +216,19 @@ def plan_low_precision_weights(meta_graph: meta_graph_pb2.MetaGraphDef, variable
 
 
 def _unread_twins(object_graph, lowered: set[int], captured: dict[int, bool],
-                  keys_of: dict[int, set[str]], prefix: Path) -> set[int]:
+                  checkpoint: _Checkpoint) -> set[int]:
     """Variables no function reads that are copies of lowered ones: Keras's `model.export`
     tracks each variable twice (`variables/N` and `_all_variables/N`, separate objects with the
     same name and value). A copy listed there follows its twin; any other unread variable
     keeps its dtype (a tf.Module's state that no function reads, which may share the default
     name "Variable" and the value of a lowered one)."""
-    reader = tf.train.load_checkpoint(str(prefix))
     keras_lists = {child.node_id for node in object_graph.nodes for child in node.children
                    if child.local_name == "_all_variables"}
     listed = {child.node_id for list_id in keras_lists
               for child in object_graph.nodes[list_id].children}
-
-    def value(node_id: int) -> np.ndarray | None:
-        keys = sorted(keys_of.get(node_id, ()))
-        return reader.get_tensor(keys[0]) if keys else None
-
     by_name: dict[str, list[np.ndarray]] = {}
     for node_id in lowered:
-        tensor = value(node_id)
+        tensor = checkpoint.value(node_id)
         if tensor is not None:
             by_name.setdefault(object_graph.nodes[node_id].variable.name, []).append(tensor)
     twins = set()
@@ -240,7 +236,7 @@ def _unread_twins(object_graph, lowered: set[int], captured: dict[int, bool],
         if not node.HasField("variable") or node_id in captured or node_id not in listed \
                 or node.variable.dtype != FLOAT:
             continue
-        tensor = value(node_id)
+        tensor = checkpoint.value(node_id)
         if tensor is not None and any(
                 t.shape == tensor.shape and np.array_equal(t, tensor)
                 for t in by_name.get(node.variable.name, [])):
@@ -248,34 +244,39 @@ def _unread_twins(object_graph, lowered: set[int], captured: dict[int, bool],
     return twins
 
 
-def _out_of_range(object_graph, candidates: set[int], keys_of: dict[int, set[str]],
-                  prefix: Path, dtype: str) -> set[int]:
+def _out_of_range(candidates: set[int], checkpoint: _Checkpoint, dtype: str) -> set[int]:
     """The candidates whose stored values `dtype` cannot hold: some beyond its finite range, or
     every non-zero one flushing to zero (`check_range`, as constants are checked)."""
-    reader = tf.train.load_checkpoint(str(prefix))
     refused = set()
     for node_id in candidates:
-        keys = sorted(keys_of.get(node_id, ()))
-        if not keys:
+        values = checkpoint.value(node_id)
+        if values is None:
             continue
-        values = np.asarray(reader.get_tensor(keys[0]), dtype=np.float32)
-        result = check_range(values, dtype)
+        result = check_range(np.asarray(values, dtype=np.float32), dtype)
         if result.overflowed or result.vanishes:
             refused.add(node_id)
     return refused
 
 
-def _checkpoint_keys(prefix: Path) -> dict[int, set[str]]:
-    """object-graph node id -> the checkpoint keys of its variable values."""
-    reader = tf.train.load_checkpoint(str(prefix))
-    graph = trackable_object_graph_pb2.TrackableObjectGraph()
-    graph.ParseFromString(reader.get_tensor(OBJECT_GRAPH_KEY))
-    keys: dict[int, set[str]] = {}
-    for node_id, node in enumerate(graph.nodes):
-        for attribute in node.attributes:
-            if attribute.name == "VARIABLE_VALUE":
-                keys.setdefault(node_id, set()).add(attribute.checkpoint_key)
-    return keys
+class _Checkpoint:
+    """A variables checkpoint, opened once: each object-graph node's checkpoint keys and the
+    value stored under the first."""
+
+    def __init__(self, prefix: Path):
+        self.reader = tf.train.load_checkpoint(str(prefix))
+        graph = trackable_object_graph_pb2.TrackableObjectGraph()
+        graph.ParseFromString(self.reader.get_tensor(OBJECT_GRAPH_KEY))
+        #: object-graph node id -> the checkpoint keys of its variable values
+        self.keys: dict[int, set[str]] = {}
+        for node_id, node in enumerate(graph.nodes):
+            for attribute in node.attributes:
+                if attribute.name == "VARIABLE_VALUE":
+                    self.keys.setdefault(node_id, set()).add(attribute.checkpoint_key)
+
+    def value(self, node_id: int) -> np.ndarray | None:
+        """The variable's stored value (None when it has none)."""
+        keys = sorted(self.keys.get(node_id, ()))
+        return self.reader.get_tensor(keys[0]) if keys else None
 
 
 def apply_low_precision_weights(meta_graph: meta_graph_pb2.MetaGraphDef, plan: WeightsPlan,
