@@ -29,6 +29,8 @@ class GroupGraph:
         succ: dict[TypeGroup, Sequence[TypeGroup]] = {}
         pred: dict[TypeGroup, list[TypeGroup]] = {g: [] for g in self.vertices}
         for group in self.vertices:
+            # `defined_values`, inlined: a call and a filtered copy per group cost a quarter
+            # of this loop (measured at 200k nodes).
             node = group.node
             values: list[Value | None] = [node.outputs[s] for s in group.output_slots]
             values += group.inner_defs
