@@ -16,21 +16,22 @@ from builder import GraphBuilder  # noqa: E402
 
 from amp_rewriter.formats.onnx.load import load_onnx  # noqa: E402
 from amp_rewriter.formats.onnx.rules import ONNX_RULES  # noqa: E402
-from amp_rewriter.ir import FLOAT32, decisions  # noqa: E402
+from amp_rewriter.ir import FLOAT32, RangeCheck, decisions  # noqa: E402
 from amp_rewriter.op_lists import OpLists  # noqa: E402
 from amp_rewriter.options import Options  # noqa: E402
-from amp_rewriter.passes import REGISTRY, PassContext  # noqa: E402
+from amp_rewriter.passes import REGISTRY, PassContext, StoredRange  # noqa: E402
 from amp_rewriter.passes.analysis import propagate  # noqa: E402
 from amp_rewriter.passes.analysis.group_graph import GroupGraph  # noqa: E402
 
 
-def painting(model, target: str = "fp16", backend: str = "ort-cuda", **options
+def painting(model, target: str = "fp16", backend: str = "ort-cuda",
+             stored_ranges: dict[str, StoredRange] | None = None, **options
              ) -> propagate.Painting:
     """A Painting after loading, pinning, classification and the constant-range guard."""
     opts = Options(target=target, backend=backend, **options)
     ir_model = load_onnx(model)
     lists = OpLists.load("onnx", target, backend, opts.overrides)
-    ctx = PassContext(ir_model, lists, opts, ONNX_RULES)
+    ctx = PassContext(ir_model, lists, opts, ONNX_RULES, stored_ranges=stored_ranges or {})
     for name in ("pin_nodes", "classify_ops", "guard_constant_ranges"):
         REGISTRY[name](ctx)
     return propagate.Painting(GroupGraph(ir_model.graph), ctx)
@@ -100,6 +101,33 @@ def test_spread_deny_starts_at_a_constant_that_does_not_fit():
     assert group(p, "add") in p.deny
     assert p.kind[group(p, "add")] == decisions.CONSTANT_RANGE
     assert group(p, "softmax") in p.deny
+
+
+def test_a_stored_tensor_out_of_range_keeps_its_readers_fp32_through_carrying_ops():
+    # "read" stands for a node whose output a front end knows from storage (a SavedModel
+    # variable's read); its values do not fit fp16, and the MatMul reads them through a
+    # Reshape (a carrying op). With the range fitting, the MatMul goes fp16.
+    b = GraphBuilder()
+    x = b.input("x", [2, 4])
+    stored = b.op("Relu", b.input("v", [4, 4]), name="read")
+    w = b.op("Reshape", stored, b.const("shape", np.array([4, 4], np.int64)), name="reshape")
+    b.output(b.op("MatMul", x, w, name="mm"))
+    model = b.build()
+    huge = StoredRange("dense/kernel", RangeCheck(overflowed=3, flushed_to_zero=0, nonzero=16),
+                       16)
+    p = painting(model, stored_ranges={"read": huge})
+    run_until(p, propagate.spread_deny)
+    assert group(p, "mm") in p.deny and group(p, "reshape") in p.deny
+    assert p.kind[group(p, "reshape")] == decisions.CONSTANT_RANGE
+    assert "variable 'dense/kernel' has 3 value(s) beyond" in p.reason[group(p, "reshape")]
+    assert group(p, "mm").forced_deny.endswith("read through reshape (Reshape)")
+    assert p.ctx.constants[0].name == "dense/kernel" and p.ctx.constants[0].elements == 16
+
+    fits = StoredRange("dense/kernel", RangeCheck(overflowed=0, flushed_to_zero=0, nonzero=16),
+                       16)
+    p = painting(model, stored_ranges={"read": fits})
+    run_until(p, propagate.seed_allow)
+    assert group(p, "mm") in p.allow
 
 
 def test_fill_between_allow_paints_only_what_lies_between_two_allow_ops():

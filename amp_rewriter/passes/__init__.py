@@ -2,8 +2,17 @@
 registered by name (`REGISTRY`); pipelines are lists of those names (`PIPELINES`). Nothing here
 imports onnx or tensorflow: a format's op names reach the passes through `FormatRules`."""
 
-from .base import REGISTRY, ConstantRecord, FormatRules, Pass, PassContext, PassResult, Pin
+from .base import (
+                   REGISTRY,
+                   ConstantRecord,
+                   FormatRules,
+                   Pass,
+                   PassContext,
+                   PassResult,
+                   Pin,
+                   StoredRange,
+)
 from .pipeline import PIPELINES, PassError, run_pipeline
 
 __all__ = ["REGISTRY", "ConstantRecord", "FormatRules", "Pass", "PassContext", "PassResult",
-           "Pin", "PIPELINES", "PassError", "run_pipeline"]
+           "Pin", "PIPELINES", "PassError", "StoredRange", "run_pipeline"]

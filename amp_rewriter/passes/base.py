@@ -100,6 +100,18 @@ class Pin:
     barrier: bool = True
 
 
+@dataclass(frozen=True)
+class StoredRange:
+    """What a node's output holds when a front end knows it from storage and checked its range
+    (a SavedModel variable's checkpoint value, read by ReadVariableOp): `guard_constant_ranges`
+    treats that output as it treats a constant."""
+
+    #: What users know the stored tensor by (the variable's name).
+    name: str
+    check: RangeCheck
+    elements: int
+
+
 @dataclass
 class ConstantRecord:
     """One constant the conversion looked at, for the report."""
@@ -201,6 +213,8 @@ class PassContext:
     #: Node name -> why a front end keeps it fp32 (the training rewrite's optimizer path,
     #: `convert --auto`'s measurements, ...).
     pins: dict[str, Pin] = field(default_factory=dict)
+    #: Node name -> the range of the stored tensor its output holds (see StoredRange).
+    stored_ranges: dict[str, StoredRange] = field(default_factory=dict)
     constants: list[ConstantRecord] = field(default_factory=list)
     #: (id of a LazyTensor, dtype) -> its range check, shared by the passes that need it.
     range_checks: dict[tuple[int, str], RangeCheck] = field(default_factory=dict)

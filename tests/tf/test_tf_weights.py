@@ -215,12 +215,24 @@ class _Huge(tf.Module):
         return {"y": tf.matmul(x, self.w) * 1e-5}
 
 
-def test_a_variable_beyond_fp16_stays_fp32_in_the_checkpoint_with_a_warning(tmp_path):
+def test_a_variable_beyond_fp16_stays_fp32_and_so_do_its_readers(tmp_path):
+    """The variable stays fp32 in the checkpoint, and the MatMul reading it runs fp32 (a cast
+    of it to fp16 on every call would give inf), with or without --keep-fp32-weights."""
     module = _Huge()
     src = tmp_path / "huge"
     tf.saved_model.save(module, str(src), signatures={"serving_default": module.serve})
-    report = convert_saved_model(src, tmp_path / "out", target="fp16", backend="tf-gpu")
-    dtypes = tf.train.load_checkpoint(
-        str(tmp_path / "out" / "variables" / "variables")).get_variable_to_dtype_map()
-    assert dtypes["w/.ATTRIBUTES/VARIABLE_VALUE"] == tf.float32
-    assert any("1 variable(s) hold values fp16 cannot represent" in w for w in report.warnings)
+    x = tf.constant(np.ones((1, 4), np.float32))
+    expected = tf.saved_model.load(str(src)).signatures["serving_default"](x=x)["y"].numpy()
+    for out, keep in ((tmp_path / "out", False), (tmp_path / "kept", True)):
+        report = convert_saved_model(src, out, target="fp16", backend="tf-gpu",
+                                     keep_fp32_weights=keep)
+        dtypes = tf.train.load_checkpoint(
+            str(out / "variables" / "variables")).get_variable_to_dtype_map()
+        assert dtypes["w/.ATTRIBUTES/VARIABLE_VALUE"] == tf.float32
+        served = tf.saved_model.load(str(out)).signatures["serving_default"](x=x)["y"].numpy()
+        assert np.isfinite(served).all()
+        assert np.allclose(served, expected, rtol=1e-3)
+        matmuls = [n for n in report.nodes if n["op"] == "MatMul"]
+        assert matmuls and all(n["precision"] == "fp32" for n in matmuls)
+        assert all("beyond fp16's finite range" in n["reason"] for n in matmuls)
+        assert {(c["name"], c["action"]) for c in report.constants} == {("Variable", "kept_fp32")}

@@ -29,7 +29,7 @@ from ...fileio import OutputTransaction
 from ...ir import ALLOW, TARGET_DTYPES, Model, ValueNames, decisions, short_name
 from ...op_lists import OpLists
 from ...options import Options
-from ...passes import PassContext, Pin, run_pipeline
+from ...passes import PassContext, Pin, StoredRange, run_pipeline
 from ...report import NodeEntries, Report, build_report
 from ..base import cyclic_gc_paused
 from .emit import emit_function, emit_graphdef
@@ -44,7 +44,13 @@ from .files import (
 from .lists import default_backend, load_tf_lists
 from .load import default_fetches, load_function, load_graphdef
 from .rules import TF_RULES
-from .weights import apply_low_precision_weights, plan_low_precision_weights, write_checkpoint
+from .weights import (
+    VariableRanges,
+    apply_low_precision_weights,
+    check_variable_ranges,
+    plan_low_precision_weights,
+    write_checkpoint,
+)
 
 #: Functions that save or restore checkpoints are copied as they are.
 _CHECKPOINT_OPS = frozenset({"SaveV2", "RestoreV2", "MergeV2Checkpoints", "Save", "Restore",
@@ -52,9 +58,11 @@ _CHECKPOINT_OPS = frozenset({"SaveV2", "RestoreV2", "MergeV2Checkpoints", "Save"
 
 
 def _run(ir_model: Model, lists: OpLists, options: Options, graph_name: str,
-         pipeline: str = "tf", pins: Mapping[str, Pin] | None = None) -> Report:
+         pipeline: str = "tf", pins: Mapping[str, Pin] | None = None,
+         stored: Mapping[str, StoredRange] | None = None) -> Report:
     original = list(ir_model.graph.nodes)
-    ctx = PassContext(ir_model, lists, options, TF_RULES, pins=dict(pins or {}))
+    ctx = PassContext(ir_model, lists, options, TF_RULES, pins=dict(pins or {}),
+                      stored_ranges=dict(stored or {}))
     results = run_pipeline(ctx, pipeline)
     return build_report(ctx, original, results, lambda node: graph_name)
 
@@ -225,6 +233,8 @@ def convert_saved_model_proto(input_dir: Path, options: Options,
     asked_keep_io_types = options.keep_io_types
     options, lists = _resolved(dataclasses.replace(options, keep_io_types=True))
     saved = read_saved_model(input_dir)
+    # Before the functions change: what reads a variable the target cannot hold stays fp32.
+    ranges = _variable_ranges(saved, input_dir, options)
     reports: list[Report] = []
     served: list[bool] = []
     unknown_ops: set[str] = set()
@@ -238,7 +248,8 @@ def convert_saved_model_proto(input_dir: Path, options: Options,
                 if not _convertible(fdef):
                     continue
                 ir_model = load_function(fdef, original)
-                reports.append(_run(ir_model, lists, options, fdef.signature.name, pins=pins))
+                reports.append(_run(ir_model, lists, options, fdef.signature.name, pins=pins,
+                                    stored=ranges.reads.get(fdef.signature.name)))
                 served.append(fdef.signature.name in signature_functions
                               or not meta_graph.signature_def)
                 library.function[index].CopyFrom(emit_function(ir_model))
@@ -250,7 +261,7 @@ def convert_saved_model_proto(input_dir: Path, options: Options,
     report.warnings = _warnings(options, report, unknown_ops)
     write_variables = None
     if not options.keep_fp32_weights:
-        write_variables = _lower_weights(saved, input_dir, options, report)
+        write_variables = _lower_weights(saved, input_dir, options, report, ranges)
     if not asked_keep_io_types:
         report.summary["note"] = ("--no-keep-io-types has no effect on SavedModels: signatures "
                                   "keep their dtypes")
@@ -268,28 +279,49 @@ def convert_saved_model_dir(input_dir: Path, output_dir: Path, options: Options,
     return report
 
 
-def _lower_weights(saved: saved_model_pb2.SavedModel, input_dir: Path, options: Options,
-                   report: Report) -> Callable[[Path], None] | None:
-    """Plan and apply low-precision storage of the weights only read in low precision (TF2
-    SavedModels with one MetaGraph and a checkpoint); returns what writes the new checkpoint."""
-    prefix = input_dir / "variables" / "variables"
+def _checkpointed_meta_graph(saved: saved_model_pb2.SavedModel, input_dir: Path
+                             ) -> meta_graph_pb2.MetaGraphDef | None:
+    """The one MetaGraph of a TF2 SavedModel with a variables checkpoint (None otherwise: a TF1
+    SavedModel's variables live in its main graph only)."""
     if len(saved.meta_graphs) != 1 or not (input_dir / "variables" / "variables.index").is_file():
         return None
     meta_graph = saved.meta_graphs[0]
-    if not meta_graph.object_graph_def.nodes:
-        return None  # a TF1 SavedModel: its variables live in the main graph only
-    checkpoint_functions = frozenset(f.signature.name for f in meta_graph.graph_def.library.function
-                                     if not _convertible(f))
+    return meta_graph if meta_graph.object_graph_def.nodes else None
+
+
+def _checkpoint_functions(meta_graph: meta_graph_pb2.MetaGraphDef) -> frozenset[str]:
+    return frozenset(f.signature.name for f in meta_graph.graph_def.library.function
+                     if not _convertible(f))
+
+
+def _variable_ranges(saved: saved_model_pb2.SavedModel, input_dir: Path, options: Options
+                     ) -> VariableRanges:
+    """The captured variables' range checks in the target dtype (`check_variable_ranges`)."""
+    meta_graph = _checkpointed_meta_graph(saved, input_dir)
+    if meta_graph is None:
+        return VariableRanges()
+    return check_variable_ranges(meta_graph, input_dir / "variables" / "variables",
+                                 TARGET_DTYPES[options.target],
+                                 _checkpoint_functions(meta_graph))
+
+
+def _lower_weights(saved: saved_model_pb2.SavedModel, input_dir: Path, options: Options,
+                   report: Report, ranges: VariableRanges) -> Callable[[Path], None] | None:
+    """Plan and apply low-precision storage of the weights only read in low precision (TF2
+    SavedModels with one MetaGraph and a checkpoint); returns what writes the new checkpoint."""
+    prefix = input_dir / "variables" / "variables"
+    meta_graph = _checkpointed_meta_graph(saved, input_dir)
+    if meta_graph is None:
+        return None
+    checkpoint_functions = _checkpoint_functions(meta_graph)
     plan = plan_low_precision_weights(meta_graph, prefix, TARGET_DTYPES[options.target],
-                                      checkpoint_functions)
+                                      checkpoint_functions, ranges.checks)
     if plan.out_of_range:
         target = options.target
         report.warnings.append(
             f"{len(plan.out_of_range)} variable(s) hold values {target} cannot represent "
             f"(beyond its range, or all flushing to zero): {', '.join(plan.out_of_range[:5])}"
-            f"{' ...' if len(plan.out_of_range) > 5 else ''}; they stay fp32 in the checkpoint, "
-            f"but the nodes reading them run in {target} and cast them on every call (inf or 0 "
-            f"there): keep those nodes fp32 with --keep-node, or let --auto measure and pin them")
+            f"{' ...' if len(plan.out_of_range) > 5 else ''}; they stay fp32 in the checkpoint")
     if not plan.variables:
         return None
     apply_low_precision_weights(meta_graph, plan, checkpoint_functions)

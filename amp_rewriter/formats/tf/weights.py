@@ -31,7 +31,8 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, typ
 from tensorflow.core.protobuf import meta_graph_pb2, trackable_object_graph_pb2
 
 from ...errors import AmpError
-from ...ir import check_range
+from ...ir import RangeCheck, check_range
+from ...passes import StoredRange
 from .load import dtype_enum
 
 _Function_T = TypeVar("_Function_T", bound=Callable[..., Any])
@@ -156,12 +157,68 @@ class _Reads:
             c.op == "Cast" and c.attr["DstT"].type == self.target for c, _p, _r in consumers)
 
 
+@dataclass
+class VariableRanges:
+    """How the captured float variables' checkpoint values fare in the target dtype, checked
+    before the conversion so that the nodes reading the ones it cannot hold stay fp32."""
+
+    #: object-graph node id -> its range check
+    checks: dict[int, RangeCheck] = field(default_factory=dict)
+    #: function name -> {ReadVariableOp node -> its variable's range}, for the variables the
+    #: dtype cannot hold (some beyond its finite range, or every non-zero value flushing to zero)
+    reads: dict[str, dict[str, StoredRange]] = field(default_factory=dict)
+
+
+def _refused(check: RangeCheck) -> bool:
+    return bool(check.overflowed) or check.vanishes
+
+
+@_checkpoint_errors
+def check_variable_ranges(meta_graph: meta_graph_pb2.MetaGraphDef, variables_prefix: Path,
+                          dtype: str, skip: frozenset[str]) -> VariableRanges:
+    """Range-check in `dtype` every float variable a function captures (`skip`: the functions
+    that save or restore checkpoints), and find the reads of those out of range."""
+    ranges = VariableRanges()
+    library = {f.signature.name: f for f in meta_graph.graph_def.library.function
+               if f.signature.name not in skip}
+    object_graph = meta_graph.object_graph_def
+    reads = _Reads(library, dtype_enum(dtype))
+    read_nodes: dict[int, set[tuple[str, str]]] = {}
+    for name, concrete in sorted(object_graph.concrete_functions.items()):
+        if name not in library:
+            continue
+        args = library[name].signature.input_arg
+        first = len(args) - len(concrete.bound_inputs)
+        for offset, node_id in enumerate(concrete.bound_inputs):
+            node = object_graph.nodes[node_id]
+            if args[first + offset].type == RESOURCE and node.HasField("variable") \
+                    and node.variable.dtype == FLOAT:
+                read_nodes.setdefault(node_id, set()).update(reads.of_arg(name, first + offset)[1])
+    if not read_nodes:
+        return ranges
+    checkpoint = _Checkpoint(variables_prefix)
+    for node_id in sorted(read_nodes):
+        values = checkpoint.value(node_id)
+        if values is None:
+            continue
+        array = np.asarray(values, dtype=np.float32)
+        check = ranges.checks[node_id] = check_range(array, dtype)
+        if _refused(check):
+            stored = StoredRange(object_graph.nodes[node_id].variable.name, check, array.size)
+            for function, read in sorted(read_nodes[node_id]):
+                ranges.reads.setdefault(function, {})[read] = stored
+    return ranges
+
+
 @_checkpoint_errors
 def plan_low_precision_weights(meta_graph: meta_graph_pb2.MetaGraphDef, variables_prefix: Path,
-                               dtype: str, skip: frozenset[str]) -> WeightsPlan:
+                               dtype: str, skip: frozenset[str],
+                               checks: dict[int, RangeCheck] | None = None) -> WeightsPlan:
     """Which variables of a converted MetaGraph can be stored in `dtype` (nothing is changed).
 
     `skip` names the functions that save or restore checkpoints (they are patched, not read).
+    `checks`: the variables' range checks made before the conversion (`check_variable_ranges`),
+    so that their values are not read again.
     """
     plan = WeightsPlan(dtype)
     target = dtype_enum(dtype)
@@ -193,7 +250,7 @@ def plan_low_precision_weights(meta_graph: meta_graph_pb2.MetaGraphDef, variable
     checkpoint = _Checkpoint(variables_prefix)
     keys_of = checkpoint.keys
     # Before the twins are added: a twin holds its lowered variable's value, in range then.
-    out_of_range = _out_of_range(candidates, checkpoint, dtype)
+    out_of_range = _out_of_range(candidates, checkpoint, dtype, checks or {})
     candidates -= out_of_range
     plan.out_of_range = sorted({object_graph.nodes[n].variable.name for n in out_of_range})
     twins = _unread_twins(object_graph, candidates, verdict, checkpoint)
@@ -244,16 +301,20 @@ def _unread_twins(object_graph, lowered: set[int], captured: dict[int, bool],
     return twins
 
 
-def _out_of_range(candidates: set[int], checkpoint: _Checkpoint, dtype: str) -> set[int]:
+def _out_of_range(candidates: set[int], checkpoint: _Checkpoint, dtype: str,
+                  checks: dict[int, RangeCheck]) -> set[int]:
     """The candidates whose stored values `dtype` cannot hold: some beyond its finite range, or
-    every non-zero one flushing to zero (`check_range`, as constants are checked)."""
+    every non-zero one flushing to zero (`check_range`, as constants are checked; `checks` has
+    the ones made already)."""
     refused = set()
     for node_id in candidates:
-        values = checkpoint.value(node_id)
-        if values is None:
-            continue
-        result = check_range(np.asarray(values, dtype=np.float32), dtype)
-        if result.overflowed or result.vanishes:
+        check = checks.get(node_id)
+        if check is None:
+            values = checkpoint.value(node_id)
+            if values is None:
+                continue
+            check = check_range(np.asarray(values, dtype=np.float32), dtype)
+        if _refused(check):
             refused.add(node_id)
     return refused
 

@@ -1,4 +1,5 @@
-"""Force fp32 on groups whose constant inputs the target dtype would not represent."""
+"""Force fp32 on groups whose constant inputs (or stored ones a front end range-checked) the
+target dtype would not represent."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ from collections.abc import Iterator
 
 from ...ir import FLOAT32, LazyTensor, Node, TypeGroup, Value
 from ...ir.dtypes import FINITE_MAX
-from ..base import ConstantRecord, PassContext, register_pass
+from ..base import ConstantRecord, PassContext, StoredRange, register_pass
 
 
-def _constant_inputs(ctx: PassContext) -> Iterator[tuple[TypeGroup, int, Value | LazyTensor]]:
-    """(group, slot, source) for every paintable group slot fed by a float32 constant, and for
-    the fill value of constant-filling ops (slot -1)."""
+def _constant_inputs(ctx: PassContext
+                     ) -> Iterator[tuple[TypeGroup, int, Value | LazyTensor | StoredRange]]:
+    """(group, slot, source) for every paintable group slot fed by a float32 constant or by a
+    node whose stored output a front end range-checked (`ctx.stored_ranges`), and for the fill
+    value of constant-filling ops (slot -1)."""
     fill_attrs = ctx.rules.constant_fill_attrs
+    stored = ctx.stored_ranges
     for node in ctx.model.graph.walk_nodes():
         ctx.focus = node
         for group in node.type_groups:
@@ -20,8 +24,12 @@ def _constant_inputs(ctx: PassContext) -> Iterator[tuple[TypeGroup, int, Value |
                 continue
             for slot in group.input_slots:
                 value = node.inputs[slot]
-                if value is not None and value.const is not None and value.dtype == FLOAT32:
+                if value is None or value.dtype != FLOAT32:
+                    continue
+                if value.const is not None:
                     yield group, slot, value
+                elif stored and value.producer is not None and value.producer.name in stored:
+                    yield group, slot, stored[value.producer.name]
             attr = fill_attrs.get(node.op_type)
             if attr is not None and attr in node.attrs:
                 yield group, -1, node.attrs[attr]
@@ -35,7 +43,9 @@ def guard_constant_ranges(ctx: PassContext) -> tuple[int, list[str]]:
     value unless `--clamp`: the op consuming it runs in fp32, and as a deny seed that decision
     spreads to the infer/clear ops downstream of it (the mask Add and the Softmax). A constant
     whose non-zero values would all flush to zero, or any divisor (the format's divisor slots)
-    that would partly flush (x / 0), is kept in fp32 the same way, clamp or not.
+    that would partly flush (x / 0), is kept in fp32 the same way, clamp or not. A stored
+    tensor (a SavedModel variable) is guarded as a constant, clamp or not: it stays fp32 in
+    storage, and a cast of it on every call would overflow just the same.
     """
     target = ctx.target_dtype
     forced = 0
@@ -44,26 +54,33 @@ def guard_constant_ranges(ctx: PassContext) -> tuple[int, list[str]]:
     for group, slot, source in _constant_inputs(ctx):
         if group.forced_deny:
             continue
-        tensor = source.const if isinstance(source, Value) else source
-        assert tensor is not None
-        name = source.name if isinstance(source, Value) else f"{group.node.name}.value"
-        if name in mask_constants:
-            continue
-        result = ctx.range_check(tensor, target)
+        if isinstance(source, StoredRange):
+            name, what, result, elements = source.name, "variable", source.check, source.elements
+        else:
+            tensor = source.const if isinstance(source, Value) else source
+            assert tensor is not None
+            name = source.name if isinstance(source, Value) else f"{group.node.name}.value"
+            if name in mask_constants:
+                continue
+            what, result, elements = "constant", ctx.range_check(tensor, target), tensor.size
         divisor = (group.node.op_type, slot) in ctx.rules.divisor_slots
-        if result.overflowed and not ctx.options.clamp:
+        if result.overflowed and isinstance(source, StoredRange):
+            why = (f"variable {name!r} has {result.overflowed} value(s) beyond "
+                   f"{ctx.options.target}'s finite range ({FINITE_MAX[target]:g}); it stays fp32 "
+                   f"where it is stored, and so does what reads it")
+        elif result.overflowed and not ctx.options.clamp:
             why = (f"constant {name!r} has {result.overflowed} value(s) beyond "
                    f"{ctx.options.target}'s finite range ({FINITE_MAX[target]:g}); kept exact in "
                    f"fp32 (use --clamp to saturate instead)")
         elif result.vanishes or (divisor and result.flushed_to_zero):
-            why = (f"constant {name!r}: {result.flushed_to_zero} of its {result.nonzero} non-zero "
+            why = (f"{what} {name!r}: {result.flushed_to_zero} of its {result.nonzero} non-zero "
                    f"value(s) would flush to zero in {ctx.options.target}"
                    f"{' (a divisor)' if divisor else ''}; kept exact in fp32")
         else:
             continue
         if not any(r.name == name for r in ctx.constants):
             ctx.constants.append(ConstantRecord(
-                name, "kept_fp32", tensor.size, overflowed=result.overflowed,
+                name, "kept_fp32", elements, overflowed=result.overflowed,
                 flushed_to_zero=result.flushed_to_zero,
                 detail=f"feeds {group.node.name} ({group.node.op_type}), which stays fp32"))
         group.forced_deny = why
