@@ -3,14 +3,14 @@ registered by name (`REGISTRY`); pipelines are lists of those names (`PIPELINES`
 imports onnx or tensorflow: a format's op names reach the passes through `FormatRules`."""
 
 from .base import (
-                   REGISTRY,
-                   ConstantRecord,
-                   FormatRules,
-                   Pass,
-                   PassContext,
-                   PassResult,
-                   Pin,
-                   StoredRange,
+    REGISTRY,
+    ConstantRecord,
+    FormatRules,
+    Pass,
+    PassContext,
+    PassResult,
+    Pin,
+    StoredRange,
 )
 from .pipeline import PIPELINES, PassError, run_pipeline
 
