@@ -20,7 +20,7 @@ from typing import NoReturn
 
 from . import formats, progress
 from .cost import summary_line
-from .errors import AmpError, CheckFailed
+from .errors import AmpError, CheckFailed, ConvertedModelFailed
 from .fileio import OutputTransaction, check_input_path, write_atomically
 from .ir import short_name
 from .options import AutoOptions, Options, TrainingOptions, cli_flags, cli_given, from_cli
@@ -327,8 +327,13 @@ def _validate(args: argparse.Namespace, fmt: formats.base.Format, report: Report
     """Run the fp32 model and the converted one (still at its staged path) on the same inputs;
     1 when an output is off."""
     rtol = default_rtol(options.target) if args.rtol is None else args.rtol
-    validation = fmt.validate(Path(args.input), converted, report, options,
-                              args.inputs[0] if args.inputs else None, rtol, args.device or "cpu")
+    try:
+        validation = fmt.validate(Path(args.input), converted, report, options,
+                                  args.inputs[0] if args.inputs else None, rtol,
+                                  args.device or "cpu")
+    except ConvertedModelFailed as exc:
+        raise ConvertedModelFailed(f"validation failed: the converted model does not run: {exc}; "
+                                   f"nothing was written ({args.output} is as it was)") from None
     report.validation = validation.to_dict()
     if not args.quiet:
         for note in validation.notes:

@@ -16,3 +16,8 @@ class CheckFailed(AmpError):
     """A `check` or `--validate` found a problem in a converted model (exit code 1)."""
 
     exit_code = 1
+
+
+class ConvertedModelFailed(CheckFailed):
+    """The converted model (not the fp32 one, not the inputs) cannot be loaded or run: a
+    validation failure (exit code 1), which formats raise from their validators."""

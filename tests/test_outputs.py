@@ -347,3 +347,22 @@ def test_the_work_folder_of_a_killed_auto_run_is_swept_by_the_next_one(tmp_path:
     assert finished.returncode == 0, finished.stderr
     assert not any(folder.exists() for folder in abandoned)
     assert not list(tmp_path.glob(".amp-rewriter-*"))
+
+
+def test_a_converted_onnx_model_that_does_not_load_is_a_validation_failure() -> None:
+    """Validation blames the converted model (exit 1) when it cannot load, the fp32 one
+    (exit 2, bad input) when that cannot."""
+    from amp_rewriter.errors import AmpError, CheckFailed
+    from amp_rewriter.formats.onnx.validate import compare_models
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"x": np.ones(2, np.float32)}
+    with pytest.raises(CheckFailed) as failed:
+        compare_models(model, b"not an onnx model", feeds)
+    assert failed.value.exit_code == 1
+    with pytest.raises(AmpError) as bad_input:
+        compare_models(b"not an onnx model", model, feeds)
+    assert bad_input.value.exit_code == 2

@@ -307,3 +307,30 @@ def test_summary_counts_the_functions_the_signatures_run(tmp_path, capsys):
     # Two MatMuls in the served `layer`; the training step's forward/backward copies are
     # converted but not counted.
     assert "compute ops 2/2 (MatMul 2/2)" in out and "other functions converted, not counted" in out
+
+
+def test_a_converted_saved_model_that_does_not_run_is_a_validation_failure(tmp_path):
+    """Validation blames the converted SavedModel (exit 1: validation failed) when it cannot
+    load, and the input (exit 2: bad input) when the fp32 one cannot."""
+    from amp_rewriter.errors import AmpError, CheckFailed
+
+    class Scale(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = tf.Variable(np.ones((4, 4), np.float32))
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.float32)])
+        def serve(self, x):
+            return {"y": tf.matmul(x, self.w)}
+
+    module = Scale()
+    src, broken = tmp_path / "src", tmp_path / "broken"
+    tf.saved_model.save(module, str(src), signatures={"serving_default": module.serve})
+    convert_saved_model(src, broken, target="fp16", backend="tf-gpu")
+    (broken / "saved_model.pb").write_bytes(b"not a SavedModel")
+    with pytest.raises(CheckFailed, match="does not load") as failed:
+        compare_saved_models(src, broken)
+    assert failed.value.exit_code == 1
+    with pytest.raises(AmpError, match="does not load") as bad_input:
+        compare_saved_models(broken, src)
+    assert bad_input.value.exit_code == 2

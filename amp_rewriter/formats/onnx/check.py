@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ...errors import AmpError
+from ...errors import AmpError, ConvertedModelFailed
 from ...ir import DENY, LOW_PRECISION_DTYPES, LazyTensor, Model
 from ...op_lists import OpLists
 from ...passes.analysis.structures import tanh_gelu_cube
@@ -22,11 +22,7 @@ from ...validation import (
 from .convert import onnx_full_check
 from .load import load_onnx, read_model_file
 from .rules import ONNX_RULES
-from .validate import (
-    ConvertedModelFailed,
-    random_inputs,
-    validate_conversion,
-)
+from .validate import random_inputs, validate_conversion
 
 TARGET_OF_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
 

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 
 from ... import progress
-from ...errors import AmpError
+from ...errors import AmpError, ConvertedModelFailed
 from ...fileio import scratch_dir
 from ...ir import Graph, Node, TypeGroup, Value
 from ...validation import EMULATED, OutputComparison, check_random_shape, compare_outputs
@@ -184,10 +184,6 @@ def _check_given_inputs(session, feeds: dict[str, np.ndarray]) -> None:
         if wanted is not None and feeds[name].dtype != wanted:
             raise AmpError(f"--inputs: {name!r} is {feeds[name].dtype}, the model takes "
                            f"{np.dtype(wanted).name} ({info.type})")
-
-
-class ConvertedModelFailed(AmpError):
-    """The converted model (not the fp32 one, not the inputs) cannot be loaded or run."""
 
 
 def compare_models(reference: onnx.ModelProto | str | bytes,

@@ -9,13 +9,13 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
-from ...errors import AmpError
+from ...errors import AmpError, ConvertedModelFailed
 from ...validation import OutputComparison, check_random_shape, compare_outputs
 
 SYMBOLIC_DIM_SIZE = 2
 
 
-class ConvertedGraphFailed(AmpError):
+class ConvertedGraphFailed(ConvertedModelFailed):
     """The converted graph or SavedModel (not the fp32 one, not the inputs) cannot load or run."""
 
 
