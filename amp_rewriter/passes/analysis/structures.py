@@ -526,17 +526,20 @@ def index_math_values(graph: Graph, rules: FormatRules) -> set[int]:
 
 def _index_seeds(graph: Graph, rules: FormatRules) -> Iterator[tuple[Node, int]]:
     """(node, input slot) where a float value is used as a shape, size, index or integer."""
+    index_ops = {op for op, _slot in rules.index_slots}
     for node in graph.nodes:
-        if node.op_type in rules.metadata_ops or node.subgraphs:
+        op = node.op_type
+        if op in rules.metadata_ops or node.subgraphs:
             continue
-        float_slots = [s for s, v in enumerate(node.inputs) if _is_float(v)]
-        if not float_slots:
-            continue
+        # Cheapest first: most nodes turn floats into floats and take no index.
+        by_op = op in rules.rounding_ops or op in index_ops
         outputs = [v for v in node.outputs if v is not None]
         to_integers = bool(outputs) and not any(_is_float(v) for v in outputs)
-        for slot in float_slots:
-            if to_integers or node.op_type in rules.rounding_ops \
-                    or (node.op_type, slot) in rules.index_slots:
+        if not (by_op or to_integers):
+            continue
+        for slot, value in enumerate(node.inputs):
+            if _is_float(value) and (to_integers or op in rules.rounding_ops
+                                     or (op, slot) in rules.index_slots):
                 yield node, slot
 
 
@@ -553,11 +556,14 @@ def keep_index_math_fp32(ctx: PassContext) -> tuple[int, list[str]]:
     """
     graph = ctx.model.graph
     rules = ctx.rules
+    seeds = list(_index_seeds(graph, rules))
+    if not seeds:  # a graph without shape arithmetic (most of a large export) ends here
+        return 0, []
     index_math = index_math_values(graph, rules)
     follow = rules.follow_producer_inputs
     pinned = 0
     visited: set[int] = set()
-    for seed_node, slot in list(_index_seeds(graph, rules)):
+    for seed_node, slot in seeds:
         ctx.focus = seed_node
         seed = seed_node.inputs[slot]
         if seed is None or id(seed) not in index_math or seed.const is not None:
