@@ -235,6 +235,7 @@ def convert_saved_model_proto(input_dir: Path, options: Options,
     saved = read_saved_model(input_dir)
     # Before the functions change: what reads a variable the target cannot hold stays fp32.
     ranges = _variable_ranges(saved, input_dir, options)
+    stored_reads = ranges.reads if ranges is not None else {}
     reports: list[Report] = []
     served: list[bool] = []
     unknown_ops: set[str] = set()
@@ -249,7 +250,7 @@ def convert_saved_model_proto(input_dir: Path, options: Options,
                     continue
                 ir_model = load_function(fdef, original)
                 reports.append(_run(ir_model, lists, options, fdef.signature.name, pins=pins,
-                                    stored=ranges.reads.get(fdef.signature.name)))
+                                    stored=stored_reads.get(fdef.signature.name)))
                 served.append(fdef.signature.name in signature_functions
                               or not meta_graph.signature_def)
                 library.function[index].CopyFrom(emit_function(ir_model))
@@ -295,27 +296,29 @@ def _checkpoint_functions(meta_graph: meta_graph_pb2.MetaGraphDef) -> frozenset[
 
 
 def _variable_ranges(saved: saved_model_pb2.SavedModel, input_dir: Path, options: Options
-                     ) -> VariableRanges:
-    """The captured variables' range checks in the target dtype (`check_variable_ranges`)."""
+                     ) -> VariableRanges | None:
+    """The captured variables' range checks in the target dtype (`check_variable_ranges`);
+    None without a TF2 checkpoint."""
     meta_graph = _checkpointed_meta_graph(saved, input_dir)
     if meta_graph is None:
-        return VariableRanges()
+        return None
     return check_variable_ranges(meta_graph, input_dir / "variables" / "variables",
                                  TARGET_DTYPES[options.target],
                                  _checkpoint_functions(meta_graph))
 
 
 def _lower_weights(saved: saved_model_pb2.SavedModel, input_dir: Path, options: Options,
-                   report: Report, ranges: VariableRanges) -> Callable[[Path], None] | None:
+                   report: Report, ranges: VariableRanges | None
+                   ) -> Callable[[Path], None] | None:
     """Plan and apply low-precision storage of the weights only read in low precision (TF2
     SavedModels with one MetaGraph and a checkpoint); returns what writes the new checkpoint."""
     prefix = input_dir / "variables" / "variables"
-    meta_graph = _checkpointed_meta_graph(saved, input_dir)
-    if meta_graph is None:
-        return None
+    if ranges is None:
+        return None  # no TF2 checkpoint (see _variable_ranges)
+    meta_graph = saved.meta_graphs[0]
     checkpoint_functions = _checkpoint_functions(meta_graph)
-    plan = plan_low_precision_weights(meta_graph, prefix, TARGET_DTYPES[options.target],
-                                      checkpoint_functions, ranges.checks)
+    plan = plan_low_precision_weights(meta_graph, ranges, TARGET_DTYPES[options.target],
+                                      checkpoint_functions)
     if plan.out_of_range:
         target = options.target
         report.warnings.append(

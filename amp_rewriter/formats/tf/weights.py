@@ -162,7 +162,9 @@ class VariableRanges:
     """How the captured float variables' checkpoint values fare in the target dtype, checked
     before the conversion so that the nodes reading the ones it cannot hold stay fp32."""
 
-    #: object-graph node id -> its range check
+    #: The variables checkpoint, opened once for these checks and the weights plan.
+    checkpoint: _Checkpoint
+    #: object-graph node id -> its range check (every captured float variable with a value)
     checks: dict[int, RangeCheck] = field(default_factory=dict)
     #: function name -> {ReadVariableOp node -> its variable's range}, for the variables the
     #: dtype cannot hold (some beyond its finite range, or every non-zero value flushing to zero)
@@ -173,32 +175,37 @@ def _refused(check: RangeCheck) -> bool:
     return bool(check.overflowed) or check.vanishes
 
 
-@_checkpoint_errors
-def check_variable_ranges(meta_graph: meta_graph_pb2.MetaGraphDef, variables_prefix: Path,
-                          dtype: str, skip: frozenset[str]) -> VariableRanges:
-    """Range-check in `dtype` every float variable a function captures (`skip`: the functions
-    that save or restore checkpoints), and find the reads of those out of range."""
-    ranges = VariableRanges()
-    library = {f.signature.name: f for f in meta_graph.graph_def.library.function
-               if f.signature.name not in skip}
-    object_graph = meta_graph.object_graph_def
-    reads = _Reads(library, dtype_enum(dtype))
-    read_nodes: dict[int, set[tuple[str, str]]] = {}
+def _captured_resources(object_graph, library: dict[str, function_pb2.FunctionDef]
+                        ) -> Iterator[tuple[str, int, int]]:
+    """(function, argument index, object-graph node id) for every resource a function of
+    `library` captures."""
     for name, concrete in sorted(object_graph.concrete_functions.items()):
         if name not in library:
             continue
         args = library[name].signature.input_arg
         first = len(args) - len(concrete.bound_inputs)
         for offset, node_id in enumerate(concrete.bound_inputs):
-            node = object_graph.nodes[node_id]
-            if args[first + offset].type == RESOURCE and node.HasField("variable") \
-                    and node.variable.dtype == FLOAT:
-                read_nodes.setdefault(node_id, set()).update(reads.of_arg(name, first + offset)[1])
-    if not read_nodes:
-        return ranges
-    checkpoint = _Checkpoint(variables_prefix)
+            if args[first + offset].type == RESOURCE:
+                yield name, first + offset, node_id
+
+
+@_checkpoint_errors
+def check_variable_ranges(meta_graph: meta_graph_pb2.MetaGraphDef, variables_prefix: Path,
+                          dtype: str, skip: frozenset[str]) -> VariableRanges:
+    """Range-check in `dtype` every float variable a function captures (`skip`: the functions
+    that save or restore checkpoints), and find the reads of those out of range."""
+    ranges = VariableRanges(_Checkpoint(variables_prefix))
+    library = {f.signature.name: f for f in meta_graph.graph_def.library.function
+               if f.signature.name not in skip}
+    object_graph = meta_graph.object_graph_def
+    reads = _Reads(library, dtype_enum(dtype))
+    read_nodes: dict[int, set[tuple[str, str]]] = {}
+    for function, arg, node_id in _captured_resources(object_graph, library):
+        node = object_graph.nodes[node_id]
+        if node.HasField("variable") and node.variable.dtype == FLOAT:
+            read_nodes.setdefault(node_id, set()).update(reads.of_arg(function, arg)[1])
     for node_id in sorted(read_nodes):
-        values = checkpoint.value(node_id)
+        values = ranges.checkpoint.value(node_id)
         if values is None:
             continue
         array = np.asarray(values, dtype=np.float32)
@@ -211,33 +218,24 @@ def check_variable_ranges(meta_graph: meta_graph_pb2.MetaGraphDef, variables_pre
 
 
 @_checkpoint_errors
-def plan_low_precision_weights(meta_graph: meta_graph_pb2.MetaGraphDef, variables_prefix: Path,
-                               dtype: str, skip: frozenset[str],
-                               checks: dict[int, RangeCheck] | None = None) -> WeightsPlan:
+def plan_low_precision_weights(meta_graph: meta_graph_pb2.MetaGraphDef, ranges: VariableRanges,
+                               dtype: str, skip: frozenset[str]) -> WeightsPlan:
     """Which variables of a converted MetaGraph can be stored in `dtype` (nothing is changed).
 
-    `skip` names the functions that save or restore checkpoints (they are patched, not read).
-    `checks`: the variables' range checks made before the conversion (`check_variable_ranges`),
-    so that their values are not read again.
+    `ranges`: the checks `check_variable_ranges` made before the conversion (with the same
+    `skip`, the functions that save or restore checkpoints: they are patched, not read).
     """
     plan = WeightsPlan(dtype)
-    target = dtype_enum(dtype)
-    library = {f.signature.name: f for f in meta_graph.graph_def.library.function}
+    library = {f.signature.name: f for f in meta_graph.graph_def.library.function
+               if f.signature.name not in skip}
     object_graph = meta_graph.object_graph_def
-    reads = _Reads({k: v for k, v in library.items() if k not in skip}, target)
+    reads = _Reads(library, dtype_enum(dtype))
     verdict: dict[int, bool] = {}
     read_nodes: dict[int, set[tuple[str, str]]] = {}
-    for name, concrete in sorted(object_graph.concrete_functions.items()):
-        if name not in library or name in skip:
-            continue
-        args = library[name].signature.input_arg
-        first = len(args) - len(concrete.bound_inputs)
-        for offset, node_id in enumerate(concrete.bound_inputs):
-            if args[first + offset].type != RESOURCE:
-                continue
-            ok, found = reads.of_arg(name, first + offset)
-            verdict[node_id] = verdict.get(node_id, True) and ok
-            read_nodes.setdefault(node_id, set()).update(found)
+    for function, arg, node_id in _captured_resources(object_graph, library):
+        ok, found = reads.of_arg(function, arg)
+        verdict[node_id] = verdict.get(node_id, True) and ok
+        read_nodes.setdefault(node_id, set()).update(found)
     candidates = {node_id for node_id, ok in verdict.items()
                   if ok and read_nodes[node_id]
                   and object_graph.nodes[node_id].HasField("variable")
@@ -247,10 +245,12 @@ def plan_low_precision_weights(meta_graph: meta_graph_pb2.MetaGraphDef, variable
     shared = {read for node_id, found in read_nodes.items() if node_id not in candidates
               for read in found}
     candidates = {n for n in candidates if not read_nodes[n] & shared}
-    checkpoint = _Checkpoint(variables_prefix)
+    checkpoint = ranges.checkpoint
     keys_of = checkpoint.keys
     # Before the twins are added: a twin holds its lowered variable's value, in range then.
-    out_of_range = _out_of_range(candidates, checkpoint, dtype, checks or {})
+    # (The readers of such a variable stay fp32, so it is rarely a candidate; this keeps inf
+    # out of the checkpoint should one of its reads still be cast.)
+    out_of_range = {n for n in candidates if n in ranges.checks and _refused(ranges.checks[n])}
     candidates -= out_of_range
     plan.out_of_range = sorted({object_graph.nodes[n].variable.name for n in out_of_range})
     twins = _unread_twins(object_graph, candidates, verdict, checkpoint)
@@ -299,24 +299,6 @@ def _unread_twins(object_graph, lowered: set[int], captured: dict[int, bool],
                 for t in by_name.get(node.variable.name, [])):
             twins.add(node_id)
     return twins
-
-
-def _out_of_range(candidates: set[int], checkpoint: _Checkpoint, dtype: str,
-                  checks: dict[int, RangeCheck]) -> set[int]:
-    """The candidates whose stored values `dtype` cannot hold: some beyond its finite range, or
-    every non-zero one flushing to zero (`check_range`, as constants are checked; `checks` has
-    the ones made already)."""
-    refused = set()
-    for node_id in candidates:
-        check = checks.get(node_id)
-        if check is None:
-            values = checkpoint.value(node_id)
-            if values is None:
-                continue
-            check = check_range(np.asarray(values, dtype=np.float32), dtype)
-        if _refused(check):
-            refused.add(node_id)
-    return refused
 
 
 class _Checkpoint:
