@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable
+from functools import cache
 from typing import Any
 
 from ...packed import PackedRecords
@@ -27,15 +28,22 @@ def varint(number: int) -> bytes:
     return bytes(out)
 
 
+@cache
 def field_key(field_number: int) -> bytes:
     """The key of a length-delimited field (a message, a string)."""
     return varint(field_number << 3 | 2)
 
 
+#: The varints of the lengths most fields have (a node's encoding is rarely 16 KB), made once:
+#: `append_field` runs once per node.
+_SHORT_VARINTS = tuple(varint(number) for number in range(1 << 14))
+
+
 def append_field(out: bytearray, field_number: int, payload: bytes | bytearray) -> None:
     """Append to `out` one entry of field `field_number` holding `payload`."""
     out += field_key(field_number)
-    out += varint(len(payload))
+    size = len(payload)
+    out += _SHORT_VARINTS[size] if size < len(_SHORT_VARINTS) else varint(size)
     out += payload
 
 
