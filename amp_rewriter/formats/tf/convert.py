@@ -262,7 +262,7 @@ def convert_saved_model_proto(input_dir: Path, options: Options,
     report.warnings = _warnings(options, report, unknown_ops)
     write_variables = None
     if not options.keep_fp32_weights:
-        write_variables = _lower_weights(saved, input_dir, options, report, ranges)
+        write_variables = _lower_weights(saved, options, report, ranges)
     if not asked_keep_io_types:
         report.summary["note"] = ("--no-keep-io-types has no effect on SavedModels: signatures "
                                   "keep their dtypes")
@@ -307,18 +307,15 @@ def _variable_ranges(saved: saved_model_pb2.SavedModel, input_dir: Path, options
                                  _checkpoint_functions(meta_graph))
 
 
-def _lower_weights(saved: saved_model_pb2.SavedModel, input_dir: Path, options: Options,
-                   report: Report, ranges: VariableRanges | None
+def _lower_weights(saved: saved_model_pb2.SavedModel, options: Options, report: Report,
+                   ranges: VariableRanges | None
                    ) -> Callable[[Path], None] | None:
     """Plan and apply low-precision storage of the weights only read in low precision (TF2
     SavedModels with one MetaGraph and a checkpoint); returns what writes the new checkpoint."""
-    prefix = input_dir / "variables" / "variables"
     if ranges is None:
         return None  # no TF2 checkpoint (see _variable_ranges)
     meta_graph = saved.meta_graphs[0]
-    checkpoint_functions = _checkpoint_functions(meta_graph)
-    plan = plan_low_precision_weights(meta_graph, ranges, TARGET_DTYPES[options.target],
-                                      checkpoint_functions)
+    plan = plan_low_precision_weights(meta_graph, ranges, TARGET_DTYPES[options.target])
     if plan.out_of_range:
         target = options.target
         report.warnings.append(
@@ -327,7 +324,7 @@ def _lower_weights(saved: saved_model_pb2.SavedModel, input_dir: Path, options: 
             f"{' ...' if len(plan.out_of_range) > 5 else ''}; they stay fp32 in the checkpoint")
     if not plan.variables:
         return None
-    apply_low_precision_weights(meta_graph, plan, checkpoint_functions)
+    apply_low_precision_weights(meta_graph, plan, ranges.skip)
     for index, entry in enumerate(report.nodes):
         if (entry.get("graph", "main"), entry["name"]) in plan.read_nodes:
             report.nodes.update(
@@ -337,7 +334,7 @@ def _lower_weights(saved: saved_model_pb2.SavedModel, input_dir: Path, options: 
                        f"and the cast dropped")
 
     def write_variables(staged: Path) -> None:
-        write_checkpoint(prefix, staged / "variables" / "variables", plan)
+        write_checkpoint(ranges.checkpoint, staged / "variables" / "variables", plan)
         report.weights = plan.summary()
         report.summary["weights_stored_low"] = len(plan.variables)
         report.summary["casts_inserted"] -= plan.casts_removed

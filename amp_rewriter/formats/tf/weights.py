@@ -162,8 +162,11 @@ class VariableRanges:
     """How the captured float variables' checkpoint values fare in the target dtype, checked
     before the conversion so that the nodes reading the ones it cannot hold stay fp32."""
 
-    #: The variables checkpoint, opened once for these checks and the weights plan.
+    #: The variables checkpoint, opened once for these checks, the weights plan and the
+    #: checkpoint written with the lowered weights.
     checkpoint: _Checkpoint
+    #: The functions that save or restore checkpoints: patched, never read for reads.
+    skip: frozenset[str]
     #: object-graph node id -> its range check (every captured float variable with a value)
     checks: dict[int, RangeCheck] = field(default_factory=dict)
     #: function name -> {ReadVariableOp node -> its variable's range}, for the variables the
@@ -194,7 +197,7 @@ def check_variable_ranges(meta_graph: meta_graph_pb2.MetaGraphDef, variables_pre
                           dtype: str, skip: frozenset[str]) -> VariableRanges:
     """Range-check in `dtype` every float variable a function captures (`skip`: the functions
     that save or restore checkpoints), and find the reads of those out of range."""
-    ranges = VariableRanges(_Checkpoint(variables_prefix))
+    ranges = VariableRanges(_Checkpoint(variables_prefix), skip)
     library = {f.signature.name: f for f in meta_graph.graph_def.library.function
                if f.signature.name not in skip}
     object_graph = meta_graph.object_graph_def
@@ -219,15 +222,15 @@ def check_variable_ranges(meta_graph: meta_graph_pb2.MetaGraphDef, variables_pre
 
 @_checkpoint_errors
 def plan_low_precision_weights(meta_graph: meta_graph_pb2.MetaGraphDef, ranges: VariableRanges,
-                               dtype: str, skip: frozenset[str]) -> WeightsPlan:
+                               dtype: str) -> WeightsPlan:
     """Which variables of a converted MetaGraph can be stored in `dtype` (nothing is changed).
 
-    `ranges`: the checks `check_variable_ranges` made before the conversion (with the same
-    `skip`, the functions that save or restore checkpoints: they are patched, not read).
+    `ranges`: the checks `check_variable_ranges` made before the conversion (its `skip`, the
+    functions that save or restore checkpoints, are left out here too).
     """
     plan = WeightsPlan(dtype)
     library = {f.signature.name: f for f in meta_graph.graph_def.library.function
-               if f.signature.name not in skip}
+               if f.signature.name not in ranges.skip}
     object_graph = meta_graph.object_graph_def
     reads = _Reads(library, dtype_enum(dtype))
     verdict: dict[int, bool] = {}
@@ -493,9 +496,9 @@ def _retype_main_graph(graph_def: graph_pb2.GraphDef, restored_args: dict[str, s
 
 
 @_checkpoint_errors
-def write_checkpoint(source_prefix: Path, target_prefix: Path, plan: WeightsPlan) -> None:
+def write_checkpoint(source: _Checkpoint, target_prefix: Path, plan: WeightsPlan) -> None:
     """Copy a checkpoint, with the tensors under `plan.keys` converted to `plan.dtype`."""
-    reader = tf.train.load_checkpoint(str(source_prefix))
+    reader = source.reader
     shapes = reader.get_variable_to_shape_map()
     names = sorted(shapes)
     tensors = []
