@@ -133,15 +133,17 @@ def casts_by_reason(model: Model) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
-def bytes_moved(tensors: Iterable[tuple[str, tuple[int, ...] | None, int]]) -> dict[str, Any]:
-    """Activation traffic, low precision vs fp32, from (dtype, shape or None, accesses) per
-    float activation (accesses: one write by its producer plus one read per consumer)."""
+def bytes_moved(tensors: Iterable[tuple[str | None, tuple[int, ...] | None, int, int]]
+                ) -> dict[str, Any]:
+    """Activation traffic, low precision vs fp32, from (dtype, shape or None, accesses, values)
+    per type of float activation: `values` activations of that type, accessed `accesses` times
+    in all (each: one write by its producer plus one read per consumer)."""
     low = wide = unknown = 0
-    for dtype, shape, accesses in tensors:
+    for dtype, shape, accesses, values in tensors:
         if dtype not in ITEMSIZE:
             continue
         if shape is None:
-            unknown += 1
+            unknown += values
             continue
         elements = 1
         for dim in shape:

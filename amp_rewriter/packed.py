@@ -58,10 +58,31 @@ class PackedRecords:
         sealed = self._ends[-1]
         if index >= sealed:
             return self._pending[index - sealed]
+        first, block = self._block_of(index)
+        return block[index - first]
+
+    def between(self, first: int, last: int) -> list[Any]:
+        """Records `first` to `last` - 1 (as `self[i]` gives each), read a block at a time."""
+        records: list[Any] = []
+        index = first
+        while index < last:
+            sealed = self._ends[-1]
+            if index >= sealed:
+                records += self._pending[index - sealed:last - sealed]
+                break
+            block_first, block = self._block_of(index)
+            taken = block[index - block_first:last - block_first]
+            records += taken
+            index += len(taken)
+        return records
+
+    def _block_of(self, index: int) -> tuple[int, list[Any]]:
+        """The sealed block that holds record `index`: its first record's index and its records
+        (decoded once for consecutive reads of one block)."""
         block = bisect.bisect_right(self._ends, index) - 1
         if self._decoded[0] != block:
             start, end = self._block_starts[block], self._block_starts[block + 1]
             with memoryview(self._blocks)[start:end] as data:
                 self._decoded = (block, marshal.loads(zlib.decompress(data) if self.compress
                                                       else data))
-        return self._decoded[1][index - self._ends[block]]
+        return self._ends[block], self._decoded[1]

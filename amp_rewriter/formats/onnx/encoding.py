@@ -58,6 +58,9 @@ def encoded_fields(field_number: int, messages: Iterable[Any]) -> bytearray:
 #: Nodes whose names `EncodedNodes` keeps in one marshalled chunk.
 NAME_CHUNK = 100_000
 
+#: A node's op type, input names and output names.
+NodeNames = tuple[str, tuple[str, ...], tuple[str, ...]]
+
 
 class EncodedNodes:
     """A graph's nodes as they lie encoded in a buffer, with their op types and value names:
@@ -91,7 +94,7 @@ class EncodedNodes:
         begin = self.ends[first - 1] if first else 0
         return bytes(memoryview(self.buffer)[self.start + begin:self.start + self.ends[last - 1]])
 
-    def names(self, index: int) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
-        """Node `index`'s op type, input names and output names."""
-        names: tuple[str, tuple[str, ...], tuple[str, ...]] = self._names[index]
+    def names_between(self, first: int, last: int) -> list[NodeNames]:
+        """The op type, input names and output names of nodes `first` to `last` - 1."""
+        names: list[NodeNames] = self._names.between(first, last)
         return names

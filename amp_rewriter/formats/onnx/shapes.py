@@ -13,8 +13,10 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import cache
+from itertools import chain
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,6 +30,7 @@ from .encoding import (
     GRAPH_VALUE_INFO,
     MODEL_GRAPH,
     EncodedNodes,
+    NodeNames,
     append_field,
     encoded_fields,
 )
@@ -243,18 +246,13 @@ def _types_in_slices(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[in
     accesses = _AccessCount(model.graph)
     for start in range(0, len(nodes), SLICE_NODES):
         stop = min(start + SLICE_NODES, len(nodes))
-        members: list[tuple[int, Sequence[str], Sequence[str]]] = []
         if encoded is not None:
-            for index in range(start, stop):
-                op_type, inputs, outputs = encoded.names(index)
-                accesses.add(op_type, inputs, outputs)
-                members.append((index, inputs, outputs))
+            records = encoded.names_between(start, stop)
         else:
-            for index, node in enumerate(nodes[start:stop], start):
-                read, written = list(node.input), list(node.output)
-                accesses.add(node.op_type, read, written)
-                members.append((index, read, written))
-        if not slicer.infer(members):
+            records = [(node.op_type, tuple(node.input), tuple(node.output))
+                       for node in nodes[start:stop]]
+        accesses.add_nodes(records)
+        if not slicer.infer(start, records):
             return None
     return slicer.types, type_check, accesses.result()
 
@@ -289,9 +287,10 @@ class _Slicer:
             return self.encoded.fields(first, last)
         return encoded_fields(GRAPH_NODE, self.nodes[first:last])
 
-    def infer(self, members: list[tuple[int, Sequence[str], Sequence[str]]]) -> bool:
-        """Infer one slice (node index, inputs, outputs of each node); False when that fails."""
-        member_reads, produced = _slice_reads(members)
+    def infer(self, start: int, records: Sequence[NodeNames]) -> bool:
+        """Infer one slice: the nodes from `start` on, as (op type, input names, output names)
+        each; False when that fails."""
+        member_reads, produced = _slice_reads(records)
         prefix = [(index, *self.shape_like_nodes[index])
                   for index in self._shape_like_sources(member_reads)]
         reads = member_reads
@@ -304,14 +303,14 @@ class _Slicer:
         if not self._declare_inputs(sliced, reads):
             return False
         if self.declared:
-            computed = [name for _, _, outs in prefix + members for name in outs]
-            sliced.value_info.extend(self.declared[name] for name in computed
-                                     if name in self.declared)
+            declared = self.declared
+            computed = chain(_outputs(prefix), _outputs(records))
+            sliced.value_info.extend([declared[name] for name in computed if name in declared])
         sliced.output.extend(info for name, info in self.outputs.items() if name in produced)
         graph = bytearray()
         for index, _, _ in prefix:
             graph += self._fields(index, index + 1)
-        graph += self._fields(members[0][0], members[-1][0] + 1)
+        graph += self._fields(start, start + len(records))
         graph += sliced.SerializeToString()
         encoded = bytearray(self.head)
         append_field(encoded, MODEL_GRAPH, graph)
@@ -329,11 +328,12 @@ class _Slicer:
         self.types.update(found)
         # The types of values found share a handful of tuples: each is judged once.
         like = {known for known in set(found.values()) if _shape_like(*known)}
-        shape_like = {name for name, known in found.items() if known in like} if like else ()
+        shape_like = {name for name, known in found.items() if known in like} if like else None
         if shape_like:
-            for index, ins, outs in members:
-                if any(name in shape_like for name in outs):
-                    self.shape_like_nodes[index] = (ins, outs)
+            for offset, outs in enumerate(map(itemgetter(2), records)):
+                if not shape_like.isdisjoint(outs):
+                    index = start + offset
+                    self.shape_like_nodes[index] = (records[offset][1], outs)
                     for name in outs:
                         self.producer[name] = index
         return True
@@ -379,18 +379,19 @@ def _shape_like(dtype: str | None, shape: tuple[int, ...] | None) -> bool:
     return len(shape) <= 1 and math.prod(shape) <= SMALL_INITIALIZER
 
 
-def _slice_reads(members: list[tuple[int, Sequence[str], Sequence[str]]]
+def _slice_reads(nodes: Sequence[tuple[Any, Sequence[str], Sequence[str]]]
                  ) -> tuple[list[str], set[str]]:
-    """The values a run of nodes reads before producing them (in order of first read), and
-    the values it produces."""
-    produced: set[str] = set()
-    reads: dict[str, None] = {}
-    for _, ins, outs in members:
-        for name in ins:
-            if name and name not in produced:
-                reads[name] = None
-        produced.update(outs)
-    return list(reads), produced
+    """The values a run of nodes in graph order reads from before it (in order of first read),
+    and the values it produces. Each node is (anything, input names, output names)."""
+    produced = set(_outputs(nodes))
+    # In graph order a value read and produced by the run is produced before it is read.
+    first_reads = dict.fromkeys(chain.from_iterable(map(itemgetter(1), nodes)))
+    return [name for name in first_reads if name and name not in produced], produced
+
+
+def _outputs(nodes: Sequence[tuple[Any, Sequence[str], Sequence[str]]]) -> Iterator[str]:
+    """The output names of (anything, input names, output names) nodes, in order."""
+    return chain.from_iterable(map(itemgetter(2), nodes))
 
 
 def _types(inferred: onnx.ModelProto | None, model: onnx.ModelProto,
@@ -454,12 +455,13 @@ class _AccessCount:
         self.read: list[str] = []
         self.produced: list[str] = []
 
-    def add(self, op_type: str, inputs: Sequence[str], outputs: Sequence[str]) -> None:
-        """Count one node (its op type and input and output names)."""
-        if op_type == "Constant" and outputs:
-            self.constants.add(outputs[0])
-        self.read += inputs
-        self.produced += outputs
+    def add_nodes(self, nodes: Sequence[NodeNames]) -> None:
+        """Count nodes given as (op type, input names, output names)."""
+        self.constants.update([outputs[0] for op_type, _, outputs in nodes
+                               if op_type == "Constant" and outputs])
+        # Extended from iterators that run in C: no Python per name.
+        self.read.extend(chain.from_iterable(map(itemgetter(1), nodes)))
+        self.produced.extend(_outputs(nodes))
 
     def result(self) -> dict[str, int]:
         """Name -> accesses of each activation."""
@@ -482,8 +484,8 @@ def _proto_accesses(graph: onnx.GraphProto) -> dict[str, int]:
     count = _AccessCount(graph)
     # One read of each node's fields: every access to a protobuf repeated field builds new
     # Python objects.
-    for node in list(graph.node):
-        count.add(node.op_type, list(node.input), list(node.output))
+    count.add_nodes([(node.op_type, tuple(node.input), tuple(node.output))
+                     for node in list(graph.node)])
     return count.result()
 
 
@@ -517,11 +519,19 @@ def checked_activation_traffic(model: onnx.ModelProto,
         types = _types(inferred, model)
         del inferred
         accesses = _proto_accesses(model.graph)
-    tensors = []
+    # Summed by type first: a million activations share a few hundred types.
+    accesses_by_type: dict[tuple[str | None, tuple[int, ...] | None], list[int]] = {}
+    type_of = types.get
     for name, count in accesses.items():
-        dtype, shape = types.get(name, (None, None))
-        if dtype is not None:
-            tensors.append((dtype, shape, count))
-    traffic = bytes_moved(tensors)
+        known = type_of(name)
+        if known is not None:
+            total = accesses_by_type.get(known)
+            if total is None:
+                accesses_by_type[known] = [count, 1]
+            else:
+                total[0] += count
+                total[1] += 1
+    traffic = bytes_moved((dtype, shape, count, values)
+                          for (dtype, shape), (count, values) in accesses_by_type.items())
     traffic["input_shapes"] = {name: list(shape) for name, shape in input_shapes.items()}
     return traffic, checked
