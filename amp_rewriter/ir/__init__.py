@@ -28,11 +28,12 @@ from .dtypes import (
     TARGET_DTYPES,
     short_name,
 )
-from .lint import IRInvariantError, assert_sound, lint
+from .lint import IRInvariantError, assert_sound, lint, lint_enabled
 from .tensors import LazyTensor, RangeCheck, check_range, convert_array
 
 __all__ = ["ALLOW", "CLEAR", "DENY", "FP32", "INFER", "Graph", "IRError", "Model", "Node",
            "TypeGroup", "Value", "ValueNames", "present", "unique_name", "BFLOAT16", "FLOAT16",
            "FLOAT32", "FLOAT64", "FLOAT_DTYPES", "LOW_PRECISION_DTYPES", "TARGET_DTYPES",
-           "short_name", "decisions", "IRInvariantError", "assert_sound", "lint", "LazyTensor",
+           "short_name", "decisions", "IRInvariantError", "assert_sound", "lint", "lint_enabled",
+           "LazyTensor",
            "RangeCheck", "check_range", "convert_array"]

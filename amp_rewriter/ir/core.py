@@ -89,6 +89,7 @@ class Value:
             return
         for consumer, slot in self.uses:
             consumer.inputs[slot] = new
+            consumer.edges_changed = True
             new.uses.append((consumer, slot))
         self.uses = []
 
@@ -114,6 +115,10 @@ class Value:
             del self.graph.values[self.name]
         self.name = new_name
         self.graph.values[new_name] = self
+        if self.producer is not None:
+            self.producer.edges_changed = True
+        for consumer, _ in self.uses:
+            consumer.edges_changed = True
 
 
 @dataclass(eq=False, slots=True)
@@ -199,7 +204,7 @@ class Node:
     __slots__ = ("name", "op_type", "domain", "inputs", "outputs", "attrs", "subgraphs",
                  "type_groups", "input_group", "output_group", "graph", "handle", "op_class",
                  "class_reason", "class_kind", "order", "has_schema", "pin_reason", "pin_kind",
-                 "pin_barrier", "scopes")
+                 "pin_barrier", "scopes", "edges_changed")
 
     def __init__(self, name: str, op_type: str, domain: str = "", graph: Graph | None = None):
         self.name = name
@@ -234,6 +239,10 @@ class Node:
         #: dynamo exporter: "model.encoder", "model.encoder.layer.0", ...); --keep-node
         #: matches them as well as the name.
         self.scopes: tuple[str, ...] = ()
+        #: Set when an input slot was given another value or a value read or written was
+        #: renamed since the node was built (`add_input` and `add_output` build it): an
+        #: emitter compares the names of such nodes only with their proto's.
+        self.edges_changed = False
 
     def __repr__(self) -> str:
         return f"Node({self.name!r}, {self.op_type})"
@@ -275,6 +284,7 @@ class Node:
         if old is not None:
             old.uses.remove((self, slot))
         self.inputs[slot] = value
+        self.edges_changed = True
         if value is not None:
             value.uses.append((self, slot))
 
@@ -296,6 +306,7 @@ class Node:
             if value is not None:
                 value.uses.remove((self, slot))
                 self.inputs[slot] = None
+                self.edges_changed = True
 
     def release(self) -> None:
         """Let go of what the node refers to and what refers to it through its outputs (values,

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 from .core import Graph, Node
+
+#: Set (to anything but 0) to check the IR after loading and after every pass, and what
+#: emitters rely on (the tests set it).
+LINT_ENV = "AMP_REWRITER_LINT"
+
+
+def lint_enabled() -> bool:
+    """Whether AMP_REWRITER_LINT asks for IR checks after every pass."""
+    return os.environ.get(LINT_ENV, "") not in ("", "0")
 
 
 class IRInvariantError(Exception):

@@ -7,11 +7,10 @@ raises an error that names the pass (and the node it was working on).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from ..errors import AmpError
-from ..ir import IRInvariantError, assert_sound
+from ..ir import IRInvariantError, assert_sound, lint_enabled
 from . import analysis, rewrite  # noqa: F401  (importing them registers their passes)
 from .base import REGISTRY, Pass, PassContext, PassResult
 
@@ -60,16 +59,8 @@ PIPELINES: dict[str, list[str]] = {
     "tf-training": ["pin_nodes", *_TF_PASSES],
 }
 
-LINT_ENV = "AMP_REWRITER_LINT"
-
-
 class PassError(Exception):
     """A pass failed unexpectedly (a bug, not bad input): names the pass and the node."""
-
-
-def lint_enabled() -> bool:
-    """Whether AMP_REWRITER_LINT asks for IR checks after every pass."""
-    return os.environ.get(LINT_ENV, "") not in ("", "0")
 
 
 def passes_of(pipeline: str | list[str]) -> list[Pass]:

@@ -23,7 +23,18 @@ from onnx import external_data_helper, helper, numpy_helper
 
 from ...errors import AmpError
 from ...fileio import default_file_mode, open_input, pread_exact
-from ...ir import Graph, IRError, LazyTensor, Model, Node, Value, present, tensors
+from ...ir import (
+    Graph,
+    IRError,
+    IRInvariantError,
+    LazyTensor,
+    Model,
+    Node,
+    Value,
+    lint_enabled,
+    present,
+    tensors,
+)
 from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES
 from ...options import EXTERNAL_LAYOUTS
 from .encoding import GRAPH_NODE, MODEL_GRAPH, EncodedNodes, append_field, field_key, varint
@@ -113,14 +124,15 @@ def _cast_to(dtype: str, opset: int) -> int | str:
     return onnx.TensorProto.DataType.Name(code) if opset < 6 else code
 
 
-def _patch_node(node: Node, opset: int, borrowed: bool = False) -> onnx.NodeProto:
+def _patch_node(node: Node, opset: int, borrowed: bool = False, verify_edges: bool = False
+                ) -> onnx.NodeProto:
     """The node's proto with what the passes changed written in: its own proto patched in
     place, or with `borrowed` (the proto is the caller's) a patched copy; a node a pass made
     gets a new one."""
     proto = node.handle
     if proto is None:  # a node a pass created
         return _new_node(node, opset)
-    changes = _node_changes(node, proto, opset)
+    changes = _node_changes(node, proto, opset, verify_edges)
     if not changes:
         return proto
     if borrowed:
@@ -141,19 +153,26 @@ def _patch_node(node: Node, opset: int, borrowed: bool = False) -> onnx.NodeProt
     return proto
 
 
-def _node_changes(node: Node, proto: onnx.NodeProto, opset: int
+def _node_changes(node: Node, proto: onnx.NodeProto, opset: int, verify_edges: bool = False
                   ) -> list[tuple[str, int, Any]]:
     """What differs between a loaded node and its proto: ("input" or "output", slot, name)
-    and (attribute name, 0, new AttributeProto)."""
+    and (attribute name, 0, new AttributeProto). `verify_edges`: compare the names of every
+    node, not only of those whose `edges_changed` is set, and raise IRInvariantError where the
+    flag missed a change."""
     changes: list[tuple[str, int, Any]] = []
-    for slot, value in enumerate(node.inputs):
-        name = value.name if value is not None else ""
-        if proto.input[slot] != name:
-            changes.append(("input", slot, name))
-    for slot, value in enumerate(node.outputs):
-        name = value.name if value is not None else ""
-        if proto.output[slot] != name:
-            changes.append(("output", slot, name))
+    # Reading a proto's names costs about a microsecond a node: only the nodes whose edges
+    # changed are compared.
+    if node.edges_changed or verify_edges:
+        for field, values, names in (("input", node.inputs, proto.input),
+                                     ("output", node.outputs, proto.output)):
+            for slot, value in enumerate(values):
+                name = value.name if value is not None else ""
+                if names[slot] != name:
+                    if not node.edges_changed:
+                        raise IRInvariantError(
+                            f"node {node.name!r}: {field} {slot} became {name!r} without "
+                            f"edges_changed set (an edit that bypassed the IR's mutators)")
+                    changes.append((field, slot, name))
     if node.op_type == "Cast" and node.outputs[0] is not None:
         out = node.outputs[0]
         if out.dtype != out.original_dtype and out.dtype is not None:
@@ -184,14 +203,15 @@ def _emit_graph(graph: Graph, opset: int, deferred: dict[str, LazyTensor] | None
                  borrowed=target is not None)
 
 
-def _node_proto(node: Node, opset: int, borrowed: bool) -> onnx.NodeProto:
+def _node_proto(node: Node, opset: int, borrowed: bool, verify_edges: bool) -> onnx.NodeProto:
     """`_patch_node` for a node of a graph whose protos are the caller's when `borrowed`: a
     node that holds a body is the loader's copy even there."""
-    return _patch_node(node, opset, borrowed and not node.subgraphs)
+    return _patch_node(node, opset, borrowed and not node.subgraphs, verify_edges)
 
 
 def _write_nodes(graph: Graph, proto: onnx.GraphProto, opset: int, borrowed: bool) -> None:
-    patched = [_node_proto(node, opset, borrowed) for node in graph.nodes]
+    verify_edges = lint_enabled()
+    patched = [_node_proto(node, opset, borrowed, verify_edges) for node in graph.nodes]
     del proto.node[:]
     proto.node.extend(patched)
 
@@ -212,9 +232,10 @@ def _encode_nodes(graph: Graph, opset: int, encoded_nodes: bytearray, borrowed: 
     encoding grows into the memory they leave."""
     index_of_nodes = EncodedNodes()
     nodes = graph.take_nodes() if release else graph.nodes
+    verify_edges = lint_enabled()
     for index, node in enumerate(nodes):
         append_field(encoded_nodes, GRAPH_NODE,
-                     _node_proto(node, opset, borrowed).SerializeToString())
+                     _node_proto(node, opset, borrowed, verify_edges).SerializeToString())
         index_of_nodes.add(len(encoded_nodes), node.op_type,
                            tuple([v.name if v is not None else "" for v in node.inputs]),
                            tuple([v.name if v is not None else "" for v in node.outputs]))
