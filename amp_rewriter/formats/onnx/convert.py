@@ -27,6 +27,7 @@ from ...passes.pipeline import passes_of
 from ...report import Report, build_report, constant_entries
 from ..base import cyclic_gc_paused
 from . import ort_registry
+from .background_check import BackgroundCheck
 from .emit import (
     EXTERNAL_DATA_THRESHOLD,
     Emission,
@@ -44,7 +45,11 @@ from .load import (
 )
 from .optimize import optimized_copy, options_after
 from .rules import ONNX_RULES
-from .shapes import checked_activation_traffic, validation_input_shapes
+from .shapes import (
+    checked_activation_traffic,
+    encoded_activation_traffic,
+    validation_input_shapes,
+)
 
 DEFAULT_BACKEND = "ort-cuda"
 #: onnxruntime's contrib domain.
@@ -205,33 +210,60 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
             kept = ConvertedIR(ir_model, original_names)
         else:  # free the IR now (gigabytes at a million nodes), before the model is assembled
             # and shape inference and the checker make their own copies of it
-            _freeing_the_ir(ir_model, report)
+            _freeing_the_ir(ir_model, report, big=len(report.nodes) >= BIG_GRAPH_NODES)
         del ir_model, model
-        converted = emitted.assemble()
-        nodes_in_encoding = emitted.nodes
+        # The model stays in its encoding while the cost summary and the checker read it:
+        # parsed, it would take 500 MB more at a million nodes.
+        encoded = emitted.encode()  # None: not one encoding (the IR kept, or over 2 GB)
+        converted = emitted.assemble() if encoded is None else None
         del emitted
+        if encoded is not None and input_external:  # its tensors are looked at next
+            converted = encoded.parse()
         # Without external data in the input there is none in the output: no walk over the
         # model's attributes to find out (a second a million nodes).
-        external = input_external and has_external_data(converted)
+        external = input_external and converted is not None and has_external_data(converted)
         # else convert_file checks the saved file
         check_here = options.check and encodable and not external
-        types_checked = False
-        if report.cost is not None:
-            report.cost["activation_bytes"], types_checked = checked_activation_traffic(
-                converted, validation_input_shapes(converted), op_kinds=op_kinds,
-                type_check=check_here, encoded=nodes_in_encoding)
-        # The model's encoding, which the cost summary read its nodes from, serves the check.
-        encoding = nodes_in_encoding.buffer if nodes_in_encoding is not None else None
-        del nodes_in_encoding
+        background = None
+        if check_here and encoded is not None and len(report.nodes) >= BIG_GRAPH_NODES:
+            background = BackgroundCheck.start(encoded.encoding)
+        try:
+            types_checked = False
+            if report.cost is not None:
+                assert op_kinds is not None
+                found = None
+                if encoded is not None and converted is None:
+                    found = encoded_activation_traffic(encoded, op_kinds, type_check=check_here)
+                if found is None:
+                    if converted is None:
+                        assert encoded is not None
+                        converted = encoded.parse()
+                    found = checked_activation_traffic(
+                        converted, validation_input_shapes(converted), op_kinds=op_kinds,
+                        type_check=check_here)
+                report.cost["activation_bytes"], types_checked = found
+            # The type check ran with the cost summary's inference: then the structural check
+            # is all that is left, and the worker's verdict is that.
+            verdict = background.verdict() if background is not None and types_checked else None
+        finally:
+            if background is not None:
+                background.cancel()
         report.warnings = override_warnings
         report.warnings += bf16_advice(report, lists, opset)
         report.warnings += schema_warnings
+        if converted is None:
+            assert encoded is not None
+            converted = encoded.parse()
+        # The model's encoding serves the check.
+        encoding = encoded.encoding if encoded is not None else None
+        del encoded
         steps.finish()
         if check_here:
             try:
-                # The cost summary's inference ran the full check's type and shape check
-                # already: then only the structural check is left.
-                check_valid(converted, full=not types_checked, encoding=encoding)
+                if verdict is None:
+                    check_valid(converted, full=not types_checked, encoding=encoding)
+                elif verdict:
+                    raise AmpError(checker_failure(verdict))
             except AmpError:
                 _blame_invalid_input(original)
                 raise
@@ -243,8 +275,13 @@ def _graph_name(node: Node) -> str:
     return node.graph.name
 
 
-def _freeing_the_ir(ir_model: Model, report: Report) -> None:
-    """Release the IR so that the system gets its memory back.
+#: Nodes from which a conversion frees its IR with a full collection (`_freeing_the_ir`) and
+#: checks its result in a second process (`BackgroundCheck`) while it runs the cost summary.
+BIG_GRAPH_NODES = 100_000
+
+
+def _freeing_the_ir(ir_model: Model, report: Report, big: bool) -> None:
+    """Release the IR so that the system gets its memory back (`big`: it held many nodes).
 
     What outlives the IR (the report's constants, structures and cost) holds
     names read while the IR was built; scattered through the IR's memory, such objects keep
@@ -260,10 +297,17 @@ def _freeing_the_ir(ir_model: Model, report: Report) -> None:
     if packed is not None:
         report.constants, report.structures, report.passes, report.cost = [], [], [], None
     ir_model.release()
-    # The cyclic collector is paused during a conversion, so everything the conversion made is
-    # still in the youngest generation: collecting that one finds the removed nodes without
-    # scanning the caller's objects (seconds in a process that has imported torch).
-    gc.collect(0)
+    if big:
+        # A full collection also empties the interpreter's free lists (tuples, lists, dicts
+        # and floats kept for reuse): their blocks, freed from all over the IR, would keep
+        # most of its memory from the system (at 200k nodes, 220 MB of 450). It scans the
+        # caller's objects too (0.2 s beside torch and TensorFlow): only for a big IR.
+        gc.collect()
+    else:
+        # The cyclic collector is paused during a conversion, so everything the conversion
+        # made is still in the youngest generation: collecting that one finds the removed
+        # nodes without scanning the caller's objects.
+        gc.collect(0)
     if packed is not None:
         report.constants, report.structures, report.cost, report.passes = marshal.loads(packed)
 
@@ -419,7 +463,12 @@ def check_valid(model: onnx.ModelProto | str, full: bool = True,
         else:
             onnx.checker.check_model(bytes(encoding) if encoding is not None else model)
     except Exception as exc:  # the checker raises several exception types
-        raise AmpError(f"the converted model fails the ONNX checker: {_first_line(exc)}") from None
+        raise AmpError(checker_failure(_first_line(exc))) from None
+
+
+def checker_failure(message: str) -> str:
+    """The error for a converted model that onnx.checker refuses with `message`."""
+    return f"the converted model fails the ONNX checker: {message}"
 
 
 def onnx_full_check(model: onnx.ModelProto | str) -> None:

@@ -37,7 +37,15 @@ from ...ir import (
 )
 from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES
 from ...options import EXTERNAL_LAYOUTS
-from .encoding import GRAPH_NODE, MODEL_GRAPH, EncodedNodes, append_field, field_key, varint
+from .encoding import (
+    GRAPH_NODE,
+    MODEL_GRAPH,
+    EncodedModel,
+    EncodedNodes,
+    append_field,
+    field_key,
+    varint,
+)
 from .load import (
     PROTOBUF_LIMIT,
     all_tensors,
@@ -242,6 +250,10 @@ def _encode_nodes(graph: Graph, opset: int, encoded_nodes: bytearray, borrowed: 
         if release:
             nodes[index] = None  # type: ignore[call-overload]
             node.release()
+    # Packed now, while the IR lives: the last block's records refer to the IR's name strings,
+    # scattered through its memory, and would keep most of that memory from going back to the
+    # system when the IR is freed.
+    index_of_nodes.pack()
     return index_of_nodes
 
 
@@ -342,19 +354,32 @@ class EmittedModel:
 
     def assemble(self) -> onnx.ModelProto:
         """The whole ModelProto. The parts go into it: this object is empty afterwards."""
-        head, nodes = self.head, self.encoded_nodes
+        encoded = self.encode()
+        if encoded is not None:
+            return encoded.parse()
+        head = self.head
         self.head, self.encoded_nodes = onnx.ModelProto(), bytearray()
+        return head
+
+    def encode(self) -> EncodedModel | None:
+        """The whole model's encoding (the parts go into it: this object is empty afterwards),
+        or None where `assemble` builds the model otherwise (not split, or beyond what one
+        message may be parsed from)."""
+        head, nodes = self.head, self.encoded_nodes
         if not self.split:
-            return head
+            return None
         if _size_bound(head, nodes) > PROTOBUF_LIMIT:
-            # beyond what one message may be parsed from: the nodes go into the head
+            # the nodes go into the head
             head.graph.MergeFromString(nodes)
+            self.encoded_nodes = bytearray()
             self.nodes = None
-            return head
+            return None
+        self.head, self.encoded_nodes = onnx.ModelProto(), bytearray()
         graph = head.graph.SerializeToString()
         head.ClearField("graph")
         encoded = bytearray(head.SerializeToString())
         del head  # the last reference: the loaded model's memory goes before the parse
+        head_length = len(encoded)
         encoded += field_key(MODEL_GRAPH)
         encoded += varint(len(nodes) + len(graph))
         if self.nodes is not None:
@@ -362,8 +387,7 @@ class EmittedModel:
         encoded += nodes
         del nodes
         encoded += graph
-        del graph
-        return onnx.ModelProto.FromString(encoded)
+        return EncodedModel(encoded, head_length, len(graph), self.nodes)
 
 
 def _size_bound(head: onnx.ModelProto, encoded_nodes: bytearray) -> int:

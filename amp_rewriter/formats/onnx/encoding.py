@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from functools import cache
 from typing import Any
 
+import onnx
+
 from ...packed import PackedRecords
 
 #: Field numbers of onnx.proto: ModelProto.graph, GraphProto.node, GraphProto.value_info.
@@ -84,6 +86,10 @@ class EncodedNodes:
         self.ends.append(end)
         self._names.append((op_type, inputs, outputs))
 
+    def pack(self) -> None:
+        """Pack the names recorded since the last full block (`PackedRecords.seal`)."""
+        self._names.seal()
+
     def place(self, buffer: bytes | bytearray, start: int) -> None:
         """The nodes now lie in `buffer` from `start` on."""
         self._names.seal()
@@ -98,3 +104,28 @@ class EncodedNodes:
         """The op type, input names and output names of nodes `first` to `last` - 1."""
         names: list[NodeNames] = self._names.between(first, last)
         return names
+
+
+class EncodedModel:
+    """A converted model as one encoding, before it is parsed: what the cost summary's
+    inference and the checker read, at a fraction of a parsed model's memory (at a million
+    nodes the encoding is about 200 MB, the parsed model 500 MB more)."""
+
+    def __init__(self, encoding: bytearray, head_length: int, graph_length: int,
+                 nodes: EncodedNodes | None):
+        self.encoding = encoding
+        self._head_length = head_length
+        self._graph_length = graph_length
+        #: Where the main graph's nodes lie in `encoding`, with their names.
+        self.nodes = nodes
+
+    def shell(self) -> onnx.ModelProto:
+        """The model without its main graph's nodes (their count: `len(self.nodes)`)."""
+        with memoryview(self.encoding) as view:
+            shell = onnx.ModelProto.FromString(bytes(view[:self._head_length]))
+            shell.graph.MergeFromString(bytes(view[len(self.encoding) - self._graph_length:]))
+        return shell
+
+    def parse(self) -> onnx.ModelProto:
+        """The whole ModelProto."""
+        return onnx.ModelProto.FromString(self.encoding)

@@ -29,6 +29,7 @@ from .encoding import (
     GRAPH_NODE,
     GRAPH_VALUE_INFO,
     MODEL_GRAPH,
+    EncodedModel,
     EncodedNodes,
     NodeNames,
     append_field,
@@ -217,8 +218,10 @@ _BODY_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 Types = dict[str, tuple[str | None, tuple[int, ...] | None]]
 
 
-def _sliceable(model: onnx.ModelProto, op_kinds: set[tuple[str, str]]) -> bool:
-    return len(model.graph.node) > SLICE_NODES and not any(
+def _sliceable(node_count: int, op_kinds: set[tuple[str, str]]) -> bool:
+    """Whether a graph of `node_count` top-level nodes and these (domain, op type) pairs is
+    inferred a slice at a time."""
+    return node_count > SLICE_NODES and not any(
         op in _BODY_OPS or domain not in _STANDARD_DOMAINS for domain, op in op_kinds)
 
 
@@ -237,15 +240,15 @@ def _types_in_slices(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[in
     With `type_check`, each slice is inferred in the strict, type-checking mode with the
     declared value_info of what it computes, as the whole graph would be.
 
-    `encoded`: where the model's nodes lie in its encoding, with their names (an emitter's
-    `EncodedNodes`): read from there rather than through protobuf."""
+    `encoded`: the main graph's nodes as they lie in the model's encoding, with their names
+    (an emitter's `EncodedNodes`), read from there rather than through protobuf; `model`'s
+    own node list may then be empty."""
     nodes = model.graph.node
-    if encoded is not None and len(encoded) != len(nodes):
-        encoded = None
+    count = len(encoded) if encoded is not None else len(nodes)
     slicer = _Slicer(model, input_shapes, type_check, encoded)
     accesses = _AccessCount(model.graph)
-    for start in range(0, len(nodes), SLICE_NODES):
-        stop = min(start + SLICE_NODES, len(nodes))
+    for start in range(0, count, SLICE_NODES):
+        stop = min(start + SLICE_NODES, count)
         if encoded is not None:
             records = encoded.names_between(start, stop)
         else:
@@ -499,19 +502,16 @@ def activation_traffic(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[
 def checked_activation_traffic(model: onnx.ModelProto,
                                input_shapes: Mapping[str, tuple[int, ...]],
                                op_kinds: set[tuple[str, str]] | None = None,
-                               type_check: bool = False,
-                               encoded: EncodedNodes | None = None
-                               ) -> tuple[dict[str, Any], bool]:
+                               type_check: bool = False) -> tuple[dict[str, Any], bool]:
     """`activation_traffic`, and whether its shape inference passed the type and shape check of
     onnx.checker's full check (asked for with `type_check`; see `_inferred`). `op_kinds`: the
     nodes' (domain, op type) pairs, nested graphs included, when known (else read off the
-    model). `encoded`: where the main graph's nodes lie in the model's encoding (see
-    `_types_in_slices`)."""
+    model)."""
     if op_kinds is None:
         op_kinds = {(node.domain, node.op_type) for g in walk_graph_protos(model.graph)
                     for node in g.node}
-    sliced = _types_in_slices(model, input_shapes, type_check, encoded) \
-        if _sliceable(model, op_kinds) else None
+    sliced = _types_in_slices(model, input_shapes, type_check) \
+        if _sliceable(len(model.graph.node), op_kinds) else None
     if sliced is not None:
         types, checked, accesses = sliced
     else:
@@ -519,6 +519,30 @@ def checked_activation_traffic(model: onnx.ModelProto,
         types = _types(inferred, model)
         del inferred
         accesses = _proto_accesses(model.graph)
+    return _traffic(types, accesses, input_shapes), checked
+
+
+def encoded_activation_traffic(model: EncodedModel, op_kinds: set[tuple[str, str]],
+                               type_check: bool = False) -> tuple[dict[str, Any], bool] | None:
+    """`checked_activation_traffic` of a model still in its encoding, at the validation input
+    shapes, where its graph is inferred in slices read from the encoding (the model is never
+    parsed whole); None where it is not (`SLICE_NODES` nodes or fewer, ops with bodies or from
+    other domains) or a slice fails: the caller infers the parsed model then. `op_kinds`: the
+    nodes' (domain, op type) pairs, nested graphs included."""
+    if model.nodes is None or not _sliceable(len(model.nodes), op_kinds):
+        return None
+    shell = model.shell()
+    input_shapes = validation_input_shapes(shell)
+    sliced = _types_in_slices(shell, input_shapes, type_check, model.nodes)
+    if sliced is None:
+        return None
+    types, checked, accesses = sliced
+    return _traffic(types, accesses, input_shapes), checked
+
+
+def _traffic(types: Types, accesses: dict[str, int],
+             input_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """`cost.bytes_moved` of the activations `accesses` counts, typed by `types`."""
     # Summed by type first: a million activations share a few hundred types.
     accesses_by_type: dict[tuple[str | None, tuple[int, ...] | None], list[int]] = {}
     type_of = types.get
@@ -534,4 +558,4 @@ def checked_activation_traffic(model: onnx.ModelProto,
     traffic = bytes_moved((dtype, shape, count, values)
                           for (dtype, shape), (count, values) in accesses_by_type.items())
     traffic["input_shapes"] = {name: list(shape) for name, shape in input_shapes.items()}
-    return traffic, checked
+    return traffic
