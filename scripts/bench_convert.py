@@ -14,7 +14,10 @@ call alone on an in-memory ``onnx.ModelProto``. For ours, load and save are time
 Peak memory is the resident-set high-water mark during the convert call, minus the resident set
 just before it (so the loaded model and the imported libraries are not counted). On Linux the
 high-water mark is reset right before the call; elsewhere ``ru_maxrss`` is used, which can only
-over-report when loading peaked higher than converting.
+over-report when loading peaked higher than converting. "Peak with workers" adds the processes
+the conversion starts (amp_rewriter checks a big model in a second process): the resident sets
+of the measuring process and its children summed, read every 20 ms from outside over the whole
+measuring process (load, convert, save), minus the same resident set before the convert call.
 
 Example::
 
@@ -92,6 +95,73 @@ def _peak_rss_kib(peak_was_reset: bool) -> int:
         if high_water_mark is not None:
             return high_water_mark
     return _ru_maxrss_kib()
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory of a measured process together with the processes it starts
+# ---------------------------------------------------------------------------------------------
+
+#: How often `sampled_run` reads the resident sets.
+SAMPLE_SECONDS = 0.02
+
+
+def _rss_of_pid_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass
+class SampledRun:
+    """A finished command, and the peak of its resident set plus those of the processes it
+    started (amp_rewriter's background check), read every `SAMPLE_SECONDS` (0 where /proc has
+    no such numbers)."""
+
+    returncode: int
+    stderr: str
+    peak_with_children_kib: int
+    peak_children_kib: int
+
+
+def sampled_run(command: list[str], timeout_s: float, cwd: Path) -> SampledRun:
+    """Run `command` (raises subprocess.TimeoutExpired past `timeout_s`), sampling memory."""
+    with tempfile.TemporaryFile() as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, cwd=cwd)
+        deadline = time.monotonic() + timeout_s
+        peak = peak_children = 0
+        while process.poll() is None:
+            if time.monotonic() > deadline:
+                process.kill()
+                process.wait()
+                raise subprocess.TimeoutExpired(command, timeout_s)
+            # A child's own children (a worker) are read too: /proc/PID/task/PID/children.
+            children = sum(_rss_of_pid_kib(child) for child in _descendants_of(process.pid))
+            peak = max(peak, _rss_of_pid_kib(process.pid) + children)
+            peak_children = max(peak_children, children)
+            time.sleep(SAMPLE_SECONDS)
+        stderr.seek(0)
+        return SampledRun(process.returncode, stderr.read().decode("utf-8", "replace"), peak,
+                          peak_children)
+
+
+def _descendants_of(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs, as /proc lists them now."""
+    found, stack = [], [pid]
+    while stack:
+        parent = stack.pop()
+        try:
+            with open(f"/proc/{parent}/task/{parent}/children", encoding="ascii") as children:
+                kids = [int(child) for child in children.read().split()]
+        except OSError:
+            kids = []
+        found += kids
+        stack += kids
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,14 +278,19 @@ def measure_in_subprocess(
         if theirs_op_block_list is not None:
             command += ["--theirs-op-block-list", ",".join(theirs_op_block_list)]
         try:
-            completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT)
+            completed = sampled_run(command, timeout_s, REPO_ROOT)
         except subprocess.TimeoutExpired:
             return Measurement(converter, num_nodes, ">timeout", error=f"no result within {timeout_s:g} s")
         if completed.returncode != 0 or not result_path.exists():
             stderr_lines = [line for line in completed.stderr.strip().splitlines() if line.strip()]
             last_line = stderr_lines[-1] if stderr_lines else f"exit status {completed.returncode}"
             return Measurement(converter, num_nodes, "error", error=last_line)
-        return Measurement(converter, num_nodes, "ok", details=json.loads(result_path.read_text()))
+        details = json.loads(result_path.read_text())
+        # Sampled over the whole measuring process (load, convert and save), its workers with it.
+        details["peak_with_workers_delta_mb"] = (
+            completed.peak_with_children_kib / 1024 - details["rss_before_convert_mb"])
+        details["workers_peak_mb"] = completed.peak_children_kib / 1024
+        return Measurement(converter, num_nodes, "ok", details=details)
 
 
 def _format_seconds(measurement: Measurement | None, key: str = "convert_seconds") -> str:
@@ -229,10 +304,10 @@ def _format_seconds(measurement: Measurement | None, key: str = "convert_seconds
     return "-" if value is None else f"{value:.3f}"
 
 
-def _format_megabytes(measurement: Measurement | None) -> str:
+def _format_megabytes(measurement: Measurement | None, key: str = "convert_peak_delta_mb") -> str:
     if measurement is None or measurement.status != "ok":
         return "-"
-    return f"{measurement.details['convert_peak_delta_mb']:.0f}"
+    return f"{measurement.details[key]:.0f}"
 
 
 def _format_casts(measurement: Measurement | None) -> str:
@@ -281,7 +356,8 @@ def markdown_table(
 ) -> str:
     """Render one row per model size."""
     header = (
-        "| nodes | ours convert s | ours load+convert+save s | ours peak MB | ours Casts "
+        "| nodes | ours convert s | ours load+convert+save s | ours peak MB "
+        "| ours peak with workers MB | ours Casts "
         "| onnxconverter-common convert s | theirs peak MB | theirs Casts | theirs/ours time |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
@@ -290,7 +366,8 @@ def markdown_table(
         theirs = results.get(("theirs", size))
         lines.append(
             f"| {size} | {_format_seconds(ours)} | {_format_seconds(ours, 'load_convert_save_seconds')} "
-            f"| {_format_megabytes(ours)} | {_format_casts(ours)} | {_format_seconds(theirs)} "
+            f"| {_format_megabytes(ours)} | {_format_megabytes(ours, 'peak_with_workers_delta_mb')} "
+            f"| {_format_casts(ours)} | {_format_seconds(theirs)} "
             f"| {_format_megabytes(theirs)} | {_format_casts(theirs)} | {speed_ratio(theirs, ours, timeout_s)} |"
         )
     return "\n".join(lines)

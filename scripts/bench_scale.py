@@ -14,8 +14,12 @@ measurement in a fresh Python process so its peak memory is its own:
   loaded model" subtracts what the loaded ModelProto takes (measured by the ``convert`` runs of
   the same size: resident set after ``onnx.load`` minus before).
 
+Peak memory "with workers" adds the processes a conversion starts (amp_rewriter checks a big
+model in a second process): the resident sets of the measuring process and its children summed,
+read every 20 ms from outside over the whole measuring process, minus the same start.
+
 Reported per size and mode: the median wall time and CPU time of the repeats, the median peak
-above the loaded model and per node; and the ratio of the larger size's median time to the
+above the loaded model (alone and with workers) and per node; and the ratio of the larger size's median time to the
 smaller's (linear growth = the size ratio). The machine's load average is recorded with every
 measurement: timings on a shared machine are noisy, memory is not.
 
@@ -49,6 +53,7 @@ from bench_convert import (  # noqa: E402  (after the path set-up)
     _peak_rss_kib,
     _reset_peak_rss,
     parse_sizes,
+    sampled_run,
 )
 
 MODES = ("convert", "file")
@@ -85,6 +90,7 @@ def run_worker(mode: str, model_path: Path, result_path: Path) -> None:
         result["seconds"] = time.perf_counter() - start
         result["cpu_seconds"] = _cpu_seconds() - cpu_start
         result["peak_above_start_mb"] = (_peak_rss_kib(peak_was_reset) - rss_before_kib) / 1024
+        result["rss_before_kib"] = rss_before_kib
         result["nodes_out"] = len(converted.graph.node)
     else:
         with tempfile.TemporaryDirectory(dir=result_path.parent) as scratch:
@@ -96,6 +102,7 @@ def run_worker(mode: str, model_path: Path, result_path: Path) -> None:
             result["seconds"] = time.perf_counter() - start
             result["cpu_seconds"] = _cpu_seconds() - cpu_start
             result["peak_above_start_mb"] = (_peak_rss_kib(peak_was_reset) - rss_before_kib) / 1024
+            result["rss_before_kib"] = rss_before_kib
             result["output_mb"] = (Path(scratch) / "converted.onnx").stat().st_size / 1e6
     result["peak_measured_with"] = "VmHWM after clear_refs" if peak_was_reset else "ru_maxrss"
     result_path.write_text(json.dumps(result, indent=2))
@@ -114,8 +121,7 @@ def measure(mode: str, model_path: Path, timeout_s: float) -> dict[str, Any]:
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", mode,
                    "--model", str(model_path), "--result", str(result_path)]
         try:
-            completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
-                                       cwd=REPO_ROOT)
+            completed = sampled_run(command, timeout_s, REPO_ROOT)
         except subprocess.TimeoutExpired:
             return {"mode": mode, "error": f"no result within {timeout_s:g} s"}
         if completed.returncode != 0 or not result_path.exists():
@@ -123,6 +129,10 @@ def measure(mode: str, model_path: Path, timeout_s: float) -> dict[str, Any]:
             return {"mode": mode,
                     "error": lines[-1] if lines else f"exit status {completed.returncode}"}
         result: dict[str, Any] = json.loads(result_path.read_text())
+        # Sampled over the whole measuring process, the workers it starts with it.
+        result["peak_with_workers_above_start_mb"] = (
+            completed.peak_with_children_kib - result.pop("rss_before_kib")) / 1024
+        result["workers_peak_mb"] = completed.peak_children_kib / 1024
     result["load_average_before"] = load_before
     result["load_average_after"] = os.getloadavg()[0]
     return result
@@ -144,8 +154,11 @@ def summarize(sizes: list[int], runs: dict[tuple[int, str], list[dict[str, Any]]
             if not done:
                 continue
             peak = _median(done, "peak_above_start_mb")
-            if peak is not None and mode == "file" and loaded[size] is not None:
-                peak -= loaded[size]  # measured from the imports: take the loaded model off
+            with_workers = _median(done, "peak_with_workers_above_start_mb")
+            if mode == "file" and loaded[size] is not None:
+                # measured from the imports: take the loaded model off
+                peak = peak - loaded[size] if peak is not None else None
+                with_workers = with_workers - loaded[size] if with_workers is not None else None
             rows.append({
                 "nodes": size, "mode": mode, "runs": len(done),
                 "errors": [run["error"] for run in done if "error" in run],
@@ -154,6 +167,7 @@ def summarize(sizes: list[int], runs: dict[tuple[int, str], list[dict[str, Any]]
                 "all_seconds": [round(run["seconds"], 2) for run in done if "seconds" in run],
                 "peak_above_loaded_model_mb": peak,
                 "peak_bytes_per_node": peak * 2**20 / size if peak is not None else None,
+                "peak_with_workers_above_loaded_model_mb": with_workers,
                 "loaded_model_mb": loaded[size],
                 "load_averages": [round(run.get("load_average_before", 0.0), 2) for run in done],
             })
@@ -175,14 +189,15 @@ def summarize(sizes: list[int], runs: dict[tuple[int, str], list[dict[str, Any]]
 def markdown(summary: dict[str, Any]) -> str:
     """The summary as a markdown table plus one line per ratio."""
     lines = ["| nodes | mode | median s | median CPU s | runs s | peak above loaded model MB "
-             "| bytes/node | load avg |", "|---|---|---|---|---|---|---|---|"]
+             "| with workers MB | bytes/node | load avg |", "|---|---|---|---|---|---|---|---|---|"]
     for row in summary["rows"]:
         peak = row["peak_above_loaded_model_mb"]
         per_node = row["peak_bytes_per_node"]
         lines.append(
             f"| {row['nodes']} | {row['mode']} | {_num(row['median_seconds'], 1)} "
             f"| {_num(row['median_cpu_seconds'], 1)} | {row['all_seconds']} "
-            f"| {_num(peak, 0)} | {_num(per_node, 0)} | {row['load_averages']} |"
+            f"| {_num(peak, 0)} | {_num(row['peak_with_workers_above_loaded_model_mb'], 0)} "
+            f"| {_num(per_node, 0)} | {row['load_averages']} |"
             + (f" errors: {row['errors']}" if row["errors"] else ""))
     for ratio in summary["ratios"]:
         cpu = ratio["cpu_time_ratio"]
@@ -241,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[(size, mode)].append(result)
                 shown = result.get("error") or (
                     f"{result['seconds']:.1f} s (CPU {result['cpu_seconds']:.1f} s), peak "
-                    f"+{result['peak_above_start_mb']:.0f} MB, load avg "
+                    f"+{result['peak_above_start_mb']:.0f} MB (with workers "
+                    f"+{result['peak_with_workers_above_start_mb']:.0f} MB), load avg "
                     f"{result['load_average_before']:.1f}")
                 print(f"[round {repeat + 1}] {size} nodes {mode}: {shown}", flush=True)
 

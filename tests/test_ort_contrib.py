@@ -384,11 +384,7 @@ def test_activation_accesses_counted_on_the_emitted_model():
     from onnx import helper
 
     from amp_rewriter.formats.onnx.convert import convert_model_ir
-    from amp_rewriter.formats.onnx.shapes import (
-        _proto_accesses,
-        activation_traffic,
-        validation_input_shapes,
-    )
+    from amp_rewriter.formats.onnx.shapes import activation_traffic, validation_input_shapes
     from amp_rewriter.options import Options
 
     branch_out = helper.make_tensor_value_info("b", TensorProto.FLOAT, ["n", 4])
@@ -416,14 +412,30 @@ def test_activation_accesses_counted_on_the_emitted_model():
          helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     converted, report, _ = convert_model_ir(model, Options(target="fp16"))
-    counted = _proto_accesses(converted.graph)
     # x's cast and the MatMul's cast back to fp32 are the converter's; h: Mul twice, Softmax,
-    # the graph output (the If branches' reads are theirs).
-    assert counted == {"x": 1, "x_fp16": 2, "m": 2, "m_fp32": 2, "h": 5, "sq": 2, "s": 2,
-                       "p": 2, "y": 2, "z": 2}
-    assert "c" not in counted and "w" not in counted and counted["sq"] == 2
+    # the graph output (the If branches' reads are theirs); c and w are constants.
+    counted = {"x": 1, "x_fp16": 2, "m": 2, "m_fp32": 2, "h": 5, "sq": 2, "s": 2, "p": 2,
+               "y": 2, "z": 2}
     at_validation_sizes = validation_input_shapes(converted)
-    assert report.cost["activation_bytes"] == activation_traffic(converted, at_validation_sizes)
+    sized = onnx.ModelProto()
+    sized.CopyFrom(converted)
+    dims = sized.graph.input[0].type.tensor_type.shape.dim
+    for dim, size in zip(dims, at_validation_sizes["x"]):
+        dim.dim_value = size
+    inferred = onnx.shape_inference.infer_shapes(sized)
+    infos = {info.name: info.type.tensor_type for info in
+             [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]}
+    expected = {"low_precision": 0, "fp32": 0}
+    for name, accesses in counted.items():
+        tensor_type = infos[name]
+        elements = int(np.prod([dim.dim_value for dim in tensor_type.shape.dim]))
+        if tensor_type.elem_type == TensorProto.FLOAT16:
+            expected["low_precision"] += 2 * elements * accesses
+        elif tensor_type.elem_type == TensorProto.FLOAT:
+            expected["fp32"] += 4 * elements * accesses
+    moved = report.cost["activation_bytes"]
+    assert {key: moved[key] for key in expected} == expected
+    assert moved == activation_traffic(converted, at_validation_sizes)
 
 
 def test_the_cost_inference_stands_in_for_the_checkers_type_check_only_when_it_passes():

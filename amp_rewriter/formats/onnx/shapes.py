@@ -15,10 +15,10 @@ import math
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from functools import cache
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, compress
+from operator import attrgetter, itemgetter, methodcaller
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import onnx
 
@@ -227,9 +227,9 @@ def _sliceable(node_count: int, op_kinds: set[tuple[str, str]]) -> bool:
 
 def _types_in_slices(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
                      type_check: bool, encoded: EncodedNodes | None = None
-                     ) -> tuple[Types, bool, dict[str, int]] | None:
+                     ) -> tuple[Types, bool, _ActivationTraffic] | None:
     """What `_types(_inferred(...))` gives, inferred `SLICE_NODES` nodes at a time (None when an
-    inference fails: the caller infers the whole graph then), and what `_proto_accesses` gives,
+    inference fails: the caller infers the whole graph then), and the activation traffic,
     counted on the way.
 
     A slice is a graph of its nodes whose inputs are the values they read from earlier slices,
@@ -246,7 +246,7 @@ def _types_in_slices(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[in
     nodes = model.graph.node
     count = len(encoded) if encoded is not None else len(nodes)
     slicer = _Slicer(model, input_shapes, type_check, encoded)
-    accesses = _AccessCount(model.graph)
+    traffic = _ActivationTraffic(model.graph)
     for start in range(0, count, SLICE_NODES):
         stop = min(start + SLICE_NODES, count)
         if encoded is not None:
@@ -254,10 +254,11 @@ def _types_in_slices(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[in
         else:
             records = [(node.op_type, tuple(node.input), tuple(node.output))
                        for node in nodes[start:stop]]
-        accesses.add_nodes(records)
-        if not slicer.infer(start, records):
+        found = slicer.infer(start, records)
+        if found is None:
             return None
-    return slicer.types, type_check, accesses.result()
+        traffic.add(records, found)
+    return slicer.types, type_check, traffic
 
 
 class _Slicer:
@@ -290,9 +291,10 @@ class _Slicer:
             return self.encoded.fields(first, last)
         return encoded_fields(GRAPH_NODE, self.nodes[first:last])
 
-    def infer(self, start: int, records: Sequence[NodeNames]) -> bool:
+    def infer(self, start: int, records: Sequence[NodeNames]) -> Types | None:
         """Infer one slice: the nodes from `start` on, as (op type, input names, output names)
-        each; False when that fails."""
+        each. Returns the types found (of what the slice reads and computes); None when that
+        fails."""
         member_reads, produced = _slice_reads(records)
         prefix = [(index, *self.shape_like_nodes[index])
                   for index in self._shape_like_sources(member_reads)]
@@ -304,7 +306,7 @@ class _Slicer:
             produced |= prefix_produced
         sliced = onnx.GraphProto(name=self.graph_name)
         if not self._declare_inputs(sliced, reads):
-            return False
+            return None
         if self.declared:
             declared = self.declared
             computed = chain(_outputs(prefix), _outputs(records))
@@ -324,7 +326,7 @@ class _Slicer:
                     bytes(encoded), check_type=self.type_check, strict_mode=self.type_check,
                     data_prop=True)
         except Exception:  # as in `_inferred`: the whole graph's inference decides
-            return False
+            return None
         del encoded
         found = _types(inferred, inferred, self.partial)
         del inferred
@@ -339,7 +341,7 @@ class _Slicer:
                     self.shape_like_nodes[index] = (records[offset][1], outs)
                     for name in outs:
                         self.producer[name] = index
-        return True
+        return found
 
     def _shape_like_sources(self, reads: list[str]) -> list[int]:
         """The earlier nodes that compute the shape-like values among `reads`, and those that
@@ -405,23 +407,34 @@ def _types(inferred: onnx.ModelProto | None, model: onnx.ModelProto,
     graph = inferred.graph if inferred is not None else model.graph
     # list() first: iterating upb's repeated fields directly costs ~5x more per element.
     infos = list(graph.input) + list(graph.value_info) + list(graph.output)
-    result: dict[str, tuple[str | None, tuple[int, ...] | None]] = {}
+    # Maps and compresses run in C: no Python per value (a million of them).
+    names = list(map(attrgetter("name"), infos))
     # Most values share a handful of types: each distinct TypeProto (by its bytes, one protobuf
     # call) is read once, not field by field per value (~10 calls each, seconds at 1M values).
-    by_type: dict[bytes, tuple[str | None, tuple[int, ...] | None] | None] = {}
-    for info in infos:
-        type_proto = info.type
-        key = type_proto.SerializeToString()
-        if key in by_type:
-            known = by_type[key]
-        else:
-            known = by_type[key] = _dtype_and_shape(type_proto)
-        if known is not None:
-            result[info.name] = known
-            if partial is not None and known[1] is None and type_proto.tensor_type.HasField(
-                    "shape"):
-                partial[info.name] = key
+    keys = list(map(methodcaller("SerializeToString"), map(attrgetter("type"), infos)))
+    by_type = _TypesByEncoding()
+    known = list(map(by_type.__getitem__, keys))
+    # A value without a tensor type (None, left out) does not hide one declared elsewhere.
+    result = cast(Types, dict(compress(zip(names, known), known)))
+    if partial is not None and by_type.partly:
+        partial.update(compress(zip(names, keys), map(by_type.partly.__contains__, keys)))
     return result
+
+
+class _TypesByEncoding(dict[bytes, tuple[str | None, tuple[int, ...] | None] | None]):
+    """An encoded TypeProto -> (dtype, concrete shape or None), None for no tensor element
+    type; each read once. `partly`: the encodings whose shape is there but partly known."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.partly: set[bytes] = set()
+
+    def __missing__(self, key: bytes) -> tuple[str | None, tuple[int, ...] | None] | None:
+        type_proto = onnx.TypeProto.FromString(key)
+        known = self[key] = _dtype_and_shape(type_proto)
+        if known is not None and known[1] is None and type_proto.tensor_type.HasField("shape"):
+            self.partly.add(key)
+        return known
 
 
 def _dtype_and_shape(type_proto: onnx.TypeProto
@@ -445,57 +458,54 @@ def validation_input_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]
             if info.name not in initializers and info.type.HasField("tensor_type")}
 
 
-class _AccessCount:
-    """Each top-level activation's name -> accesses (one write by its producer, one read per
-    consumer or graph output), constants excluded, counted on a graph proto's nodes as they are
-    read. Reads by nodes of nested graphs (captures) are the subgraph's traffic, not counted."""
+class _ActivationTraffic:
+    """The bytes the top-level graph's activations move, summed per type as nodes are counted
+    (`add`): each is written once by its producer and read once per consumer and per graph
+    output it is; constants (initializers, Constant outputs) are not activations, and reads by
+    nodes of nested graphs (captures) are the subgraph's traffic, not counted."""
 
     def __init__(self, graph: onnx.GraphProto):
-        self.graph = graph
         self.constants = {tensor.name for tensor in graph.initializer}
-        # Names as read (empty ones for omitted inputs and outputs included): counted at the
-        # end, which is quicker than counting a node at a time.
-        self.read: list[str] = []
-        self.produced: list[str] = []
+        self.inputs = [info.name for info in graph.input]
+        self.outputs = [info.name for info in graph.output]
+        #: The activations' types found so far.
+        self.types: Types = {}
+        #: Per type: accesses, and activations of that type.
+        self.accesses: Counter[tuple[str | None, tuple[int, ...] | None] | None] = Counter()
+        self.values: Counter[tuple[str | None, tuple[int, ...] | None] | None] = Counter()
 
-    def add_nodes(self, nodes: Sequence[NodeNames]) -> None:
-        """Count nodes given as (op type, input names, output names)."""
+    def add(self, nodes: Sequence[NodeNames], types: Types) -> None:
+        """Count nodes given as (op type, input names, output names), with the types of what
+        they read and write (`types`; found before for what they read from earlier nodes)."""
         self.constants.update([outputs[0] for op_type, _, outputs in nodes
                                if op_type == "Constant" and outputs])
-        # Extended from iterators that run in C: no Python per name.
-        self.read.extend(chain.from_iterable(map(itemgetter(1), nodes)))
-        self.produced.extend(_outputs(nodes))
+        self.types.update(types)
+        for name in self.constants.intersection(types):
+            del self.types[name]
+        # Type lookups and counts in C (maps of dict.get, Counter.update): no Python per name.
+        type_of = self.types.get
+        written = list(map(type_of, _outputs(nodes)))
+        self.values.update(written)
+        self.accesses.update(written)
+        self.accesses.update(map(type_of, chain.from_iterable(map(itemgetter(1), nodes))))
 
-    def result(self) -> dict[str, int]:
-        """Name -> accesses of each activation."""
-        # Counter counts an iterable in C: one pass over the names, no Python per name.
-        writes = dict.fromkeys(self.produced, 1)
-        accesses = Counter(writes)
-        accesses.update(self.read)
-        accesses.update(info.name for info in self.graph.output)
-        inputs = {info.name for info in self.graph.input}
-        for name in inputs:
-            accesses.setdefault(name, 0)
-        # Read but no activation of this graph (an initializer), or a constant.
-        for name in (accesses.keys() - writes.keys() - inputs) | self.constants | {""}:
-            accesses.pop(name, None)
-        return dict(accesses)
-
-
-def _proto_accesses(graph: onnx.GraphProto) -> dict[str, int]:
-    """`_AccessCount` of a graph proto's top-level nodes."""
-    count = _AccessCount(graph)
-    # One read of each node's fields: every access to a protobuf repeated field builds new
-    # Python objects.
-    count.add_nodes([(node.op_type, tuple(node.input), tuple(node.output))
-                     for node in list(graph.node)])
-    return count.result()
+    def bytes_moved(self, input_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+        """`cost.bytes_moved` of what was counted, graph inputs and outputs added."""
+        type_of = self.types.get
+        values = self.values + Counter(type_of(name) for name in self.inputs
+                                       if name not in self.constants)
+        accesses = self.accesses + Counter(map(type_of, self.outputs))
+        types = [known for known in {**values, **accesses} if known is not None]
+        traffic = bytes_moved((dtype, shape, accesses[(dtype, shape)], values[(dtype, shape)])
+                              for dtype, shape in types)
+        traffic["input_shapes"] = {name: list(shape) for name, shape in input_shapes.items()}
+        return traffic
 
 
 def activation_traffic(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
                        ) -> dict[str, Any]:
     """`cost.bytes_moved` for the top-level graph's float activations at `input_shapes`, each
-    counted once written and once per read (`_proto_accesses`)."""
+    counted once written and once per read (`_ActivationTraffic`)."""
     return checked_activation_traffic(model, input_shapes)[0]
 
 
@@ -513,13 +523,15 @@ def checked_activation_traffic(model: onnx.ModelProto,
     sliced = _types_in_slices(model, input_shapes, type_check) \
         if _sliceable(len(model.graph.node), op_kinds) else None
     if sliced is not None:
-        types, checked, accesses = sliced
+        _, checked, traffic = sliced
     else:
         inferred, checked = _inferred(model, input_shapes, op_kinds, type_check)
         types = _types(inferred, model)
         del inferred
-        accesses = _proto_accesses(model.graph)
-    return _traffic(types, accesses, input_shapes), checked
+        traffic = _ActivationTraffic(model.graph)
+        traffic.add([(node.op_type, tuple(node.input), tuple(node.output))
+                     for node in list(model.graph.node)], types)
+    return traffic.bytes_moved(input_shapes), checked
 
 
 def encoded_activation_traffic(model: EncodedModel, op_kinds: set[tuple[str, str]],
@@ -536,26 +548,5 @@ def encoded_activation_traffic(model: EncodedModel, op_kinds: set[tuple[str, str
     sliced = _types_in_slices(shell, input_shapes, type_check, model.nodes)
     if sliced is None:
         return None
-    types, checked, accesses = sliced
-    return _traffic(types, accesses, input_shapes), checked
-
-
-def _traffic(types: Types, accesses: dict[str, int],
-             input_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
-    """`cost.bytes_moved` of the activations `accesses` counts, typed by `types`."""
-    # Summed by type first: a million activations share a few hundred types.
-    accesses_by_type: dict[tuple[str | None, tuple[int, ...] | None], list[int]] = {}
-    type_of = types.get
-    for name, count in accesses.items():
-        known = type_of(name)
-        if known is not None:
-            total = accesses_by_type.get(known)
-            if total is None:
-                accesses_by_type[known] = [count, 1]
-            else:
-                total[0] += count
-                total[1] += 1
-    traffic = bytes_moved((dtype, shape, count, values)
-                          for (dtype, shape), (count, values) in accesses_by_type.items())
-    traffic["input_shapes"] = {name: list(shape) for name, shape in input_shapes.items()}
-    return traffic
+    _, checked, traffic = sliced
+    return traffic.bytes_moved(input_shapes), checked
