@@ -468,38 +468,55 @@ class _ActivationTraffic:
         self.constants = {tensor.name for tensor in graph.initializer}
         self.inputs = [info.name for info in graph.input]
         self.outputs = [info.name for info in graph.output]
-        #: The activations' types found so far.
-        self.types: Types = {}
-        #: Per type: accesses, and activations of that type.
-        self.accesses: Counter[tuple[str | None, tuple[int, ...] | None] | None] = Counter()
-        self.values: Counter[tuple[str | None, tuple[int, ...] | None] | None] = Counter()
+        #: Each distinct type found, by its number.
+        self.numbers = _Numbering()
+        #: The activations found so far -> their type's number.
+        self.type_numbers: dict[str, int] = {}
+        #: Per type number: accesses, and activations of that type.
+        self.accesses: Counter[int | None] = Counter()
+        self.values: Counter[int | None] = Counter()
 
     def add(self, nodes: Sequence[NodeNames], types: Types) -> None:
         """Count nodes given as (op type, input names, output names), with the types of what
         they read and write (`types`; found before for what they read from earlier nodes)."""
         self.constants.update([outputs[0] for op_type, _, outputs in nodes
                                if op_type == "Constant" and outputs])
-        self.types.update(types)
+        # Types by number: counting hashes an int, not a (dtype, shape) tuple, per access.
+        self.type_numbers.update(zip(types, map(self.numbers.__getitem__, types.values())))
         for name in self.constants.intersection(types):
-            del self.types[name]
+            del self.type_numbers[name]
         # Type lookups and counts in C (maps of dict.get, Counter.update): no Python per name.
-        type_of = self.types.get
-        written = list(map(type_of, _outputs(nodes)))
+        number_of = self.type_numbers.get
+        written = list(map(number_of, _outputs(nodes)))
         self.values.update(written)
         self.accesses.update(written)
-        self.accesses.update(map(type_of, chain.from_iterable(map(itemgetter(1), nodes))))
+        self.accesses.update(map(number_of, chain.from_iterable(map(itemgetter(1), nodes))))
 
     def bytes_moved(self, input_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
         """`cost.bytes_moved` of what was counted, graph inputs and outputs added."""
-        type_of = self.types.get
-        values = self.values + Counter(type_of(name) for name in self.inputs
+        number_of = self.type_numbers.get
+        values = self.values + Counter(number_of(name) for name in self.inputs
                                        if name not in self.constants)
-        accesses = self.accesses + Counter(map(type_of, self.outputs))
-        types = [known for known in {**values, **accesses} if known is not None]
-        traffic = bytes_moved((dtype, shape, accesses[(dtype, shape)], values[(dtype, shape)])
-                              for dtype, shape in types)
+        accesses = self.accesses + Counter(map(number_of, self.outputs))
+        types = self.numbers.types
+        traffic = bytes_moved((*types[number], accesses[number], values[number])
+                              for number in {**values, **accesses} if number is not None)
         traffic["input_shapes"] = {name: list(shape) for name, shape in input_shapes.items()}
         return traffic
+
+
+class _Numbering(dict[tuple[str | None, tuple[int, ...] | None], int]):
+    """A number for each distinct (dtype, shape), given when first looked up; `types[n]` is
+    the type numbered n."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.types: list[tuple[str | None, tuple[int, ...] | None]] = []
+
+    def __missing__(self, known: tuple[str | None, tuple[int, ...] | None]) -> int:
+        number = self[known] = len(self.types)
+        self.types.append(known)
+        return number
 
 
 def activation_traffic(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
