@@ -21,3 +21,10 @@ class CheckFailed(AmpError):
 class ConvertedModelFailed(CheckFailed):
     """The converted model (not the fp32 one, not the inputs) cannot be loaded or run: a
     validation failure (exit code 1), which formats raise from their validators."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): what a
+    one-line error quotes of a library's failure."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -40,7 +40,7 @@ from ...accuracy.runner import (
     ProbeBatch,
     ProbePlan,
 )
-from ...errors import AmpError
+from ...errors import AmpError, first_line
 from ...fileio import scratch_dir
 from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, TARGET_DTYPES, Graph, Node, Value
 from ...options import Options
@@ -416,7 +416,7 @@ class OnnxRunner(ModelRunner):
             values = sess.run(names, self._feeds(converted, sess, batch))
         except Exception as exc:
             raise AmpError(f"onnxruntime failed to run the converted model: "
-                           f"{_first_line(exc)}") from None
+                           f"{first_line(exc)}") from None
         return dict(zip(names, values))
 
     def prepare_probe(self, conversion: Conversion, plan: ProbePlan) -> PreparedProbe:
@@ -518,7 +518,7 @@ class _OnnxProbe(Probe, PreparedProbe):
         try:
             values = self.session.run(self.output_names, batch)
         except Exception as exc:
-            raise AmpError(f"onnxruntime failed to run the probe model: {_first_line(exc)} "
+            raise AmpError(f"onnxruntime failed to run the probe model: {first_line(exc)} "
                            f"(check the calibration inputs)") from None
         by_name = dict(zip(self.output_names, values))
         reference: dict[str, np.ndarray] = {}
@@ -546,7 +546,7 @@ class _OnnxProbe(Probe, PreparedProbe):
                 outs = session.run(names, runner._feeds(self.candidate_inputs, session, batch))
             except Exception as exc:
                 raise AmpError(f"onnxruntime failed to run the converted model: "
-                               f"{_first_line(exc)}") from None
+                               f"{first_line(exc)}") from None
             produced = dict(zip(names, outs))
             for label, name in self.candidate_labels.items():
                 if name in produced:
@@ -715,7 +715,3 @@ def _link(source: Path, target: Path) -> None:
     import shutil
 
     shutil.copyfile(source, target)
-
-
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

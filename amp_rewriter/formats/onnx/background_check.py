@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
+from ...errors import first_line
 from ...fileio import owned_prefix
 
 #: Set to "0" to check in the converting process.
@@ -96,10 +97,6 @@ class BackgroundCheck:
                     stream.close()
 
 
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
 def _work(descriptor: int) -> None:
     import onnx.checker
 
@@ -109,7 +106,7 @@ def _work(descriptor: int) -> None:
     try:
         onnx.checker.check_model(encoding)
     except Exception as exc:  # the checker raises several exception types
-        print(_FAILED + _first_line(exc).replace("\n", " "), flush=True)
+        print(_FAILED + first_line(exc), flush=True)
         return
     print(_PASSED, flush=True)
 

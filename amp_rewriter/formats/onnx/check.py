@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ...errors import AmpError, ConvertedModelFailed
+from ...errors import AmpError, ConvertedModelFailed, first_line
 from ...ir import DENY, LOW_PRECISION_DTYPES, LazyTensor, Model
 from ...op_lists import OpLists
 from ...passes.analysis.structures import tanh_gelu_cube
@@ -72,7 +72,7 @@ def check_model(path: str | os.PathLike, target: str | None = None, backend: str
     try:
         onnx_full_check(str(path))
     except Exception as exc:  # the checker raises several exception types
-        invalid = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        invalid = first_line(exc)
     try:
         model_ir = load_onnx(model, base_dir)
     except AmpError as exc:

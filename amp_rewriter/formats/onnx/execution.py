@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from ...errors import AmpError
+from ...errors import AmpError, first_line
 from .load import load_onnx
 
 _LOW = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}
@@ -71,8 +71,7 @@ class Execution:
                                         provider_options=list(self.provider_options) or None,
                                         disabled_optimizers=disabled or None)
         except Exception as exc:
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else \
-                type(exc).__name__
+            message = first_line(exc)
             raise AmpError(f"onnxruntime cannot load the {label}: {message}") from None
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 
 from ... import progress
-from ...errors import AmpError, ConvertedModelFailed
+from ...errors import AmpError, ConvertedModelFailed, first_line
 from ...fileio import scratch_dir
 from ...ir import Graph, Node, TypeGroup, Value
 from ...validation import EMULATED, OutputComparison, check_random_shape, compare_outputs
@@ -129,7 +129,7 @@ def _session(model: onnx.ModelProto | str | bytes, label: str, device: str = "cp
         with _model_source(model) as source:
             session = ort.InferenceSession(source, options, providers=[provider])
     except Exception as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = first_line(exc)
         raise AmpError(f"onnxruntime cannot load the {label} model: {message}") from None
     if provider not in session.get_providers():
         raise AmpError(f"--device {device}: onnxruntime could not start its {provider} (no GPU "
@@ -255,7 +255,7 @@ def _run(session, names: list[str], feeds: dict[str, np.ndarray], label: str,
     try:
         return session.run(names, feeds)
     except Exception as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = first_line(exc)
         source = "the --inputs data" if inputs_given else "seeded random inputs"
         hint = "" if inputs_given else " (give real inputs with --inputs x.npz)"
         raise error(f"onnxruntime failed to run {label} on {source}: {message}{hint}") from None

@@ -39,7 +39,7 @@ from ...accuracy.runner import (
     ProbeBatch,
     ProbePlan,
 )
-from ...errors import AmpError
+from ...errors import AmpError, first_line
 from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, TARGET_DTYPES, Model, Node, ValueNames
 from ...options import Options
 from ...passes.base import Pin
@@ -114,7 +114,7 @@ def frozen_signature(path: Path) -> tuple[graph_pb2.GraphDef, list[str], dict[st
     try:
         loaded = tf.saved_model.load(str(path))
     except Exception as exc:
-        raise AmpError(f"{path}: TensorFlow cannot load the SavedModel: {_first_line(exc)}"
+        raise AmpError(f"{path}: TensorFlow cannot load the SavedModel: {first_line(exc)}"
                        ) from None
     signatures = dict(loaded.signatures)
     if not signatures:
@@ -125,7 +125,7 @@ def frozen_signature(path: Path) -> tuple[graph_pb2.GraphDef, list[str], dict[st
         frozen = convert_variables_to_constants_v2(function)
     except Exception as exc:
         raise AmpError(f"{path}: signature {name!r} cannot be frozen for measuring: "
-                       f"{_first_line(exc)}") from None
+                       f"{first_line(exc)}") from None
     graph_def = frozen.graph.as_graph_def()
     return graph_def, [t.name for t in frozen.outputs], _names_inside_functions(
         function.graph.as_graph_def())
@@ -250,7 +250,7 @@ class TfRunner(ModelRunner):
             with graph.as_default():
                 tf.compat.v1.import_graph_def(graph_def, name="")
         except Exception as exc:
-            raise AmpError(f"TensorFlow cannot import the {label}: {_first_line(exc)}") from None
+            raise AmpError(f"TensorFlow cannot import the {label}: {first_line(exc)}") from None
         config = tf.compat.v1.ConfigProto(device_count={"GPU": 0})
         session = tf.compat.v1.Session(graph=graph, config=config)
         assigns = [nd.name for nd in graph_def.node
@@ -462,7 +462,3 @@ class _ShadowBuilder:
         nd.input.extend(inputs)  # data inputs only: control edges stay with the original
         self.probe.node.append(nd)
         return nd.name
-
-
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -24,7 +24,7 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 from tensorflow.python.framework import op_def_registry
 
-from ...errors import AmpError
+from ...errors import AmpError, first_line
 from ...fileio import OutputTransaction
 from ...ir import ALLOW, TARGET_DTYPES, Model, ValueNames, decisions, short_name
 from ...op_lists import OpLists
@@ -184,11 +184,7 @@ def check_graphdef(graph_def: graph_pb2.GraphDef) -> None:
             tf.compat.v1.import_graph_def(graph_def, name="")
     except Exception as exc:  # TF raises ValueError / InvalidArgumentError
         raise AmpError(f"the converted graph does not import into TensorFlow: "
-                       f"{_first_line(exc)}") from None
-
-
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                       f"{first_line(exc)}") from None
 
 
 def _convertible(fdef) -> bool:
@@ -368,7 +364,7 @@ def check_saved_model(path: Path) -> None:
     try:
         tf.saved_model.load(str(path))
     except Exception as exc:
-        raise AmpError(f"the converted SavedModel does not load: {_first_line(exc)}") from None
+        raise AmpError(f"the converted SavedModel does not load: {first_line(exc)}") from None
 
 
 #: Summary counts that describe the model (what runs in which precision): for a SavedModel they

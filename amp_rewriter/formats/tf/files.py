@@ -15,7 +15,7 @@ from google.protobuf import message, text_format
 from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
-from ...errors import AmpError
+from ...errors import AmpError, first_line
 from ...fileio import copy_regular_file, non_regular_kind, read_input_bytes, write_atomically
 from .. import is_saved_model_dir
 
@@ -24,16 +24,12 @@ __all__ = ["check_function_library", "check_saved_model_tree", "is_saved_model_d
            "write_saved_model"]
 
 
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
 def _parse_text(text: str, proto: message.Message, label: str, what: str) -> None:
     """Parse a text-format proto; a syntax error or absurd nesting raises AmpError."""
     try:
         text_format.Parse(text, proto)
     except (text_format.ParseError, UnicodeDecodeError) as exc:
-        raise AmpError(f"{label}: not a text {what} ({_first_line(exc)})") from None
+        raise AmpError(f"{label}: not a text {what} ({first_line(exc)})") from None
     except RecursionError:
         raise AmpError(f"{label}: not a text {what} (nested too deeply)") from None
 
