@@ -56,10 +56,11 @@ DEFAULT_SIZES = (1000, 10000, 50000, 100000)
 # ---------------------------------------------------------------------------------------------
 
 
-def _read_proc_status_kib(field_name: str) -> int | None:
-    """Return a ``VmRSS``/``VmHWM``-style field of /proc/self/status in KiB, or None off Linux."""
+def _read_proc_status_kib(field_name: str, pid: int | str = "self") -> int | None:
+    """Return a ``VmRSS``/``VmHWM``-style field of /proc/PID/status in KiB (this process's by
+    default), or None off Linux or for a process that is gone."""
     try:
-        with open("/proc/self/status", encoding="ascii") as status:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
             for line in status:
                 if line.startswith(field_name + ":"):
                     return int(line.split()[1])
@@ -105,17 +106,6 @@ def _peak_rss_kib(peak_was_reset: bool) -> int:
 SAMPLE_SECONDS = 0.02
 
 
-def _rss_of_pid_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 @dataclass
 class SampledRun:
     """A finished command, and the peak of its resident set plus those of the processes it
@@ -140,8 +130,9 @@ def sampled_run(command: list[str], timeout_s: float, cwd: Path) -> SampledRun:
                 process.wait()
                 raise subprocess.TimeoutExpired(command, timeout_s)
             # A child's own children (a worker) are read too: /proc/PID/task/PID/children.
-            children = sum(_rss_of_pid_kib(child) for child in _descendants_of(process.pid))
-            peak = max(peak, _rss_of_pid_kib(process.pid) + children)
+            children = sum(_read_proc_status_kib("VmRSS", child) or 0
+                           for child in _descendants_of(process.pid))
+            peak = max(peak, (_read_proc_status_kib("VmRSS", process.pid) or 0) + children)
             peak_children = max(peak_children, children)
             time.sleep(SAMPLE_SECONDS)
         stderr.seek(0)
@@ -287,8 +278,10 @@ def measure_in_subprocess(
             return Measurement(converter, num_nodes, "error", error=last_line)
         details = json.loads(result_path.read_text())
         # Sampled over the whole measuring process (load, convert and save), its workers with it.
-        details["peak_with_workers_delta_mb"] = (
-            completed.peak_with_children_kib / 1024 - details["rss_before_convert_mb"])
+        # Never below the process's own exact peak, which a 20 ms sample can miss.
+        details["peak_with_workers_delta_mb"] = max(
+            completed.peak_with_children_kib / 1024 - details["rss_before_convert_mb"],
+            details["convert_peak_delta_mb"])
         details["workers_peak_mb"] = completed.peak_children_kib / 1024
         return Measurement(converter, num_nodes, "ok", details=details)
 

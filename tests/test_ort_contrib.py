@@ -511,7 +511,7 @@ def test_the_cost_inference_of_a_big_graph_in_slices_finds_the_same_shapes(name,
         monkeypatch.setattr(shapes, "SLICE_NODES", size)
         ops = {(node.domain, node.op_type) for node in converted.graph.node}
         assert shapes._sliceable(len(converted.graph.node), ops)
-        assert shapes._types_in_slices(converted, sizes, True) is not None  # no fallback
+        assert shapes._traffic_in_slices(converted, sizes, True) is not None  # no fallback
         assert shapes.checked_activation_traffic(converted, sizes, type_check=True) == whole
 
 

@@ -16,7 +16,7 @@ import onnx
 from onnx import external_data_helper
 
 from ... import progress
-from ...errors import AmpError
+from ...errors import AmpError, first_line
 from ...fileio import OutputTransaction, owned_prefix
 from ...ir import LazyTensor, Model, Node, ValueNames
 from ...op_lists import OpLists
@@ -205,12 +205,13 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         report.constants = constant_entries(constants)
         del constants
         encodable = emitted.size_bound() <= PROTOBUF_LIMIT
+        big = len(report.nodes) >= BIG_GRAPH_NODES
         kept = None
         if original_names is not None:
             kept = ConvertedIR(ir_model, original_names)
         else:  # free the IR now (gigabytes at a million nodes), before the model is assembled
             # and shape inference and the checker make their own copies of it
-            _freeing_the_ir(ir_model, report, big=len(report.nodes) >= BIG_GRAPH_NODES)
+            _freeing_the_ir(ir_model, report, big)
         del ir_model, model
         # The model stays in its encoding while the cost summary and the checker read it:
         # parsed, it would take 500 MB more at a million nodes.
@@ -225,7 +226,7 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         # else convert_file checks the saved file
         check_here = options.check and encodable and not external
         background = None
-        if check_here and encoded is not None and len(report.nodes) >= BIG_GRAPH_NODES:
+        if check_here and encoded is not None and big:
             background = BackgroundCheck.start(encoded.encoding)
         try:
             types_checked = False
@@ -441,11 +442,7 @@ def _blame_invalid_input(model_or_path: onnx.ModelProto | str | os.PathLike) -> 
         onnx_full_check(original)
     except Exception as exc:  # the checker raises several exception types
         raise AmpError(f"the input model already fails the ONNX checker: "
-                       f"{_first_line(exc)}") from None
-
-
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                       f"{first_line(exc)}") from None
 
 
 def check_valid(model: onnx.ModelProto | str, full: bool = True,
@@ -463,7 +460,7 @@ def check_valid(model: onnx.ModelProto | str, full: bool = True,
         else:
             onnx.checker.check_model(bytes(encoding) if encoding is not None else model)
     except Exception as exc:  # the checker raises several exception types
-        raise AmpError(checker_failure(_first_line(exc))) from None
+        raise AmpError(checker_failure(first_line(exc))) from None
 
 
 def checker_failure(message: str) -> str:

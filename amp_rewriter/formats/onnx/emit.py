@@ -369,7 +369,7 @@ class EmittedModel:
         if not self.split:
             return None
         if _size_bound(head, nodes) > PROTOBUF_LIMIT:
-            # the nodes go into the head
+            # beyond what one message may be parsed from: the nodes go into the head
             head.graph.MergeFromString(nodes)
             self.encoded_nodes = bytearray()
             self.nodes = None

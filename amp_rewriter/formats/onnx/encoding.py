@@ -92,7 +92,6 @@ class EncodedNodes:
 
     def place(self, buffer: bytes | bytearray, start: int) -> None:
         """The nodes now lie in `buffer` from `start` on."""
-        self._names.seal()
         self.buffer, self.start = buffer, start
 
     def fields(self, first: int, last: int) -> bytes:

@@ -225,12 +225,12 @@ def _sliceable(node_count: int, op_kinds: set[tuple[str, str]]) -> bool:
         op in _BODY_OPS or domain not in _STANDARD_DOMAINS for domain, op in op_kinds)
 
 
-def _types_in_slices(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
+def _traffic_in_slices(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
                      type_check: bool, encoded: EncodedNodes | None = None
-                     ) -> tuple[Types, bool, _ActivationTraffic] | None:
-    """What `_types(_inferred(...))` gives, inferred `SLICE_NODES` nodes at a time (None when an
-    inference fails: the caller infers the whole graph then), and the activation traffic,
-    counted on the way.
+                     ) -> _ActivationTraffic | None:
+    """The activation traffic, with the types inferred `SLICE_NODES` nodes at a time (None when
+    an inference fails: the caller infers the whole graph then; with `type_check` that means
+    that the type check did not pass in some slice).
 
     A slice is a graph of its nodes whose inputs are the values they read from earlier slices,
     declared with the types inferred there (concrete shapes at these input sizes, or the partly
@@ -258,11 +258,11 @@ def _types_in_slices(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[in
         if found is None:
             return None
         traffic.add(records, found)
-    return slicer.types, type_check, traffic
+    return traffic
 
 
 class _Slicer:
-    """The state of `_types_in_slices`: what the slices inferred so far."""
+    """The state of `_traffic_in_slices`: what the slices inferred so far."""
 
     def __init__(self, model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
                  type_check: bool, encoded: EncodedNodes | None):
@@ -537,11 +537,10 @@ def checked_activation_traffic(model: onnx.ModelProto,
     if op_kinds is None:
         op_kinds = {(node.domain, node.op_type) for g in walk_graph_protos(model.graph)
                     for node in g.node}
-    sliced = _types_in_slices(model, input_shapes, type_check) \
+    traffic = _traffic_in_slices(model, input_shapes, type_check) \
         if _sliceable(len(model.graph.node), op_kinds) else None
-    if sliced is not None:
-        _, checked, traffic = sliced
-    else:
+    checked = type_check  # every slice passed the type check it was asked for
+    if traffic is None:
         inferred, checked = _inferred(model, input_shapes, op_kinds, type_check)
         types = _types(inferred, model)
         del inferred
@@ -562,8 +561,7 @@ def encoded_activation_traffic(model: EncodedModel, op_kinds: set[tuple[str, str
         return None
     shell = model.shell()
     input_shapes = validation_input_shapes(shell)
-    sliced = _types_in_slices(shell, input_shapes, type_check, model.nodes)
-    if sliced is None:
+    traffic = _traffic_in_slices(shell, input_shapes, type_check, model.nodes)
+    if traffic is None:
         return None
-    _, checked, traffic = sliced
-    return traffic.bytes_moved(input_shapes), checked
+    return traffic.bytes_moved(input_shapes), type_check
