@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import cache
 from itertools import chain, compress
 from operator import attrgetter, itemgetter, methodcaller
@@ -252,8 +252,7 @@ def _traffic_in_slices(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[
         if encoded is not None:
             records = encoded.names_between(start, stop)
         else:
-            records = [(node.op_type, tuple(node.input), tuple(node.output))
-                       for node in nodes[start:stop]]
+            records = _node_names(nodes[start:stop])
         found = slicer.infer(start, records)
         if found is None:
             return None
@@ -392,6 +391,11 @@ def _slice_reads(nodes: Sequence[tuple[Any, Sequence[str], Sequence[str]]]
     # In graph order a value read and produced by the run is produced before it is read.
     first_reads = dict.fromkeys(chain.from_iterable(map(itemgetter(1), nodes)))
     return [name for name in first_reads if name and name not in produced], produced
+
+
+def _node_names(nodes: Iterable[onnx.NodeProto]) -> list[NodeNames]:
+    """The `NodeNames` of parsed nodes, as an emitter's `EncodedNodes` records them."""
+    return [(node.op_type, tuple(node.input), tuple(node.output)) for node in nodes]
 
 
 def _outputs(nodes: Sequence[tuple[Any, Sequence[str], Sequence[str]]]) -> Iterator[str]:
@@ -545,8 +549,7 @@ def checked_activation_traffic(model: onnx.ModelProto,
         types = _types(inferred, model)
         del inferred
         traffic = _ActivationTraffic(model.graph)
-        traffic.add([(node.op_type, tuple(node.input), tuple(node.output))
-                     for node in list(model.graph.node)], types)
+        traffic.add(_node_names(list(model.graph.node)), types)
     return traffic.bytes_moved(input_shapes), checked
 
 
