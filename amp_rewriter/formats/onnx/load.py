@@ -655,7 +655,7 @@ class OnnxLoader:
                 value.dtype = value.original_dtype = dtype_name(tt.elem_type)
             value.overridable = value.const is not None and not graph.initializers_are_inputs
             graph.add_input(value)
-        for index, node_proto in enumerate(proto.node):
+        for index, node_proto in enumerate(proto.node[:]):
             graph.append_node(self._load_node(node_proto, graph, index))
         for info in proto.output:
             output = graph.lookup(info.name)
@@ -679,17 +679,21 @@ class OnnxLoader:
         node.order = self.order
         self.order += 1
         self.ir_model.used_names.add(name)
-        for input_name in proto.input:
+        # The main graph has no enclosing scope: its own table is all there is to look in.
+        lookup = graph.values.get if graph.parent is None else graph.lookup
+        # Sliced: a list made in C, cheaper to walk than protobuf's repeated field (~0.2 us a
+        # field, a second or two at a million nodes with the outputs and attributes).
+        for input_name in proto.input[:]:
             if not input_name:
                 node.add_input(None)
                 continue
-            value = graph.lookup(input_name)
+            value = lookup(input_name)
             if value is None:
                 raise AmpError(f"node {name!r} ({proto.op_type}): input {input_name!r} is not "
                                f"produced before it (graph not in topological order, or a "
                                f"missing graph input)")
             node.add_input(value)
-        for position, attr in enumerate(proto.attribute):
+        for position, attr in enumerate(proto.attribute[:] if proto.attribute else ()):
             kind = attr.type
             if kind == _INT:
                 node.set_attr(attr.name, attr.i)
@@ -717,7 +721,7 @@ class OnnxLoader:
                 node.add_subgraph(attr.name, sub)
             elif kind == _GRAPHS:
                 raise AmpError(f"node {name!r}: graph-list attributes are not supported")
-        for output_name in proto.output:
+        for output_name in proto.output[:]:
             if not output_name:
                 node.add_output(None)
                 continue
