@@ -106,25 +106,34 @@ def _after_heavy_ops(ctx: PassContext) -> set[int]:
 
 
 def _overflowing_sources(ctx: PassContext) -> tuple[list[Value], list[Node]]:
-    """Float32 constants with values beyond the target's range, and constant-filling nodes whose
-    fill value is (the constant filling a causal triangle)."""
+    """Float32 constants with values beyond the target's range, in the order the main graph's
+    nodes first read them, and constant-filling nodes whose fill value is (the constant filling
+    a causal triangle)."""
     target = ctx.target_dtype
     graph = ctx.model.graph
-    values: dict[int, Value] = {}
-    fills: list[Node] = []
-    for node in graph.nodes:
-        attr = ctx.rules.constant_fill_attrs.get(node.op_type)
-        if attr is not None and attr in node.attrs and node.outputs \
-                and _is_float(node.outputs[0]):
-            if ctx.range_check(node.attrs[attr], target).overflowed:
-                fills.append(node)
-        for value in node.inputs:
-            if value is None or value.const is None or value.dtype != FLOAT32 \
-                    or value.overridable or id(value) in values:
-                continue
-            if ctx.range_check(value.const, target).overflowed:
-                values[id(value)] = value
-    return list(values.values()), fills
+    fill_attrs = ctx.rules.constant_fill_attrs
+    fills = [node for node in graph.nodes if node.op_type in fill_attrs
+             and fill_attrs[node.op_type] in node.attrs and node.outputs
+             and _is_float(node.outputs[0])
+             and ctx.range_check(node.attrs[fill_attrs[node.op_type]], target).overflowed]
+    # The graph's constants are few beside its node inputs (a million at a million nodes): the
+    # nodes are walked only to order the constants that overflow, when there are any.
+    overflowing = [value for value in graph.values.values()
+                   if value.const is not None and value.uses and value.dtype == FLOAT32
+                   and not value.overridable
+                   and ctx.range_check(value.const, target).overflowed]
+    if not overflowing:
+        return [], fills
+    position = {id(node): index for index, node in enumerate(graph.nodes)}
+    first_read: dict[int, tuple[int, int]] = {}
+    for value in overflowing:
+        reads = [(position[id(node)], slot) for node, slot in value.uses
+                 if id(node) in position]
+        if reads:
+            first_read[id(value)] = min(reads)
+    ordered = sorted((value for value in overflowing if id(value) in first_read),
+                     key=lambda value: first_read[id(value)])
+    return ordered, fills
 
 
 def find_masks(ctx: PassContext) -> list[_Mask]:

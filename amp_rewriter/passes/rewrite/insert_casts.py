@@ -94,7 +94,8 @@ def insert_casts(ctx: PassContext) -> tuple[int, list[str]]:
             ctx.focus = value.producer
             users = list(value.uses)  # before any cast of ours becomes a user too
             # Outputs first: their cast takes over the public name, and internal users share it.
-            for sub, index in list(value.graph_output_uses):
+            # (Few values are graph outputs: no copy of the empty rest.)
+            for sub, index in list(value.graph_output_uses) if value.graph_output_uses else ():
                 needed = _graph_output_dtype(sub, index, value, ctx.options.keep_io_types)
                 if needed is not None and needed != value.dtype:
                     _retarget_graph_output(model, builder, value, sub, index, needed)
