@@ -112,27 +112,24 @@ def _overflowing_sources(ctx: PassContext) -> tuple[list[Value], list[Node]]:
     target = ctx.target_dtype
     graph = ctx.model.graph
     fill_attrs = ctx.rules.constant_fill_attrs
-    fills = [node for node in graph.nodes if node.op_type in fill_attrs
-             and fill_attrs[node.op_type] in node.attrs and node.outputs
-             and _is_float(node.outputs[0])
-             and ctx.range_check(node.attrs[fill_attrs[node.op_type]], target).overflowed]
-    # The graph's constants are few beside its node inputs (a million at a million nodes): the
-    # nodes are walked only to order the constants that overflow, when there are any.
-    overflowing = [value for value in graph.values.values()
-                   if value.const is not None and value.uses and value.dtype == FLOAT32
-                   and not value.overridable
-                   and ctx.range_check(value.const, target).overflowed]
-    if not overflowing:
-        return [], fills
-    position = {id(node): index for index, node in enumerate(graph.nodes)}
-    first_read: dict[int, tuple[int, int]] = {}
-    for value in overflowing:
-        reads = [(position[id(node)], slot) for node, slot in value.uses
-                 if id(node) in position]
-        if reads:
-            first_read[id(value)] = min(reads)
-    ordered = sorted((value for value in overflowing if id(value) in first_read),
-                     key=lambda value: first_read[id(value)])
+    fills = [node for node in graph.nodes
+             if (attr := fill_attrs.get(node.op_type)) is not None and attr in node.attrs
+             and node.outputs and _is_float(node.outputs[0])
+             and ctx.range_check(node.attrs[attr], target).overflowed]
+    # The graph's constants are few beside its node inputs (a million at a million nodes):
+    # the inputs are walked only to order the constants that overflow, when there are any,
+    # and only up to the last one's first reader (a mask is read from the first layer on).
+    unordered = {id(value): value for value in graph.values.values()
+                 if value.const is not None and value.uses and value.dtype == FLOAT32
+                 and not value.overridable
+                 and ctx.range_check(value.const, target).overflowed}
+    ordered: list[Value] = []
+    for node in graph.nodes:
+        if not unordered:
+            break
+        for value in node.inputs:
+            if value is not None and id(value) in unordered:
+                ordered.append(unordered.pop(id(value)))
     return ordered, fills
 
 
