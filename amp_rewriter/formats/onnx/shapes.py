@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import cache
 from itertools import chain, compress
-from operator import attrgetter, itemgetter, methodcaller
+from operator import add, attrgetter, itemgetter, methodcaller
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
@@ -34,6 +34,8 @@ from .encoding import (
     NodeNames,
     append_field,
     encoded_fields,
+    field_key,
+    varint,
 )
 from .load import dtype_name, elem_type_code, model_opsets, walk_graph_protos
 from .validate import validation_shape
@@ -283,6 +285,8 @@ class _Slicer:
         #: Shape-like values' producers, and (inputs, outputs) of each such node by index.
         self.producer: dict[str, int] = {}
         self.shape_like_nodes: dict[int, tuple[Sequence[str], Sequence[str]]] = {}
+        self.memo = _NodeMemo()
+        self._type_constants()
 
     def _fields(self, first: int, last: int) -> bytes | bytearray:
         """Nodes `first` to `last` - 1 encoded as GraphProto fields."""
@@ -293,8 +297,34 @@ class _Slicer:
     def infer(self, start: int, records: Sequence[NodeNames]) -> Types | None:
         """Infer one slice: the nodes from `start` on, as (op type, input names, output names)
         each. Returns the types found (of what the slice reads and computes); None when that
-        fails."""
+        fails.
+
+        The nodes are looked up a node at a time (`_infer_by_node`) up to the first that
+        computes a graph output or a value with a declared type (onnx's check compares the
+        two), and from there, or where the lookup cannot serve, inferred as one graph."""
         member_reads, produced = _slice_reads(records)
+        if self.memo.enabled and self.producer.keys().isdisjoint(member_reads):
+            checked = self.outputs.keys() | self.declared.keys()
+            first = len(records)
+            if not produced.isdisjoint(checked):
+                first = next(index for index, (_, _, outputs) in enumerate(records)
+                             if not checked.isdisjoint(outputs))
+            looked_up = self._infer_by_node(start, records[:first], member_reads) \
+                if first else None
+            if looked_up is not None:
+                if first == len(records):
+                    return looked_up
+                rest = self._infer_whole(start + first, records[first:])
+                return None if rest is None else looked_up | rest
+        return self._infer_whole(start, records, member_reads, produced)
+
+    def _infer_whole(self, start: int, records: Sequence[NodeNames],
+                     member_reads: list[str] | None = None,
+                     produced: set[str] | None = None) -> Types | None:
+        """`infer` by one inference of the slice's nodes (with the earlier nodes that compute
+        the shape-like values they read)."""
+        if member_reads is None or produced is None:
+            member_reads, produced = _slice_reads(records)
         prefix = [(index, *self.shape_like_nodes[index])
                   for index in self._shape_like_sources(member_reads)]
         reads = member_reads
@@ -342,6 +372,140 @@ class _Slicer:
                         self.producer[name] = index
         return found
 
+    def _infer_by_node(self, start: int, records: Sequence[NodeNames],
+                       reads: list[str]) -> Types | None:
+        """The slice's types found a node at a time, each node's output types looked up by
+        what decides them (`_NodeMemo`) and inferred only for a node unlike those before it;
+        None where the slice must be inferred whole: a node computes an integer shape-like
+        value (data propagation carries its contents to later nodes), a node reads a value
+        without a type, or too many nodes are unlike those before (no repeated structure).
+        `reads`: what the slice reads from before it."""
+        fields = self._fields(start, start + len(records))
+        tails = _op_tails(fields, records)
+        if tails is None:
+            return None
+        memo, types, partial = self.memo, self.types, self.partial
+        # Before any node: the graph's inputs (the large initializers among them) it reads.
+        found: Types = {name: types[name] for name in self.graph_inputs.keys() & set(reads)
+                        if name in types}
+        type_of = types.get
+        typed: dict[str, Any] = types  # plain answers' types are all there
+        small_initializers = self.small_initializers.keys()
+        offset = 0
+        seen = 0
+        for (op_type, inputs, outputs), (end, tail) in zip(records, tails):
+            # Most inputs are keyed by their type: one lookup each, in C.
+            keys = tuple(map(type_of, inputs))
+            if None in keys or (partial and not partial.keys().isdisjoint(inputs)) \
+                    or (op_type not in _TYPE_ONLY_OPS
+                        and not small_initializers.isdisjoint(inputs)):
+                exact = self._input_keys(inputs, op_type)
+                if exact is None:
+                    return None
+                keys = exact
+            # The empty names among the outputs (optional outputs not asked for) and their
+            # count are part of what decides the node's types.
+            produced = len(outputs) if "" not in outputs else tuple(map(bool, outputs))
+            key = (tail, keys, produced)
+            answer = memo.get(key)
+            if answer is None:
+                memo.misses += 1
+                if memo.misses > _MEMO_TRIAL \
+                        and memo.misses * _MEMO_MISS_RATIO > memo.seen + seen:
+                    memo.give_up()
+                    return None
+                answer = self._infer_node(fields[offset:end], inputs, outputs)
+                if answer is None:
+                    return None
+                memo[key] = answer
+            seen += 1
+            offset = end
+            plain, knowns, encodings = answer
+            if plain:  # the usual case: every output typed, in full, no shape-like integer
+                if len(outputs) == 1:
+                    typed[outputs[0]] = knowns[0]
+                else:
+                    typed.update(zip(outputs, knowns))
+                continue
+            for name, known, encoding in zip(outputs, knowns, encodings):
+                if not name:
+                    continue
+                if known is None or (known[0] not in FLOAT_DTYPES and _shape_like(*known)):
+                    return None
+                if encoding is not None:
+                    partial[name] = encoding
+                types[name] = known
+        memo.seen += seen
+        computed = list(filter(None, _outputs(records)))
+        found.update(zip(computed, map(types.__getitem__, computed)))
+        return found
+
+    def _input_keys(self, inputs: Sequence[str], op_type: str) -> tuple[Any, ...] | None:
+        """What a node's inputs contribute to what decides its output types: each one's type
+        (a partly known shape by its encoding), or, for a small initializer read by an op
+        whose inference may read its contents, the tensor itself; None for an omitted input.
+        None where an input has no type."""
+        keys: list[Any] = []
+        for name in inputs:
+            if not name:
+                keys.append(None)
+                continue
+            encoding = self.partial.get(name)
+            tensor = self.small_initializers.get(name)
+            if encoding is not None:
+                keys.append(("partly known", encoding))
+            elif tensor is not None and op_type not in _TYPE_ONLY_OPS:
+                keys.append(self.memo.tensor_contents(tensor))
+            else:
+                known = self.types.get(name)
+                if known is None:
+                    return None
+                keys.append(known)
+        return tuple(keys)
+
+    def _type_constants(self) -> None:
+        """Enter the small initializers and the graph's inputs (the large initializers among
+        them) in `types`, so that `_infer_by_node` finds what a node reads in one table: each
+        (dtype, shape) made once and shared."""
+        shared: dict[Any, Any] = {}
+        for name, tensor in self.small_initializers.items():
+            constant: Any = (dtype_name(tensor.data_type), tuple(tensor.dims))
+            self.types[name] = shared.setdefault(constant, constant)
+        for name, info in self.graph_inputs.items():
+            declared = _dtype_and_shape(info.type)
+            if declared is None:
+                continue
+            self.types[name] = shared.setdefault(declared, declared)
+            if declared[1] is None and info.type.tensor_type.HasField("shape"):
+                self.partial[name] = info.type.SerializeToString()
+
+    def _infer_node(self, field: bytes | bytearray, inputs: Sequence[str],
+                    outputs: Sequence[str]) -> _NodeTypes | None:
+        """One node's output types, inferred as a graph of that node alone (its inputs declared
+        as the slices declare them). None where the inference fails."""
+        sliced = onnx.GraphProto(name=self.graph_name)
+        if not self._declare_inputs(sliced, list(dict.fromkeys(n for n in inputs if n))):
+            return None
+        graph = bytearray(field)
+        graph += sliced.SerializeToString()
+        encoded = bytearray(self.head)
+        append_field(encoded, MODEL_GRAPH, graph)
+        try:
+            with ort_registry.quiet():
+                inferred = onnx.shape_inference.infer_shapes(
+                    bytes(encoded), check_type=self.type_check, strict_mode=self.type_check,
+                    data_prop=True)
+        except Exception:  # as in `infer`: the whole graph's inference decides
+            return None
+        partly: dict[str, bytes] = {}
+        found = _types(inferred, inferred, partly)
+        knowns = tuple(found.get(name) for name in outputs)
+        encodings = tuple(partly.get(name) for name in outputs)
+        plain = all(outputs) and not partly.keys() & set(outputs) and all(
+            known is not None and (known[0] in FLOAT_DTYPES or not _shape_like(*known))
+            for known in knowns)
+        return _NodeTypes(plain, knowns, encodings)
+
     def _shape_like_sources(self, reads: list[str]) -> list[int]:
         """The earlier nodes that compute the shape-like values among `reads`, and those that
         compute the shape-like values they read in turn, in graph order."""
@@ -373,6 +537,131 @@ class _Slicer:
                 sliced.input.append(onnx.helper.make_tensor_value_info(
                     name, elem_type_code(dtype), list(shape) if shape is not None else None))
         return True
+
+
+#: Ops whose output types and shapes follow from their inputs' types alone, never from the
+#: contents of an input (as a Reshape's follow from its target's): a small initializer one of
+#: them reads counts for `_NodeMemo` by its type, so that the biases of a hundred layers do not
+#: make a hundred different nodes.
+_TYPE_ONLY_OPS = frozenset({
+    "Abs", "Add", "And", "BatchNormalization", "Cast", "Conv", "Div", "Equal", "Erf", "Exp",
+    "Gelu", "Gemm", "Greater", "GreaterOrEqual", "Identity", "InstanceNormalization",
+    "LayerNormalization", "LeakyRelu", "Less", "LessOrEqual", "Log", "LogSoftmax", "MatMul",
+    "Max", "Min", "Mod", "Mul", "Neg", "Not", "Or", "Pow", "PRelu", "Reciprocal", "Relu",
+    "Sigmoid", "Sign", "Softmax", "Sqrt", "Sub", "Tanh", "Transpose", "Where", "Xor"})
+
+#: `_Slicer._infer_by_node` infers this many nodes of a slice before it judges whether the
+#: graph repeats itself, and gives up once more than one node in `_MEMO_MISS_RATIO` had to be
+#: inferred alone (a graph without repeated structure is inferred faster a slice at a time).
+_MEMO_TRIAL = 256
+_MEMO_MISS_RATIO = 20
+
+
+class _NodeTypes(NamedTuple):
+    """A node's output types as `_NodeMemo` keeps them."""
+
+    #: Every output is there, typed in full, and none is a shape-like integer: the types go
+    #: in as they are.
+    plain: bool
+    #: Per output: (dtype, concrete shape or None), None where inference found no type.
+    knowns: tuple[tuple[str | None, tuple[int, ...] | None] | None, ...]
+    #: Per output: the encoded type where its shape is partly known, else None.
+    encodings: tuple[bytes | None, ...]
+
+
+class _NodeMemo(dict[tuple[bytes, tuple[Any, ...], Any], _NodeTypes]):
+    """A node's output types by what decides them: its encoding without its value names and
+    node name (op, domain, attributes) and what it reads (each input's type, or a small
+    constant's contents). In a graph of repeated layers nearly every node is like one before
+    it, so that onnx's inference runs once per distinct node rather than once per node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enabled = True
+        #: Nodes looked up, and those inferred alone since no node before was like them.
+        self.seen = 0
+        self.misses = 0
+        self._tensor_keys: dict[str, Any] = {}
+
+    def give_up(self) -> None:
+        """Stop memoizing: the graph has too little repeated structure to gain from it."""
+        self.enabled = False
+        self.clear()
+
+    def tensor_contents(self, tensor: onnx.TensorProto) -> Any:
+        """A small initializer's type and contents (its encoding without its name)."""
+        key = self._tensor_keys.get(tensor.name)
+        if key is None:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(tensor)
+            copy.ClearField("name")
+            key = self._tensor_keys[tensor.name] = ("contents", copy.SerializeToString())
+        return key
+
+
+def _op_tails(fields: bytes | bytearray, records: Sequence[NodeNames]
+              ) -> list[tuple[int, bytes]] | None:
+    """For each node of a run of GraphProto node fields: where its field ends in `fields`,
+    and its encoding from its op type on (op, domain, attributes: everything but its value
+    names and node name, which protobuf writes first). None unless every name is ASCII and
+    shorter than 128 bytes, so that the names' lengths give where each op type starts (and
+    a node whose op type is not found there: an encoding in another field order)."""
+    inputs = list(map(itemgetter(1), records))
+    outputs = list(map(itemgetter(2), records))
+    names = list(chain(chain.from_iterable(inputs), chain.from_iterable(outputs)))
+    if names and (max(map(len, names)) >= 128 or not "".join(names).isascii()):
+        return None
+    # Each name takes its key, a one-byte length and its bytes: two bytes more than its length.
+    name_bytes = list(map(add, map(len, map("".join, inputs)), map(len, map("".join, outputs))))
+    name_count = list(map(add, map(len, inputs), map(len, outputs)))
+    tails = []
+    offset = 0
+    size = len(fields)
+    for op_type, names_length, count in zip(map(itemgetter(0), records), name_bytes,
+                                            name_count):
+        if fields[offset] != 0x0A:  # GraphProto.node
+            return None
+        at = offset + 2
+        length = fields[at - 1]
+        if length >= 0x80:  # most nodes take 128 bytes or more: a two-byte length, read here
+            second = fields[at]
+            at += 1
+            length = (length & 0x7F) | (second << 7)
+            if second >= 0x80:
+                length, at = _read_varint(fields, offset + 1)
+        end = at + length
+        at += names_length + 2 * count
+        if at < end and fields[at] == 0x1A:  # NodeProto.name
+            length = fields[at + 1]
+            at += 2 + length
+            if length >= 0x80:
+                length, at = _read_varint(fields, at - length - 1)
+                at += length
+        field = _op_type_field(op_type)
+        if end > size or fields[at:at + len(field)] != field:
+            return None
+        tails.append((end, bytes(fields[at:end])))
+        offset = end
+    return tails
+
+
+@cache
+def _op_type_field(op_type: str) -> bytes:
+    """NodeProto's op_type field holding `op_type`, encoded."""
+    encoded = op_type.encode()
+    return field_key(4) + varint(len(encoded)) + encoded
+
+
+def _read_varint(data: bytes | bytearray, at: int) -> tuple[int, int]:
+    """The varint at `at` in `data`, and where it ends."""
+    number = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        number |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return number, at
+        shift += 7
 
 
 def _shape_like(dtype: str | None, shape: tuple[int, ...] | None) -> bool:
