@@ -6,6 +6,10 @@ so models with external data or over 2 GB cost no more than their node count. on
 inference (with data propagation, for Shape -> Gather -> Reshape chains) serves standard
 models; onnxruntime's symbolic shape inference, which knows its contrib ops, serves models with
 com.microsoft ops. A failure of either only means fewer known shapes.
+
+A big graph is inferred a slice of nodes at a time, and within a slice each node's output types
+are looked up by what decides them (`_NodeMemo`) where an earlier node was alike: in a graph of
+repeated layers onnx's inference then runs once per distinct node, not once per node.
 """
 
 from __future__ import annotations
