@@ -18,6 +18,9 @@ from ...packed import PackedRecords
 
 #: Field numbers of onnx.proto: ModelProto.graph, GraphProto.node, GraphProto.value_info.
 MODEL_GRAPH, GRAPH_NODE, GRAPH_VALUE_INFO = 7, 1, 13
+#: NodeProto.name and NodeProto.op_type (protobuf writes a node's input and output names
+#: first, then these).
+NODE_NAME, NODE_OP_TYPE = 3, 4
 
 
 def varint(number: int) -> bytes:
@@ -28,6 +31,18 @@ def varint(number: int) -> bytes:
         number >>= 7
     out.append(number)
     return bytes(out)
+
+
+def read_varint(data: bytes | bytearray, at: int) -> tuple[int, int]:
+    """The varint at `at` in `data`, and where it ends."""
+    number = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        number |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return number, at
+        shift += 7
 
 
 @cache

@@ -33,12 +33,15 @@ from .encoding import (
     GRAPH_NODE,
     GRAPH_VALUE_INFO,
     MODEL_GRAPH,
+    NODE_NAME,
+    NODE_OP_TYPE,
     EncodedModel,
     EncodedNodes,
     NodeNames,
     append_field,
     encoded_fields,
     field_key,
+    read_varint,
     varint,
 )
 from .load import dtype_name, elem_type_code, model_opsets, walk_graph_protos
@@ -350,17 +353,10 @@ class _Slicer:
             graph += self._fields(index, index + 1)
         graph += self._fields(start, start + len(records))
         graph += sliced.SerializeToString()
-        encoded = bytearray(self.head)
-        append_field(encoded, MODEL_GRAPH, graph)
+        inferred = self._run_inference(graph)
         del graph
-        try:
-            with ort_registry.quiet():
-                inferred = onnx.shape_inference.infer_shapes(
-                    bytes(encoded), check_type=self.type_check, strict_mode=self.type_check,
-                    data_prop=True)
-        except Exception:  # as in `_inferred`: the whole graph's inference decides
+        if inferred is None:
             return None
-        del encoded
         found = _types(inferred, inferred, self.partial)
         del inferred
         self.types.update(found)
@@ -492,14 +488,8 @@ class _Slicer:
             return None
         graph = bytearray(field)
         graph += sliced.SerializeToString()
-        encoded = bytearray(self.head)
-        append_field(encoded, MODEL_GRAPH, graph)
-        try:
-            with ort_registry.quiet():
-                inferred = onnx.shape_inference.infer_shapes(
-                    bytes(encoded), check_type=self.type_check, strict_mode=self.type_check,
-                    data_prop=True)
-        except Exception:  # as in `infer`: the whole graph's inference decides
+        inferred = self._run_inference(graph)
+        if inferred is None:
             return None
         partly: dict[str, bytes] = {}
         found = _types(inferred, inferred, partly)
@@ -509,6 +499,20 @@ class _Slicer:
             known is not None and (known[0] in FLOAT_DTYPES or not _shape_like(*known))
             for known in knowns)
         return _NodeTypes(plain, knowns, encodings)
+
+    def _run_inference(self, graph: bytes | bytearray) -> onnx.ModelProto | None:
+        """onnx's inference of the model with `graph` (a GraphProto's encoding) as its graph,
+        in the strict, type-checking mode where the check asks for it; None where it raises
+        (as in `_inferred`: the whole graph's inference decides then)."""
+        encoded = bytearray(self.head)
+        append_field(encoded, MODEL_GRAPH, graph)
+        try:
+            with ort_registry.quiet():
+                return onnx.shape_inference.infer_shapes(
+                    bytes(encoded), check_type=self.type_check, strict_mode=self.type_check,
+                    data_prop=True)
+        except Exception:  # onnx raises several exception types
+            return None
 
     def _shape_like_sources(self, reads: list[str]) -> list[int]:
         """The earlier nodes that compute the shape-like values among `reads`, and those that
@@ -623,7 +627,7 @@ def _op_tails(fields: bytes | bytearray, records: Sequence[NodeNames]
     size = len(fields)
     for op_type, names_length, count in zip(map(itemgetter(0), records), name_bytes,
                                             name_count):
-        if fields[offset] != 0x0A:  # GraphProto.node
+        if fields[offset] != _NODE_KEY:
             return None
         at = offset + 2
         length = fields[at - 1]
@@ -632,14 +636,14 @@ def _op_tails(fields: bytes | bytearray, records: Sequence[NodeNames]
             at += 1
             length = (length & 0x7F) | (second << 7)
             if second >= 0x80:
-                length, at = _read_varint(fields, offset + 1)
+                length, at = read_varint(fields, offset + 1)
         end = at + length
         at += names_length + 2 * count
-        if at < end and fields[at] == 0x1A:  # NodeProto.name
+        if at < end and fields[at] == _NAME_KEY:
             length = fields[at + 1]
             at += 2 + length
             if length >= 0x80:
-                length, at = _read_varint(fields, at - length - 1)
+                length, at = read_varint(fields, at - length - 1)
                 at += length
         field = _op_type_field(op_type)
         if end > size or fields[at:at + len(field)] != field:
@@ -649,23 +653,16 @@ def _op_tails(fields: bytes | bytearray, records: Sequence[NodeNames]
     return tails
 
 
+#: The one-byte keys of GraphProto.node and NodeProto.name.
+_NODE_KEY = field_key(GRAPH_NODE)[0]
+_NAME_KEY = field_key(NODE_NAME)[0]
+
+
 @cache
 def _op_type_field(op_type: str) -> bytes:
     """NodeProto's op_type field holding `op_type`, encoded."""
     encoded = op_type.encode()
-    return field_key(4) + varint(len(encoded)) + encoded
-
-
-def _read_varint(data: bytes | bytearray, at: int) -> tuple[int, int]:
-    """The varint at `at` in `data`, and where it ends."""
-    number = shift = 0
-    while True:
-        byte = data[at]
-        at += 1
-        number |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return number, at
-        shift += 7
+    return field_key(NODE_OP_TYPE) + varint(len(encoded)) + encoded
 
 
 def _shape_like(dtype: str | None, shape: tuple[int, ...] | None) -> bool:
