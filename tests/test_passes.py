@@ -616,6 +616,51 @@ def test_clamp_saturates_the_constant_and_lets_the_path_go_fp16():
     assert_close(model, converted, feeds_for(model))
 
 
+def pass_changes(report) -> dict[str, int]:
+    return {p["name"]: p["changed"] for p in report.passes}
+
+
+def test_weights_read_only_in_low_precision_are_stored_low_before_any_cast():
+    """convert_constant_inputs stores each weight its readers all want fp16 in fp16, in its own
+    place and name: no cast of a weight is made for convert_constants to fold."""
+    b = GraphBuilder()
+    x = b.input("x", [2, 8])
+    h = b.op("MatMul", x, b.weight("w1", [8, 8]), name="mm1")
+    h = b.op("Add", h, b.weight("bias", [8]), name="add")
+    b.output(b.op("MatMul", b.op("Relu", h, name="relu"), b.weight("w2", [8, 4]), name="mm2"))
+    model = b.build()
+    converted, report = convert(model)
+    assert [t.name for t in converted.graph.initializer] == ["w1", "bias", "w2"]
+    assert {t.name: t.data_type for t in converted.graph.initializer} == {
+        "w1": FLOAT16, "bias": FLOAT16, "w2": FLOAT16}
+    assert pass_changes(report)["convert_constant_inputs"] == 3
+    assert pass_changes(report)["insert_casts"] == 2  # the graph's input and output only
+    assert pass_changes(report)["convert_constants"] == 0
+    assert sorted((c["name"], c["action"]) for c in report.constants) == [
+        ("bias", "converted"), ("w1", "converted"), ("w2", "converted")]
+    assert_close(model, converted, feeds_for(model))
+
+
+def test_a_weight_read_in_both_precisions_keeps_fp32_and_gets_a_low_copy():
+    """A weight one fp32 node reads too is left to the casts: fp32 for that node, a converted
+    copy for the fp16 ones (folded by convert_constants)."""
+    b = GraphBuilder()
+    x = b.input("x", [2, 8])
+    w = b.weight("w", [8, 8])
+    low = b.op("MatMul", x, w, name="mm_low")
+    kept = b.op("MatMul", x, w, name="mm_kept")
+    b.output(b.op("Add", low, kept, name="add"))
+    model = b.build()
+    converted, report = convert(model, keep_nodes=["mm_kept"])
+    assert precisions(report)["mm_low"] == "fp16" and precisions(report)["mm_kept"] == "fp32"
+    types = {t.name: t.data_type for t in converted.graph.initializer}
+    assert types.pop("w") == FLOAT and list(types.values()) == [FLOAT16]
+    assert pass_changes(report)["convert_constant_inputs"] == 0
+    assert pass_changes(report)["convert_constants"] == 1
+    assert node_by_name(converted, "mm_low").input[1] in types
+    assert_close(model, converted, feeds_for(model))
+
+
 def test_tiny_weights_flush_to_zero_and_are_counted():
     b = GraphBuilder()
     x = b.input("x", [2, 8])

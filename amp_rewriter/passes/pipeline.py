@@ -46,6 +46,7 @@ PIPELINES: dict[str, list[str]] = {
         "keep_index_math_fp32",
         "guard_constant_ranges",
         "propagate_precision",
+        "convert_constant_inputs",
         "insert_casts",
         "rescale_rms_statistics",
         "reduce_rotary_angles",

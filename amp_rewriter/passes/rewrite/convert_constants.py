@@ -1,4 +1,8 @@
-"""Fold casts of constants into converted constants, once each, with the range checked.
+"""Store constants in the precision their readers run in, once each, with the range checked.
+
+Two passes: `convert_constant_inputs`, before the casts are placed, stores an initializer that
+every reader wants in one low-precision dtype in that dtype (no cast is made for it at all);
+`convert_constants`, after them, folds the casts of constants that are left.
 
 A cast whose input is a float32 initializer or Constant output becomes a low-precision initializer.
 Values below the target's smallest subnormal flush to zero (counted in the report); values beyond
@@ -11,9 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...ir import FLOAT32, LOW_PRECISION_DTYPES, LazyTensor, Node, Value, convert_array
+from ...ir import FLOAT32, LOW_PRECISION_DTYPES, Graph, LazyTensor, Node, Value, convert_array
 from ..base import ConstantRecord, PassContext, register_pass
 from .building import CAST, remove_everywhere
+from .insert_casts import required_dtype
 
 
 def _converted_tensor(tensor: LazyTensor, dtype: str, clamp: bool, name: str,
@@ -29,23 +34,12 @@ def _converted_tensor(tensor: LazyTensor, dtype: str, clamp: bool, name: str,
     action = "clamped" if result.overflowed else "converted"
     ctx.constants.append(ConstantRecord(name, action, tensor.size, result.overflowed,
                                         result.flushed_to_zero))
-    if tensor.streams:  # a weight in a file: converted chunk by chunk when the output is written
-        return tensor.converted(dtype, clamp)
-    # A compact tensor (its last value repeating) converts as its stored values, and stays so.
-    array = np.asarray(tensor.stored() if tensor.compact else tensor.numpy(), dtype=np.float32)
-    converted = convert_array(array, dtype, clamp)
-    del array
-    if tensor.compact:
-        return LazyTensor.repeating_last(dtype, tensor.shape, converted)
-    tensor.release()
-
-    def load() -> np.ndarray:  # the same conversion again, once the emitter dropped the values
-        values = convert_array(np.asarray(tensor.numpy(), dtype=np.float32), dtype, clamp)
-        tensor.release()
-        return values
-
-    return LazyTensor(dtype, tuple(converted.shape), load, array=converted,
-                      reloadable=tensor.handle is not None)
+    if tensor.compact:  # converts as its stored values, the last repeating, and stays so
+        stored = np.asarray(tensor.stored(), dtype=np.float32)
+        return LazyTensor.repeating_last(dtype, tensor.shape, convert_array(stored, dtype, clamp))
+    # Converted when the emitter writes it (a file's weight chunk by chunk), not now: a
+    # million-node graph's weights converted up front would sit beside the IR at its peak.
+    return tensor.converted(dtype, clamp)
 
 
 def _convert_fill_value(node: Node, attr: str, ctx: PassContext) -> bool:
@@ -59,6 +53,73 @@ def _convert_fill_value(node: Node, attr: str, ctx: PassContext) -> bool:
     node.set_attr(attr, _converted_tensor(fill, value.dtype, True, f"{node.name}.{attr}",
                                           ctx))
     return True
+
+
+def _planned_nodes(ctx: PassContext) -> set[int]:
+    """ids of the nodes a rewrite after the casts works on (RMS rescales, rotary angles,
+    mask saturations): the constants they read keep the cast those rewrites expect."""
+    planned: list[Node | None] = []
+    for rescale in ctx.rescales:
+        planned += [rescale.square, rescale.mean, rescale.step, *rescale.after_mean]
+    for rotary in ctx.rotaries:
+        planned.append(rotary.product)
+    for saturation in ctx.saturations:
+        planned += saturation.sinks
+        planned += [group.node for group in saturation.region]
+    return {id(node) for node in planned if node is not None}
+
+
+def _one_low_dtype(value: Value) -> str | None:
+    """The low-precision dtype every reader of `value` wants, where they all want one."""
+    wanted = None
+    for consumer, slot in value.uses:
+        needed = required_dtype(value, consumer, slot)
+        if needed not in LOW_PRECISION_DTYPES or (wanted is not None and needed != wanted):
+            return None
+        wanted = needed
+    return wanted
+
+
+def _convert_read_initializers(graph: Graph, ctx: PassContext, planned: set[int]) -> int:
+    converted = 0
+    # The order insert_casts would make these casts in, and convert_constants fold them.
+    for source in [*graph.inputs, *graph.initializers.values()]:
+        if (source.const is None or source.producer is not None or source.overridable
+                or source.dtype != FLOAT32 or not source.uses or source.graph_output_uses
+                or graph.initializers.get(source.name) is not source):
+            continue
+        dtype = _one_low_dtype(source)
+        # The model's own casts of it: fold_casts and convert_constants decide those.
+        if dtype is None or any(consumer.op_type == CAST or id(consumer) in planned
+                                for consumer, _ in source.uses):
+            continue
+        ctx.focus = source.uses[0][0]
+        # Overflowing without --clamp: the cast convert_constants keeps, with its record.
+        if ctx.range_check(source.const, dtype).overflowed and not ctx.options.clamp:
+            continue
+        new_tensor = _converted_tensor(source.const, dtype, ctx.options.clamp, source.name, ctx)
+        assert new_tensor is not None
+        constant = Value(source.name, graph, dtype, new_tensor.shape)
+        constant.const = new_tensor
+        constant.origin = source
+        source.replace_all_uses_with(constant)
+        graph.remove_initializer(source)
+        graph.add_initializer(constant, replacing=source)
+        converted += 1
+    return converted
+
+
+@register_pass("convert_constant_inputs")
+def convert_constant_inputs(ctx: PassContext) -> tuple[int, list[str]]:
+    """Store an initializer every reader wants in one low-precision dtype in that dtype, before
+    the casts are placed: the cast insert_casts would make, and convert_constants would fold
+    into the same converted constant, is never made (a million-node graph has hundreds of
+    thousands of weights: as casts, gigabytes and seconds). What a rewrite plan reads, the
+    model's own casts of constants, Constant nodes and shared constants go the usual way."""
+    planned = _planned_nodes(ctx)
+    converted = sum(_convert_read_initializers(graph, ctx, planned)
+                    for graph in list(ctx.model.graph.walk_graphs()))
+    return converted, []
 
 
 @register_pass("convert_constants")

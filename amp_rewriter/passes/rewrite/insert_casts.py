@@ -55,7 +55,8 @@ class CastBuilder:
                 graph.insert_nodes(after=after, at_start=start)
 
 
-def _required_dtype(value: Value, consumer: Node, slot: int) -> str | None:
+def required_dtype(value: Value, consumer: Node, slot: int) -> str | None:
+    """The dtype `consumer` wants its input `slot` (reading `value`) in, after the decisions."""
     group = consumer.input_group[slot] if slot < len(consumer.input_group) else None
     if group is not None and group.precision is not None:
         return group.precision
@@ -100,7 +101,7 @@ def insert_casts(ctx: PassContext) -> tuple[int, list[str]]:
                 if needed is not None and needed != value.dtype:
                     _retarget_graph_output(model, builder, value, sub, index, needed)
             for consumer, slot in users:
-                needed = _required_dtype(value, consumer, slot)
+                needed = required_dtype(value, consumer, slot)
                 if needed is not None and needed != value.dtype and needed in FLOAT_DTYPES:
                     consumer.set_input(slot, builder.cast(value, needed))
 
@@ -141,7 +142,7 @@ def _lower_graph_inputs(root: Graph) -> None:
         if (value.dtype not in FLOAT_DTYPES or not value.uses or value.graph_output_uses
                 or value.const is not None):
             continue
-        wanted = {_required_dtype(value, c, s) for c, s in value.uses}
+        wanted = {required_dtype(value, c, s) for c, s in value.uses}
         if len(wanted) == 1:
             (dtype,) = wanted
             if dtype is not None and dtype != value.dtype:
