@@ -65,22 +65,48 @@ def _tensor_proto(name: str, tensor: LazyTensor,
                   deferred: dict[str, LazyTensor] | None = None) -> onnx.TensorProto:
     """The TensorProto of a constant. With `deferred`, a streaming tensor (a file's weight,
     converted as it is read) gets a proto without data, marked for `save_onnx` to fill."""
+    proto = onnx.TensorProto()
+    _write_tensor(proto, name, tensor, deferred)
+    return proto
+
+
+#: numpy dtypes whose values a TensorProto holds as their bytes in raw_data (little-endian),
+#: by the element type they are stored as.
+_RAW_ELEMENTS = {np.dtype(np.float32): onnx.TensorProto.FLOAT,
+                 np.dtype(np.float16): onnx.TensorProto.FLOAT16}
+
+
+def _write_tensor(target: onnx.TensorProto, name: str, tensor: LazyTensor,
+                  deferred: dict[str, LazyTensor] | None = None) -> None:
+    """Make `target` the TensorProto of a constant (see `_tensor_proto`), in place: written
+    into the proto that holds it, a few hundred thousand small converted weights are not each
+    built as a message first and then copied in."""
     if deferred is not None and tensor.streams:
         token = str(len(deferred))
         deferred[token] = tensor
-        proto = _header(name, tensor)
-        proto.data_location = onnx.TensorProto.EXTERNAL
-        entry = proto.external_data.add()
+        target.CopyFrom(_header(name, tensor))
+        target.data_location = onnx.TensorProto.EXTERNAL
+        entry = target.external_data.add()
         entry.key, entry.value = "location", _DEFERRED + token
-        return proto
+        return
     array = np.asarray(tensor.numpy())
     if array.dtype != NUMPY_DTYPES.get(tensor.dtype, array.dtype):
         array = array.astype(NUMPY_DTYPES[tensor.dtype])
     if tensor.dtype == "bfloat16":
-        proto = helper.make_tensor(name, onnx.TensorProto.BFLOAT16, array.shape,
-                                   array.view(np.uint16).tobytes(), raw=True)
-        return proto
-    return numpy_helper.from_array(array, name)
+        target.CopyFrom(helper.make_tensor(name, onnx.TensorProto.BFLOAT16, array.shape,
+                                           array.view(np.uint16).tobytes(), raw=True))
+        return
+    element = _RAW_ELEMENTS.get(array.dtype)
+    if element is None or sys.byteorder != "little":
+        target.CopyFrom(numpy_helper.from_array(array, name))
+        return
+    # What numpy_helper.from_array writes for these, without its general dispatch.
+    target.Clear()
+    target.dims.extend(array.shape)
+    target.data_type = element
+    if name:  # as from_array: an empty name is left unset, not set empty
+        target.name = name
+    target.raw_data = array.tobytes()
 
 
 def _header(name: str, tensor: LazyTensor) -> onnx.TensorProto:
@@ -89,13 +115,12 @@ def _header(name: str, tensor: LazyTensor) -> onnx.TensorProto:
                             dims=list(tensor.shape))
 
 
-def _emitted(name: str, tensor: LazyTensor,
-             deferred: dict[str, LazyTensor] | None) -> onnx.TensorProto:
-    """A pass's constant as a TensorProto; the IR then lets go of its values (the proto holds
-    them, or the writer streams them), so the model's weights are not held twice."""
-    proto = _tensor_proto(name, tensor, deferred)
+def _emit_tensor(target: onnx.TensorProto, name: str, tensor: LazyTensor,
+                 deferred: dict[str, LazyTensor] | None) -> None:
+    """Write a pass's constant into `target`; the IR then lets go of its values (the proto
+    holds them, or the writer streams them), so the model's weights are not held twice."""
+    _write_tensor(target, name, tensor, deferred)
     tensor.release()
-    return proto
 
 
 def _data(initializer: Value) -> LazyTensor:
@@ -296,39 +321,58 @@ def _emit_initializers(graph: Graph, source: onnx.GraphProto, proto: onnx.GraphP
     `overwrite`: `proto` may be rewritten in place, the IR read by nothing afterwards."""
     emitted: set[str] = set()
     if source is not proto:  # a new proto: the source is the caller's
-        for tensor in _remaining_initializers(graph, source, deferred, emitted):
-            proto.initializer.add().CopyFrom(tensor)
+        _copy_remaining_initializers(graph, source, proto, deferred, emitted)
     elif overwrite and all(tensor.name in graph.initializers
                            and tensor.data_location != onnx.TensorProto.EXTERNAL
                            for tensor in proto.initializer):
         for tensor in proto.initializer:
             const = _data(graph.initializers[tensor.name])
             if const.handle is not tensor:
-                tensor.CopyFrom(_emitted(tensor.name, const, deferred))
+                _emit_tensor(tensor, tensor.name, const, deferred)
             emitted.add(tensor.name)
     else:  # the originals must stay readable (the IR is kept, a converted weight streams
         # from the original's file), or some are dropped
-        kept = list(_remaining_initializers(graph, source, deferred, emitted))
+        kept = []
+        for tensor, value in _remaining_initializers(graph, source, emitted):
+            const = _data(value)
+            if const.handle is tensor:
+                kept.append(tensor)
+            else:
+                kept.append(_tensor_proto(value.name, const, deferred))
+                const.release()
         del proto.initializer[:]
         proto.initializer.extend(kept)
     for name, value in graph.initializers.items():
         if name not in emitted:
             const = _data(value)
-            proto.initializer.add().CopyFrom(const.handle if const.handle is not None
-                                             else _emitted(name, const, deferred))
+            if const.handle is not None:
+                proto.initializer.add().CopyFrom(const.handle)
+            else:
+                _emit_tensor(proto.initializer.add(), name, const, deferred)
 
 
-def _remaining_initializers(graph: Graph, source: onnx.GraphProto,
-                            deferred: dict[str, LazyTensor] | None, emitted: set[str]
-                            ) -> Iterator[onnx.TensorProto]:
-    """The initializers of `source` the graph still has, in order: each its original proto or,
-    converted, a new one (made as it is asked for); their names go into `emitted`."""
+def _copy_remaining_initializers(graph: Graph, source: onnx.GraphProto,
+                                 target: onnx.GraphProto, deferred: dict[str, LazyTensor] | None,
+                                 emitted: set[str]) -> None:
+    """Append to `target` what `_remaining_initializers` finds: each original proto copied,
+    each converted one written in as it is made."""
+    for tensor, value in _remaining_initializers(graph, source, emitted):
+        const = _data(value)
+        if const.handle is tensor:
+            target.initializer.add().CopyFrom(tensor)
+        else:
+            _emit_tensor(target.initializer.add(), value.name, const, deferred)
+
+
+def _remaining_initializers(graph: Graph, source: onnx.GraphProto, emitted: set[str]
+                            ) -> Iterator[tuple[onnx.TensorProto, Value]]:
+    """The initializers of `source` the graph still has, in order, with the graph's value
+    (its original proto, or converted); their names go into `emitted`."""
     for tensor in source.initializer:
         value = graph.initializers.get(tensor.name)
         if value is not None:
-            const = _data(value)
             emitted.add(tensor.name)
-            yield tensor if const.handle is tensor else _emitted(value.name, const, deferred)
+            yield tensor, value
 
 
 class EmittedModel:
