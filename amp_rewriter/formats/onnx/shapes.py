@@ -53,13 +53,6 @@ SMALL_INITIALIZER = 64
 _STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 
 
-def _elements(tensor: onnx.TensorProto) -> int:
-    count = 1
-    for dim in tensor.dims:
-        count *= dim
-    return count
-
-
 def skeleton(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
              ) -> onnx.ModelProto:
     """The model's graph with concrete input shapes and without its large tensors' data."""
@@ -93,7 +86,11 @@ class _SkeletonParts(NamedTuple):
     head: onnx.ModelProto
     #: The small initializers that stay: the model's own messages, not copies.
     small_initializers: list[onnx.TensorProto]
-    #: Each large initializer as an input, then the graph's inputs at concrete sizes.
+    #: The large initializers (or held in external files), which become inputs: the model's
+    #: own messages, declared as inputs only where a skeleton is built (a million-node graph
+    #: may have hundreds of thousands, which the cost summary reads the types of only).
+    large_initializers: list[onnx.TensorProto]
+    #: The graph's inputs at concrete sizes.
     inputs: list[onnx.ValueInfoProto]
 
 
@@ -108,15 +105,15 @@ def _skeleton_parts(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int
     graph.output.extend(source.output)
     initializer_names = set()
     small: list[onnx.TensorProto] = []
+    large: list[onnx.TensorProto] = []
     inputs: list[onnx.ValueInfoProto] = []
     for tensor in source.initializer:
         initializer_names.add(tensor.name)
         if tensor.data_location != onnx.TensorProto.EXTERNAL \
-                and _elements(tensor) <= SMALL_INITIALIZER:
+                and math.prod(tensor.dims) <= SMALL_INITIALIZER:
             small.append(tensor)
         else:
-            inputs.append(onnx.helper.make_tensor_value_info(
-                tensor.name, tensor.data_type, list(tensor.dims)))
+            large.append(tensor)
     for info in source.input:
         if info.name in initializer_names:
             continue
@@ -129,13 +126,15 @@ def _skeleton_parts(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int
             for size in shape:
                 dims.add().dim_value = size
         inputs.append(copy)
-    return _SkeletonParts(sk, small, inputs)
+    return _SkeletonParts(sk, small, large, inputs)
 
 
 def _skeleton_without_nodes(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]
                             ) -> onnx.ModelProto:
-    head, small_initializers, inputs = _skeleton_parts(model, input_shapes)
+    head, small_initializers, large_initializers, inputs = _skeleton_parts(model, input_shapes)
     head.graph.initializer.extend(small_initializers)
+    head.graph.input.extend(onnx.helper.make_tensor_value_info(
+        tensor.name, tensor.data_type, list(tensor.dims)) for tensor in large_initializers)
     head.graph.input.extend(inputs)
     return head
 
@@ -277,8 +276,11 @@ class _Slicer:
         self.nodes = model.graph.node
         self.encoded = encoded
         self.type_check = type_check
-        head, small_initializers, inputs = _skeleton_parts(model, input_shapes)
+        head, small_initializers, large_initializers, inputs = _skeleton_parts(model,
+                                                                               input_shapes)
         self.graph_name = model.graph.name
+        #: The graph's own inputs (the large initializers, which a slice declares as inputs
+        #: too, are typed in `types` only).
         self.graph_inputs = {info.name: info for info in inputs}
         self.small_initializers = {tensor.name: tensor for tensor in small_initializers}
         head.ClearField("graph")
@@ -293,7 +295,7 @@ class _Slicer:
         self.producer: dict[str, int] = {}
         self.shape_like_nodes: dict[int, tuple[Sequence[str], Sequence[str]]] = {}
         self.memo = _NodeMemo()
-        self._type_constants()
+        self._type_constants(large_initializers)
 
     def _fields(self, first: int, last: int) -> bytes | bytearray:
         """Nodes `first` to `last` - 1 encoded as GraphProto fields."""
@@ -463,12 +465,14 @@ class _Slicer:
                 keys.append(known)
         return tuple(keys)
 
-    def _type_constants(self) -> None:
-        """Enter the small initializers and the graph's inputs (the large initializers among
-        them) in `types`, so that `_infer_by_node` finds what a node reads in one table: each
-        (dtype, shape) made once and shared."""
+    def _type_constants(self, large_initializers: list[onnx.TensorProto]) -> None:
+        """Enter the initializers and the graph's inputs in `types`, so that `_infer_by_node`
+        finds what a node reads in one table (and a slice declares a large initializer it
+        reads as an input of that type): each (dtype, shape) made once and shared."""
         shared: dict[Any, Any] = {}
-        for name, tensor in self.small_initializers.items():
+        named = chain(self.small_initializers.items(),
+                      ((tensor.name, tensor) for tensor in large_initializers))
+        for name, tensor in named:
             constant: Any = (dtype_name(tensor.data_type), tuple(tensor.dims))
             self.types[name] = shared.setdefault(constant, constant)
         for name, info in self.graph_inputs.items():
