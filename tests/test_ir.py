@@ -148,6 +148,39 @@ def test_check_range_counts_overflow_and_flush():
     assert (result.overflowed, result.flushed_to_zero, result.nonzero) == (1, 1, 3)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_range_checks_in_batches_count_as_one_at_a_time(dtype):
+    """tensor_ranges checks many constants' values together: each count must be the one
+    tensor_range gives that constant alone (edge values, empty and compact tensors included),
+    across batch boundaries."""
+    from amp_rewriter.ir import LazyTensor
+    from amp_rewriter.ir import tensors as tensor_module
+
+    rng = np.random.default_rng(0)
+    edges = np.array([0, -0.0, 1e-8, -3e-8, 5.96e-8, 6e-8, 1e-40, 1e-45, 65504, 65519, 65520, -7e4,
+                      1e38, 3.4e38, np.inf, -np.inf, np.nan], np.float32)
+    arrays = [np.zeros(0, np.float32)]
+    for index in range(400):
+        size = int(rng.integers(1, 40))
+        arrays.append(rng.choice(edges, size) if index % 2 else
+                      (rng.standard_normal(size) * 10.0 ** rng.uniform(-9, 6)).astype(np.float32))
+
+    def tensors() -> list:
+        made = [LazyTensor("float32", a.shape, lambda a=a: a) for a in arrays]
+        made.append(LazyTensor.repeating_last("float32", (50,), np.array([1.0, 1e6], np.float32)))
+        return made
+
+    alone = [tensor_module.tensor_range(t, dtype) for t in tensors()]
+    assert sum(r.overflowed for r in alone) and sum(r.flushed_to_zero for r in alone)
+    original = tensor_module._BATCH_VALUES
+    try:
+        tensor_module._BATCH_VALUES = 100  # many batches
+        assert tensor_module.tensor_ranges(tensors(), dtype) == alone
+    finally:
+        tensor_module._BATCH_VALUES = original
+    assert tensor_module.tensor_ranges(tensors(), dtype) == alone
+
+
 def test_release_frees_the_ir_without_the_cyclic_collector():
     """After emitting, a conversion releases its IR: every object must go by reference counting
     alone (the collector is paused during conversions), or a million-node IR stays in memory."""

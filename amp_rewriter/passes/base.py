@@ -4,13 +4,13 @@ passes what its op names mean."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..ir import LazyTensor, Model, Node, RangeCheck, TypeGroup, Value, decisions
 from ..ir.dtypes import TARGET_DTYPES
-from ..ir.tensors import tensor_range
+from ..ir.tensors import tensor_range, tensor_ranges
 from ..op_lists import OpLists
 
 if TYPE_CHECKING:  # the passes read options, they never build them
@@ -238,6 +238,14 @@ class PassContext:
     @property
     def target_dtype(self) -> str:
         return TARGET_DTYPES[self.options.target]
+
+    def range_check_all(self, tensors: Iterable[LazyTensor], dtype: str) -> None:
+        """Compute the range checks of many constants at once (`tensor_ranges`), for the
+        `range_check` calls that follow."""
+        missing = {id(t): t for t in tensors if (id(t), dtype) not in self.range_checks}
+        for tensor, result in zip(missing.values(), tensor_ranges(missing.values(), dtype)):
+            self.range_checks[(id(tensor), dtype)] = result
+            tensor.release()
 
     def range_check(self, tensor: LazyTensor, dtype: str) -> RangeCheck:
         """`check_range` of a constant in `dtype`, computed once per conversion."""

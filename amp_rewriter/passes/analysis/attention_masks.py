@@ -119,10 +119,12 @@ def _overflowing_sources(ctx: PassContext) -> tuple[list[Value], list[Node]]:
     # The graph's constants are few beside its node inputs (a million at a million nodes):
     # the inputs are walked only to order the constants that overflow, when there are any,
     # and only up to the last one's first reader (a mask is read from the first layer on).
-    unordered = {id(value): value for value in graph.values.values()
+    constants = {value: value.const for value in graph.values.values()
                  if value.const is not None and value.uses and value.dtype == FLOAT32
-                 and not value.overridable
-                 and ctx.range_check(value.const, target).overflowed}
+                 and not value.overridable}
+    ctx.range_check_all(constants.values(), target)
+    unordered = {id(value): value for value, tensor in constants.items()
+                 if ctx.range_check(tensor, target).overflowed}
     ordered: list[Value] = []
     for node in graph.nodes:
         if not unordered:
