@@ -320,13 +320,10 @@ def _check_batch(arrays: list[np.ndarray], positions: list[int], dtype: str,
     values = np.concatenate(arrays)
     starts = np.zeros(len(arrays), dtype=np.int64)
     np.cumsum([array.size for array in arrays[:-1]], out=starts[1:])
-    with np.errstate(over="ignore", invalid="ignore"):
-        converted = values.astype(NUMPY_DTYPES[dtype])
-    finite = np.isfinite(values)
-    nonzero_value = values != 0
-    counts = np.add.reduceat(np.stack([finite & ~np.isfinite(converted),
-                                       nonzero_value & (converted == 0),
-                                       finite & nonzero_value]).astype(np.int64), starts, axis=1)
+    overflowing, flushing = _inexact(values, dtype)
+    nonzero_finite = np.isfinite(values) & (values != 0)
+    counts = np.add.reduceat(np.stack([overflowing, flushing, nonzero_finite]).astype(np.int64),
+                             starts, axis=1)
     for position, overflowed, flushed, nonzero in zip(positions, *counts.tolist()):
         results[position] = RangeCheck(overflowed, flushed, nonzero)
 
@@ -356,12 +353,17 @@ def _check_range(array: np.ndarray, dtype: str) -> RangeCheck:
     if (not nonzero.size or (nonzero.max() <= FINITE_MAX[dtype]
                              and nonzero.min() >= SMALLEST_SUBNORMAL[dtype])):
         return RangeCheck(0, 0, int(nonzero.size))  # the common case, without converting
+    overflowing, flushing = _inexact(array, dtype)
+    return RangeCheck(int(np.count_nonzero(overflowing)), int(np.count_nonzero(flushing)),
+                      int(nonzero.size))
+
+
+def _inexact(values: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per value, converted to `dtype`: whether a finite one becomes infinite, and whether a
+    non-zero one becomes zero."""
     with np.errstate(over="ignore", invalid="ignore"):
-        converted = array.astype(NUMPY_DTYPES[dtype])
-    finite = np.isfinite(array)
-    overflowed = int(np.count_nonzero(finite & ~np.isfinite(converted)))
-    flushed = int(np.count_nonzero((array != 0) & (converted == 0)))
-    return RangeCheck(overflowed, flushed, int(nonzero.size))
+        converted = values.astype(NUMPY_DTYPES[dtype])
+    return np.isfinite(values) & ~np.isfinite(converted), (values != 0) & (converted == 0)
 
 
 def convert_array(array: np.ndarray, dtype: str, clamp: bool) -> np.ndarray:

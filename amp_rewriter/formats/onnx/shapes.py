@@ -387,7 +387,7 @@ class _Slicer:
         if tails is None:
             return None
         memo, types, partial = self.memo, self.types, self.partial
-        # Before any node: the graph's inputs (the large initializers among them) it reads.
+        # Before any node: the graph's inputs it reads (initializers are no activations).
         found: Types = {name: types[name] for name in self.graph_inputs.keys() & set(reads)
                         if name in types}
         type_of = types.get
