@@ -14,7 +14,8 @@
    per code version, each in its own subprocess whose PYTHONPATH is that checkout (the replay
    verifies that amp_rewriter and all its submodules are imported from there).
 3. Compares per case the sha256 of the converted output bytes, the decisions of the report
-   (node -> precision) and the error (class and first line) and prints the cases that differ.
+   (node -> precision), how the report explains them (each entry's kind, reason and path) and
+   the error (class and first line) and prints the cases that differ.
 
 Exit status: 0 all identical, 1 some output, decision or error differs, 2 the run itself failed.
 """
@@ -636,6 +637,9 @@ def compare(names: list[str], before: dict[str, dict], after: dict[str, dict]
                 reasons.append(f"{count} node decision(s) differ")
             elif a["digest"] != b["digest"]:
                 reasons.append("the decisions are the same (node -> precision)")
+            if a.get("explanations_digest") != b.get("explanations_digest"):
+                reasons.append("the report explains a decision differently (kind, reason or "
+                               "path)")
         if reasons:
             differing.append({**entry, "reasons": reasons})
         else:

@@ -400,6 +400,13 @@ def decisions(report: Any) -> dict[str, str]:
     return result
 
 
+def explanations(report: Any) -> list[dict[str, Any]]:
+    """Every node entry of a Report (or its dict) as the report writes it: with each decision's
+    kind, reason and path, which `decisions` leaves out."""
+    nodes = report["nodes"] if isinstance(report, dict) else report.nodes
+    return [dict(entry) for entry in nodes]
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip()
@@ -449,7 +456,8 @@ def replay_case(case_dir: str | os.PathLike, scratch: str | os.PathLike) -> dict
     """Run one case with the amp_rewriter that `import amp_rewriter` finds; a JSON-able result.
 
     {"kind", "status": "ok" | "error", "outputs": {name: sha256}, "digest": sha256 over them,
-     "decisions": {node: precision}, "decisions_digest", "error": "Class: first line", "seconds"}
+     "decisions": {node: precision}, "decisions_digest", "explanations_digest",
+     "error": "Class: first line", "seconds"}
     """
     import warnings
 
@@ -479,6 +487,8 @@ def replay_case(case_dir: str | os.PathLike, scratch: str | os.PathLike) -> dict
         chosen = decisions(report)
         result["decisions"] = chosen
         result["decisions_digest"] = sha256(json.dumps(chosen, sort_keys=True).encode())
+        result["explanations_digest"] = sha256(json.dumps(
+            explanations(report), sort_keys=True, default=str).encode())
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001  (error behaviour is compared too)
