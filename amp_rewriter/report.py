@@ -347,7 +347,8 @@ def build_report(ctx: PassContext, original_nodes: Sequence[Node], results: list
 
 def constant_entries(records: Iterable[Any]) -> list[dict[str, Any]]:
     """The report's entries of a conversion's constant records (`PassContext.constants`)."""
-    return [dict(vars(record)) for record in records]  # flat records: no deep copy
+    # Flat records: their fields, no deep copy (`dataclasses.asdict` copies every value).
+    return [{name: getattr(record, name) for name in record.__slots__} for record in records]
 
 
 def load_report(path: str | Path) -> Report:

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any, cast
 
 import numpy as np
@@ -43,9 +43,9 @@ class LazyTensor:
     """
 
     __slots__ = ("dtype", "shape", "_load", "_array", "handle", "_stored", "_reader",
-                 "conversion", "_reloadable")
+                 "conversion", "_reloadable", "checked_range")
 
-    def __init__(self, dtype: str, shape: tuple[int, ...], load: Callable[[], np.ndarray],
+    def __init__(self, dtype: str, shape: tuple[int, ...], load: Callable[[], np.ndarray] | None,
                  handle: Any = None, stored: Callable[[], np.ndarray] | None = None,
                  reader: ChunkReader | None = None, array: np.ndarray | None = None,
                  reloadable: bool = False):
@@ -60,9 +60,14 @@ class LazyTensor:
         self._reloadable = reloadable or handle is not None
         self._stored = stored
         self._reader = reader
-        #: (source tensor, clamp) of a tensor `converted` from a streaming one: a writer may
-        #: convert the source's chunks itself, with a faster cast of the same result.
+        #: (source tensor, clamp) of a tensor `converted` from another (`load` is None then):
+        #: its values are the source's, converted when read; a writer may convert a streaming
+        #: source's chunks itself, with a faster cast of the same result.
         self.conversion: tuple[LazyTensor, bool] | None = None
+        #: (dtype, its range check): kept with the tensor by the conversion that checked it, so
+        #: that every pass asking again gets it without a table of its own (hundreds of
+        #: thousands of constants in a million-node graph).
+        self.checked_range: tuple[str, RangeCheck] | None = None
 
     @classmethod
     def repeating_last(cls, dtype: str, shape: tuple[int, ...], values: np.ndarray,
@@ -96,8 +101,19 @@ class LazyTensor:
     def numpy(self) -> np.ndarray:
         """The values, read (and cached) on first use; a compact tensor is expanded."""
         if self._array is None:
-            self._array = self._load()
+            self._array = self._load() if self._load is not None else self._convert()
         return self._array
+
+    def _convert(self) -> np.ndarray:
+        assert self.conversion is not None, "a tensor without data or a source"
+        source, clamp = self.conversion
+        # The source is read for this conversion only: unless something else had read it, it
+        # is let go again, so the fp32 weights are not kept beside the converted ones.
+        was_read = source._array is not None
+        values = convert_array(np.asarray(source.numpy(), np.float32), self.dtype, clamp)
+        if not was_read:
+            source.release()
+        return values
 
     def release(self) -> None:
         """Drop the cached values of a tensor that can load them again (one read from its model,
@@ -108,8 +124,13 @@ class LazyTensor:
 
     @property
     def streams(self) -> bool:
-        """Whether the values are read a chunk at a time (a file's tensor not read whole yet)."""
-        return self._reader is not None and self._array is None
+        """Whether the values are read a chunk at a time (a file's tensor not read whole yet,
+        or a conversion of one)."""
+        if self._array is not None:
+            return False
+        if self.conversion is not None:
+            return self.conversion[0].streams
+        return self._reader is not None
 
     @property
     def nbytes(self) -> int:
@@ -121,8 +142,13 @@ class LazyTensor:
         file when the tensor `streams`, else slices of `numpy()` (a compact tensor expanded).
         A chunk may be a view of a buffer the next one reuses: use it before asking for more."""
         if self.streams:
-            assert self._reader is not None
-            yield from self._reader()
+            if self._reader is not None:
+                yield from self._reader()
+                return
+            assert self.conversion is not None
+            source, clamp = self.conversion
+            for chunk in source.chunks():
+                yield convert_array(np.asarray(chunk, np.float32), self.dtype, clamp)
             return
         flat = self.numpy().reshape(-1)
         step = max(1, CHUNK_BYTES // max(1, flat.itemsize))
@@ -132,32 +158,18 @@ class LazyTensor:
     def converted(self, dtype: str, clamp: bool) -> LazyTensor:
         """This float32 tensor in `dtype` (see `convert_array`), converted when read: a
         streaming tensor converts chunk by chunk as it is written out, never whole."""
-        source = self
-
-        def load() -> np.ndarray:
-            # The source is read for this conversion only: unless something else had read it,
-            # it is let go again, so the fp32 weights are not kept beside the converted ones.
-            was_read = source._array is not None
-            values = convert_array(np.asarray(source.numpy(), np.float32), dtype, clamp)
-            if not was_read:
-                source.release()
-            return values
-
-        def reader() -> Iterator[np.ndarray]:
-            for chunk in source.chunks():
-                yield convert_array(np.asarray(chunk, np.float32), dtype, clamp)
-        # Reloadable: the values can be computed again from the source, so an emitter's
-        # `release` frees them once they are in the output.
-        if not self.streams:
-            return LazyTensor(dtype, self.shape, load, reloadable=True)
-        result = LazyTensor(dtype, self.shape, load, reader=reader, reloadable=True)
+        # No closures: one small object per converted weight (a million-node graph has
+        # hundreds of thousands). Reloadable: the values can be computed again from the
+        # source, so an emitter's `release` frees them once they are in the output.
+        result = LazyTensor(dtype, self.shape, None, reloadable=True)
         result.conversion = (self, clamp)
         return result
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class RangeCheck:
-    """How a float32 array fares when converted to a low-precision dtype."""
+    """How a float32 array fares when converted to a low-precision dtype (immutable: equal
+    checks of many constants may share one object, see `range_check_of`)."""
 
     overflowed: int
     flushed_to_zero: int
@@ -167,6 +179,13 @@ class RangeCheck:
     def vanishes(self) -> bool:
         """Every non-zero value would become zero."""
         return self.nonzero > 0 and self.flushed_to_zero == self.nonzero
+
+
+@lru_cache(maxsize=1 << 12)
+def range_check_of(overflowed: int, flushed_to_zero: int, nonzero: int) -> RangeCheck:
+    """The RangeCheck of these counts, one object for equal counts: hundreds of thousands of
+    small weights have a handful of different results, kept with each weight."""
+    return RangeCheck(overflowed, flushed_to_zero, nonzero)
 
 
 def check_range(array: np.ndarray, dtype: str, repeat_last: int = 0) -> RangeCheck:
@@ -325,7 +344,7 @@ def _check_batch(arrays: list[np.ndarray], positions: list[int], dtype: str,
     counts = np.add.reduceat(np.stack([overflowing, flushing, nonzero_finite]).astype(np.int64),
                              starts, axis=1)
     for position, overflowed, flushed, nonzero in zip(positions, *counts.tolist()):
-        results[position] = RangeCheck(overflowed, flushed, nonzero)
+        results[position] = range_check_of(overflowed, flushed, nonzero)
 
 
 #: Up to this many values, `_check_range` looks at them one by one in Python: a few numpy calls
@@ -345,14 +364,14 @@ def _check_range(array: np.ndarray, dtype: str) -> RangeCheck:
                 break  # one that converts inexactly: counted by the general case below
             nonzero += 1
         else:
-            return RangeCheck(0, 0, nonzero)
+            return range_check_of(0, 0, nonzero)
     magnitude = np.abs(array)
     finite_magnitude = magnitude[np.isfinite(magnitude)] if not np.isfinite(magnitude).all() \
         else magnitude
     nonzero = finite_magnitude[finite_magnitude > 0]
     if (not nonzero.size or (nonzero.max() <= FINITE_MAX[dtype]
                              and nonzero.min() >= SMALLEST_SUBNORMAL[dtype])):
-        return RangeCheck(0, 0, int(nonzero.size))  # the common case, without converting
+        return range_check_of(0, 0, int(nonzero.size))  # the common case, without converting
     overflowing, flushing = _inexact(array, dtype)
     return RangeCheck(int(np.count_nonzero(overflowing)), int(np.count_nonzero(flushing)),
                       int(nonzero.size))

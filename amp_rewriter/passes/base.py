@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from ..ir import LazyTensor, Model, Node, RangeCheck, TypeGroup, Value, decisions
@@ -112,7 +113,7 @@ class StoredRange:
     elements: int
 
 
-@dataclass
+@dataclass(slots=True)
 class ConstantRecord:
     """One constant the conversion looked at, for the report."""
 
@@ -216,8 +217,6 @@ class PassContext:
     #: Node name -> the range of the stored tensor its output holds (see StoredRange).
     stored_ranges: dict[str, StoredRange] = field(default_factory=dict)
     constants: list[ConstantRecord] = field(default_factory=list)
-    #: (id of a LazyTensor, dtype) -> its range check, shared by the passes that need it.
-    range_checks: dict[tuple[int, str], RangeCheck] = field(default_factory=dict)
     #: The node a pass is working on, so a failure can say where it happened.
     focus: Node | None = None
     #: Structural rules applied (attention masks, tanh-GELU cubes, index math, pattern rules).
@@ -242,20 +241,31 @@ class PassContext:
     def range_check_all(self, tensors: Iterable[LazyTensor], dtype: str) -> None:
         """Compute the range checks of many constants at once (`tensor_ranges`), for the
         `range_check` calls that follow."""
-        missing = {id(t): t for t in tensors if (id(t), dtype) not in self.range_checks}
+        missing = {id(t): t for t in tensors if not _checked_in(t, dtype)}
         for tensor, result in zip(missing.values(), tensor_ranges(missing.values(), dtype)):
-            self.range_checks[(id(tensor), dtype)] = result
+            tensor.checked_range = _range_entry(dtype, result)
             tensor.release()
 
     def range_check(self, tensor: LazyTensor, dtype: str) -> RangeCheck:
-        """`check_range` of a constant in `dtype`, computed once per conversion."""
-        key = (id(tensor), dtype)
-        result = self.range_checks.get(key)
-        if result is None:
-            result = tensor_range(tensor, dtype)  # a file's big tensor: a chunk at a time
-            self.range_checks[key] = result
-            tensor.release()
+        """`check_range` of a constant in `dtype`, computed once per conversion (kept with the
+        tensor)."""
+        checked = tensor.checked_range
+        if checked is not None and checked[0] == dtype:
+            return checked[1]
+        result = tensor_range(tensor, dtype)  # a file's big tensor: a chunk at a time
+        tensor.checked_range = _range_entry(dtype, result)
+        tensor.release()
         return result
+
+
+@lru_cache(maxsize=1 << 12)
+def _range_entry(dtype: str, result: RangeCheck) -> tuple[str, RangeCheck]:
+    # One tuple for the many weights with the same result (see `range_check_of`).
+    return dtype, result
+
+
+def _checked_in(tensor: LazyTensor, dtype: str) -> bool:
+    return tensor.checked_range is not None and tensor.checked_range[0] == dtype
 
 
 @dataclass

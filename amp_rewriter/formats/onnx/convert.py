@@ -185,7 +185,6 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         ctx = PassContext(ir_model, lists, options, ONNX_RULES, pins=dict(pins or {}),
                           op_available=partial(op_in_opset, opset=opset))
         results = run_pipeline(ctx, "onnx", on_pass=steps.start)
-        ctx.range_checks.clear()  # the passes' cache; its memory serves what follows
         steps.start("emitting")
         # All but the main graph's nodes now (and the IR's name tables go); what reads the nodes
         # runs before they are written, since emission lets each go once it is written (unless

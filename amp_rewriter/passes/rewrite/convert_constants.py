@@ -1,8 +1,8 @@
 """Store constants in the precision their readers run in, once each, with the range checked.
 
 Two passes: `convert_constant_inputs`, before the casts are placed, stores an initializer that
-every reader wants in one low-precision dtype in that dtype (no cast is made for it at all);
-`convert_constants`, after them, folds the casts of constants that are left.
+every reader wants in one low-precision dtype in that dtype, in place (no cast is made for it
+at all); `convert_constants`, after them, folds the casts of constants that are left.
 
 A cast whose input is a float32 initializer or Constant output becomes a low-precision initializer.
 Values below the target's smallest subnormal flush to zero (counted in the report); values beyond
@@ -99,12 +99,11 @@ def _convert_read_initializers(graph: Graph, ctx: PassContext, planned: set[int]
             continue
         new_tensor = _converted_tensor(source.const, dtype, ctx.options.clamp, source.name, ctx)
         assert new_tensor is not None
-        constant = Value(source.name, graph, dtype, new_tensor.shape)
-        constant.const = new_tensor
-        constant.origin = source
-        source.replace_all_uses_with(constant)
-        graph.remove_initializer(source)
-        graph.add_initializer(constant, replacing=source)
+        # In place: the value keeps its readers, name and place, and its original dtype says
+        # what the input held (a new value per weight, with its use list, would cost hundreds
+        # of bytes a weight at the conversion's peak).
+        source.const = new_tensor
+        source.dtype = dtype
         converted += 1
     return converted
 
