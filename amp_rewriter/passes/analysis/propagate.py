@@ -1,8 +1,9 @@
 """Decide the precision of every type group, in the order TensorFlow Grappler's AMP pass uses.
 
-This is an analysis: it writes each group's decision (`TypeGroup.decide`) and never edits the
-graph. It runs as a list of phases over one `Painting` (the set of low-precision groups being
-built, with the reason, kind and path of each decision):
+This is an analysis: it writes each group's decision and never edits the graph. It runs as a
+list of phases over one `Painting`, which keeps what it decides in the groups' own decision fields
+(precision, kind, reason, path), where it stays: a table per field would cost ~40 MB each at a
+million groups, at the conversion's peak. The phases:
 
 1. seed_allow: groups of allow-list ops.
 2. spread_deny: deny spreads forward from deny ops through infer/clear ops that lie upstream of a
@@ -50,36 +51,54 @@ def label(group: TypeGroup) -> str:
 
 @dataclass
 class Painting:
-    """The analysis state: which groups go low precision, which are deny, and why."""
+    """The analysis state: which groups go low precision, which are deny, and why.
+
+    A group the painting has not looked at yet has no precision; one it noted has float32 (for
+    now) and its kind, reason and path (`via`); one it painted has the target dtype.
+    """
 
     graph: GroupGraph
     ctx: PassContext
-    allow: set[TypeGroup] = field(default_factory=set)
     deny: set[TypeGroup] = field(default_factory=set)
-    reason: dict[TypeGroup, str] = field(default_factory=dict)
-    kind: dict[TypeGroup, str] = field(default_factory=dict)
-    via: dict[TypeGroup, TypeGroup] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        #: The target dtype: the precision of a painted group.
+        self.low = self.ctx.target_dtype
 
     def paint(self, group: TypeGroup, kind: str, reason: str,
               via: TypeGroup | None = None) -> None:
         """Put `group` in low precision, recording why."""
-        self.allow.add(group)
         self.note(group, kind, reason, via)
+        group.precision = self.low
 
     def note(self, group: TypeGroup, kind: str, reason: str, via: TypeGroup | None = None) -> None:
         """Record why `group` is where it is (without moving it)."""
-        self.reason[group] = reason
-        self.kind[group] = kind
+        if group.precision is None:
+            group.precision = FLOAT32
+        group.kind, group.reason = kind, reason
         if via is not None:
-            self.via[group] = via
+            group.via = via
+
+    def unpaint(self, group: TypeGroup) -> bool:
+        """Take `group` back to fp32 (its reason is the caller's to note); False when it was
+        not low precision."""
+        if group.precision != self.low:
+            return False
+        group.precision = FLOAT32
+        return True
+
+    def is_low(self, group: TypeGroup | None) -> bool:
+        """Whether `group` is painted low precision (None, a slot of no group: it is not)."""
+        return group is not None and group.precision == self.low
 
     def allow_in_order(self) -> list[TypeGroup]:
-        """The low-precision groups in graph order, so results never depend on set order."""
-        return [g for g in self.graph.vertices if g in self.allow]
+        """The low-precision groups in graph order."""
+        low = self.low
+        return [g for g in self.graph.vertices if g.precision == low]
 
     def can_join(self, group: TypeGroup, classes: tuple[str, ...]) -> bool:
         """Whether a group of one of `classes` may still be painted low."""
-        return (group.paintable and group not in self.deny and group not in self.allow
+        return (group.paintable and group.precision != self.low and group not in self.deny
                 and op_class(group) in classes)
 
     def no_kernel(self, group: TypeGroup) -> str | None:
@@ -161,7 +180,7 @@ def spread_deny(p: Painting) -> int:
                              f"infer/clear ops: its numeric risk carries here"), via=g)
                     stack.append(succ)
     for g in p.deny:
-        p.allow.discard(g)
+        p.unpaint(g)
     return len(p.deny)
 
 
@@ -178,13 +197,14 @@ def fill_between_allow(p: Painting) -> int:
                     downstream.add(succ)
                     stack.append(succ)
     painted = 0
+    low = p.low
     for a in p.allow_in_order():
         reasons = SharedTexts()
         stack = [a]
         while stack:
             g = stack.pop()
             for pred in gg.pred[g]:
-                if pred in downstream and pred not in p.allow:
+                if pred in downstream and pred.precision != low:
                     cls = op_class(pred)
                     p.paint(pred, decisions.PROPAGATION, reasons.get(cls) or reasons.put(
                         cls, f"{cls} op between allow ops: downstream of one and upstream of "
@@ -269,7 +289,7 @@ def fill_tail_to_outputs(p: Painting) -> int:
                 producer = gg.producer_group(value)
                 if producer in members:
                     continue
-                if producer is None or producer not in p.allow:
+                if producer is None or not p.is_low(producer):
                     closed = False
                 entering.add(id(value))
         nodes = {id(g.node) for g in component}
@@ -295,7 +315,7 @@ def infer_after_allow(p: Painting) -> int:
     for g in p.graph.vertices:
         if not p.can_join(g, (INFER,)):
             continue
-        fed = [pred for pred in p.graph.pred[g] if pred in p.allow]
+        fed = [pred for pred in p.graph.pred[g] if p.is_low(pred)]
         if fed and not any(pred in p.deny for pred in p.graph.pred[g]):
             p.paint(g, decisions.PROPAGATION,
                     f"infer op fed by low-precision {label(fed[0])} (bf16 rule)", via=fed[0])
@@ -326,7 +346,7 @@ def drop_without_kernel(p: Painting) -> int:
     for g in p.allow_in_order():
         missing = p.no_kernel(g)
         if missing:
-            p.allow.discard(g)
+            p.unpaint(g)
             p.note(g, decisions.BACKEND_KERNEL, missing)
             dropped += 1
     return dropped
@@ -344,8 +364,7 @@ def drop_pins_without_barrier(p: Painting) -> int:
     for g in p.graph.vertices:
         if not measured_pin(g):
             continue
-        if g in p.allow:
-            p.allow.discard(g)
+        if p.unpaint(g):
             dropped += 1
         p.note(g, g.node.pin_kind or decisions.PIN, g.node.pin_reason)
     return dropped
@@ -363,7 +382,7 @@ def retarget_existing_casts(p: Painting) -> int:
         if value is None:
             continue
         consumers = [c.input_group[s] for c, s in value.uses]
-        if consumers and not value.graph_output_uses and all(c in p.allow for c in consumers):
+        if consumers and not value.graph_output_uses and all(p.is_low(c) for c in consumers):
             first = consumers[0]
             p.paint(g, decisions.EXISTING_CAST,
                     "existing Cast to float32 retargeted: every consumer runs low precision",
@@ -383,7 +402,7 @@ def follow_producers(p: Painting) -> int:
             continue
         producers = [p.graph.producer_group(v) for v in
                      (g.node.inputs[s] for s in g.input_slots) if v is not None]
-        if producers and all(q in p.allow for q in producers) and g.allowed \
+        if producers and all(p.is_low(q) for q in producers) and g.allowed \
                 and target in g.allowed:
             p.paint(g, decisions.TYPE_GROUP, "reads its producer's dtype as is (no numeric effect)",
                     via=producers[0])
@@ -397,13 +416,13 @@ def follow_data_group(p: Painting) -> int:
     painted = 0
     for g in p.graph.vertices:
         node = g.node
-        if g in p.allow or g.output_slots or g.inner_defs or not g.paintable or g in p.deny \
+        if p.is_low(g) or g.output_slots or g.inner_defs or not g.paintable or g in p.deny \
                 or measured_pin(g):
             continue
         inputs = [node.inputs[s] for s in g.input_slots if node.inputs[s] is not None]
         data_groups = [d for d in node.type_groups if d.output_slots and d is not g]
         if inputs and all(v.const is not None for v in inputs if v is not None) and data_groups \
-                and all(d in p.allow for d in data_groups):
+                and all(p.is_low(d) for d in data_groups):
             p.paint(g, decisions.TYPE_GROUP,
                     f"constant parameters follow the node's {data_groups[0].name} group",
                     via=data_groups[0])
@@ -434,17 +453,12 @@ def why_fp32(group: TypeGroup) -> tuple[str, str]:
 
 
 def commit(p: Painting) -> None:
-    """Write every group's decision."""
-    target = p.ctx.target_dtype
+    """Decide the groups the painting left alone: fp32, for the reason `why_fp32` gives (the
+    others hold their decision already)."""
     for g in p.graph.vertices:
-        via = p.via.get(g)
-        if g in p.allow:
-            g.decide(target, p.kind[g], p.reason[g], via)
-        elif g in p.reason:
-            g.decide(FLOAT32, p.kind[g], p.reason[g], via)
-        else:
+        if g.precision is None:
             kind, reason = why_fp32(g)
-            g.decide(FLOAT32, kind, reason, via)
+            g.decide(FLOAT32, kind, reason)
 
 
 @register_pass("propagate_precision")
@@ -453,7 +467,8 @@ def propagate_precision(ctx: PassContext) -> tuple[int, list[str]]:
     painting = Painting(GroupGraph(ctx.model.graph), ctx)
     moved = {phase.__name__: phase(painting) for phase in PHASES}
     commit(painting)
-    notes = [f"low precision groups: {len(painting.allow)} of {len(painting.graph.vertices)}",
+    low = len(painting.allow_in_order())
+    notes = [f"low precision groups: {low} of {len(painting.graph.vertices)}",
              f"deny groups: {len(painting.deny)}",
              f"existing casts retargeted: {moved['retarget_existing_casts']}"]
-    return len(painting.allow), notes
+    return low, notes
