@@ -469,9 +469,14 @@ class Emission:
         self.target = self.head.graph if model.borrowed else None
         for graph in reversed(list(model.graph.walk_graphs())[1:]):
             _emit_graph(graph, self.opset, deferred, release=self.release)
-        _emit_tables(model.graph, deferred, self.target, self.release)
+        main = model.graph
+        proto = self.target if self.target is not None else main.handle
+        _emit_signature(main, proto)  # the last lookup of a value by name
         if self.release:
+            # Before the initializers are written: their converted data takes the tables'
+            # memory (at a million nodes ~150 MB) rather than adding to it.
             model.forget_names()
+        _emit_initializers(main, main.handle, proto, deferred, overwrite=self.release)
 
     def finish(self) -> EmittedModel:
         """Write the main graph's nodes; the model in its parts."""
