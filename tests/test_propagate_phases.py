@@ -16,7 +16,7 @@ from builder import GraphBuilder  # noqa: E402
 
 from amp_rewriter.formats.onnx.load import load_onnx  # noqa: E402
 from amp_rewriter.formats.onnx.rules import ONNX_RULES  # noqa: E402
-from amp_rewriter.ir import FLOAT32, RangeCheck, decisions  # noqa: E402
+from amp_rewriter.ir import FLOAT32, IRError, RangeCheck, decisions  # noqa: E402
 from amp_rewriter.op_lists import OpLists  # noqa: E402
 from amp_rewriter.options import Options  # noqa: E402
 from amp_rewriter.passes import REGISTRY, PassContext, StoredRange  # noqa: E402
@@ -71,6 +71,17 @@ def test_seed_allow_paints_allow_ops_and_keeps_those_without_kernel_out():
     p = painting(chain("MatMul"), target="bf16", backend="ort-cpu")  # no bf16 CPU MatMul
     assert propagate.seed_allow(p) == 0
     assert group(p, "n0_MatMul").kind == decisions.BACKEND_KERNEL
+
+
+def test_a_painting_refuses_groups_decided_before_it():
+    # The painting keeps its state in the groups' decision fields: decisions already there
+    # would read as its own, so it refuses to start from them.
+    p = painting(chain("MatMul", "Relu"))
+    for phase in propagate.PHASES:
+        phase(p)
+    propagate.commit(p)
+    with pytest.raises(IRError, match="undecided"):
+        propagate.Painting(p.graph, p.ctx)
 
 
 def test_seed_allow_records_a_user_override_as_such():

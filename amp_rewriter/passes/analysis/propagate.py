@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ...ir import ALLOW, BFLOAT16, CLEAR, DENY, FLOAT32, FP32, INFER, TypeGroup, decisions
+from ...ir import ALLOW, BFLOAT16, CLEAR, DENY, FLOAT32, FP32, INFER, IRError, TypeGroup, decisions
 from ..base import PassContext, register_pass
 from .group_graph import GroupGraph
 
@@ -64,6 +64,8 @@ class Painting:
     def __post_init__(self) -> None:
         #: The target dtype: the precision of a painted group.
         self.low = self.ctx.target_dtype
+        if any(g.precision is not None for g in self.graph.vertices):
+            raise IRError("a painting starts from undecided groups: these were decided before")
 
     def paint(self, group: TypeGroup, kind: str, reason: str,
               via: TypeGroup | None = None) -> None:
