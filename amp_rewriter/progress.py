@@ -64,10 +64,30 @@ def bar(desc: str, total: int | None = None, unit: str = "it") -> Iterator[Any]:
     from tqdm import tqdm
 
     scaled = unit == "B"
+    # A terminal that reports no size (a pty nobody sized: `script` or `docker run -t` under
+    # automation) would get nothing drawn at the size it reports: it gets 80x24 instead.
+    columns, lines = _stderr_size()
+    size: dict[str, Any] = {"dynamic_ncols": True}
+    if not (columns and lines):
+        size = {"ncols": columns or FALLBACK_SIZE[0], "nrows": lines or FALLBACK_SIZE[1]}
     with tqdm(total=total, desc=desc, unit=unit, unit_scale=scaled,
               unit_divisor=1024 if scaled else 1000, file=sys.stderr, delay=delay(),
-              leave=False, disable=None, dynamic_ncols=True) as drawn:
+              leave=False, disable=None, **size) as drawn:
         yield drawn
+
+
+#: (columns, lines) the bars assume on a terminal that reports no size.
+FALLBACK_SIZE = (80, 24)
+
+
+def _stderr_size() -> tuple[int, int]:
+    """(columns, lines) of the terminal on stderr; zeros when it reports none or is no
+    terminal."""
+    try:
+        size = os.get_terminal_size(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):  # no terminal, or stderr replaced
+        return 0, 0
+    return size.columns, size.lines
 
 
 class Steps:

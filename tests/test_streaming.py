@@ -251,8 +251,10 @@ def test_a_write_that_fails_midway_leaves_no_output(tmp_path: Path) -> None:
 
 # -- progress bars -------------------------------------------------------------------------------
 
-def _convert_with_stderr(source: Path, output: Path, on_terminal: bool, *flags: str) -> str:
-    """Run the CLI with stderr on a pseudo-terminal or a pipe; what it wrote there."""
+def _convert_with_stderr(source: Path, output: Path, on_terminal: bool, *flags: str,
+                         sized: bool = True) -> str:
+    """Run the CLI with stderr on a pseudo-terminal (`sized`: of 100 columns, else of the
+    zero size a fresh one reports) or a pipe; what it wrote there."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "AMP_REWRITER_PROGRESS_DELAY": "0"}
     command = [sys.executable, "-m", "amp_rewriter", "convert", str(source), str(output), *flags]
     if not on_terminal:
@@ -260,8 +262,8 @@ def _convert_with_stderr(source: Path, output: Path, on_terminal: bool, *flags: 
         assert result.returncode == 0, result.stderr
         return result.stderr
     controller, terminal = pty.openpty()
-    # A terminal of 100 columns (a fresh pty has none, and tqdm draws nothing in none).
-    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    if sized:  # a terminal of 100 columns, as a user's
+        fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=terminal)
     os.close(terminal)
     seen = b""
@@ -290,6 +292,9 @@ def test_progress_bars_show_on_a_terminal_only(tmp_path: Path) -> None:
     assert "converting" not in piped and "\r" not in piped
     quiet = _convert_with_stderr(source, tmp_path / "c.onnx", True, "--quiet")
     assert "converting" not in quiet and "\r" not in quiet
+    # A pty nobody sized (`script` under automation) reports 0 columns: bars are drawn anyway.
+    unsized = _convert_with_stderr(source, tmp_path / "d.onnx", True, sized=False)
+    assert "converting" in unsized and "\r" in unsized
 
 
 def test_weights_left_fp32_are_copied_by_byte_range(tmp_path: Path, small_chunks: None) -> None:
