@@ -12,6 +12,10 @@ per op type, the milliseconds per call and the count of each variant side by sid
 This is how docs/benchmarks.md shows which kernels make a bf16 model slower or faster than fp32
 on a CPU (MobileNetV2's bf16 Relu6). Freezing drops the variable reads, so the totals are the
 kernels' own time, not the served call's (which `bench_tf_cpu.py` measures).
+
+`--served-vs-frozen` instead times, in one process and interleaved (`--rounds` x 5 calls), each
+model's served call against the same function with its variables frozen into constants: what
+the variables cost a call.
 """
 
 from __future__ import annotations
@@ -69,13 +73,52 @@ def _child(model_dir: str, calls: int, batch: int) -> None:
                               for op, total in micros.items()}}))
 
 
+def _served_vs_frozen(models: list[str], rounds: int, batch: int) -> None:
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.python.framework.convert_to_constants import (
+        convert_variables_to_constants_v2,
+    )
+
+    x = tf.constant(np.random.default_rng(0).standard_normal((batch, 224, 224, 3))
+                    .astype(np.float32))
+    calls, kept = {}, []
+    for model in models:
+        loaded = tf.saved_model.load(model)
+        kept.append(loaded)  # the functions refer to its variables
+        serve = loaded.signatures["serving_default"]
+        key = next(iter(serve.structured_input_signature[1]))
+        frozen = convert_variables_to_constants_v2(serve)
+        name = os.path.basename(os.path.normpath(model))
+        calls[f"{name} served"] = lambda s=serve, k=key: next(iter(s(**{k: x}).values())).numpy()
+        calls[f"{name} frozen"] = lambda f=frozen: f(x)[0].numpy()
+    for call in calls.values():
+        for _ in range(3):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            for _ in range(5):
+                start = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - start)
+    for name, spent in times.items():
+        print(f"{name:48s} median {statistics.median(spent) * 1e3:7.1f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+", help="SavedModel folders (the first is the base)")
     parser.add_argument("--calls", type=int, default=10, help="traced calls per model")
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--served-vs-frozen", action="store_true",
+                        help="time served against frozen calls instead (see above)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of --served-vs-frozen")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.served_vs_frozen:
+        _served_vs_frozen(args.models, args.rounds, args.batch)
+        return
     if args.child:
         _child(args.models[0], args.calls, args.batch)
         return
