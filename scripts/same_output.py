@@ -17,7 +17,8 @@
    (node -> precision), how the report explains them (each entry's kind, reason and path) and
    the error (class and first line) and prints the cases that differ.
 
-Exit status: 0 all identical, 1 some output, decision or error differs, 2 the run itself failed.
+Exit status: 0 all identical, 1 some output, decision, explanation or error differs, 2 the run
+itself failed.
 """
 
 from __future__ import annotations

@@ -241,31 +241,36 @@ class PassContext:
     def range_check_all(self, tensors: Iterable[LazyTensor], dtype: str) -> None:
         """Compute the range checks of many constants at once (`tensor_ranges`), for the
         `range_check` calls that follow."""
-        missing = {id(t): t for t in tensors if not _checked_in(t, dtype)}
+        missing = {id(t): t for t in tensors if _known_range(t, dtype) is None}
         for tensor, result in zip(missing.values(), tensor_ranges(missing.values(), dtype)):
-            tensor.checked_range = _range_entry(dtype, result)
-            tensor.release()
+            _remember_range(tensor, dtype, result)
 
     def range_check(self, tensor: LazyTensor, dtype: str) -> RangeCheck:
         """`check_range` of a constant in `dtype`, computed once per conversion (kept with the
         tensor)."""
-        checked = tensor.checked_range
-        if checked is not None and checked[0] == dtype:
-            return checked[1]
-        result = tensor_range(tensor, dtype)  # a file's big tensor: a chunk at a time
-        tensor.checked_range = _range_entry(dtype, result)
-        tensor.release()
+        result = _known_range(tensor, dtype)
+        if result is None:
+            result = tensor_range(tensor, dtype)  # a file's big tensor: a chunk at a time
+            _remember_range(tensor, dtype, result)
         return result
+
+
+def _known_range(tensor: LazyTensor, dtype: str) -> RangeCheck | None:
+    """The range check of `tensor` in `dtype` a pass computed already, if any."""
+    checked = tensor.checked_range
+    return checked[1] if checked is not None and checked[0] == dtype else None
+
+
+def _remember_range(tensor: LazyTensor, dtype: str, result: RangeCheck) -> None:
+    """Keep `result` with the tensor and let go of the values it was computed from."""
+    tensor.checked_range = _range_entry(dtype, result)
+    tensor.release()
 
 
 @lru_cache(maxsize=1 << 12)
 def _range_entry(dtype: str, result: RangeCheck) -> tuple[str, RangeCheck]:
     # One tuple for the many weights with the same result (see `range_check_of`).
     return dtype, result
-
-
-def _checked_in(tensor: LazyTensor, dtype: str) -> bool:
-    return tensor.checked_range is not None and tensor.checked_range[0] == dtype
 
 
 @dataclass
