@@ -439,6 +439,68 @@ def export_gpt2(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -
     return _export_text_model(model, ("last_hidden_state",), SMALL_VOCAB_SIZE, path, opset)
 
 
+class _GPT2WithClassicAttention(nn.Module):
+    """GPT2Model's forward on its own modules and weights, with the attention written as
+    transformers wrote it before 4.27: scores divided by sqrt(head_dim) and a causal mask taken
+    by Where from a lower-triangular buffer. It computes the same function as GPT2Model on
+    unpadded rows, and it is the subgraph onnxruntime's GPT-2 attention fusion recognises;
+    transformers 5's exports (Mul by the scale, masking_utils' mask added) fuse no attention."""
+
+    def __init__(self, gpt2: nn.Module) -> None:
+        super().__init__()
+        config = gpt2.config
+        if not config.scale_attn_weights or config.scale_attn_by_inverse_layer_idx \
+                or config.reorder_and_upcast_attn or config.add_cross_attention:
+            raise ValueError("only GPT-2's default attention has a classic form here")
+        self.gpt2, self.heads, positions = gpt2, config.n_head, config.n_positions
+        causal = torch.tril(torch.ones(positions, positions, dtype=torch.bool))
+        self.register_buffer("causal", causal.view(1, 1, positions, positions), persistent=False)
+
+    def _split(self, x: torch.Tensor, keys: bool = False) -> torch.Tensor:
+        x = x.view(*(x.size()[:-1] + (self.heads, x.size(-1) // self.heads)))
+        return x.permute(0, 2, 3, 1) if keys else x.permute(0, 2, 1, 3)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        gpt2 = self.gpt2
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        hidden = gpt2.wte(input_ids) + gpt2.wpe(positions)
+        for block in gpt2.h:
+            query, key, value = block.attn.c_attn(block.ln_1(hidden)).split(
+                gpt2.config.n_embd, dim=2)
+            query, key, value = self._split(query), self._split(key, keys=True), self._split(value)
+            # size(-1) rather than shape[-1]: the fusion matches the Shape/Slice/Squeeze that
+            # TorchScript exports for it (shape[] exports a Gather).
+            scores = torch.matmul(query, key) / (float(value.size(-1)) ** 0.5)
+            rows, columns = scores.size(-2), scores.size(-1)
+            visible = self.causal[:, :, columns - rows:columns, :columns]
+            scores = torch.where(visible, scores, torch.tensor(-1e4, dtype=scores.dtype))
+            context = torch.matmul(torch.softmax(scores, dim=-1), value).permute(0, 2, 1, 3)
+            context = context.contiguous()
+            context = context.view(*(context.size()[:-2] + (context.size(-2) * context.size(-1),)))
+            hidden = hidden + block.attn.c_proj(context)
+            hidden = hidden + block.mlp(block.ln_2(hidden))
+        return gpt2.ln_f(hidden)
+
+
+def export_gpt2_classic_attention(dims: dict[str, int], path: str | os.PathLike) -> Path:
+    """A GPT-2 of the sizes in ``dims`` (vocab, hidden, layers, heads, ffn), random weights from
+    torch's current seed, whose attention onnxruntime's transformer optimizer fuses
+    (``optimize_model(model_type="gpt2")`` makes one Attention node per layer): the TorchScript
+    export at opset 17 of `_GPT2WithClassicAttention`. Input ``input_ids`` only (rows are not
+    padded), output ``last_hidden_state``."""
+    from transformers import GPT2Config, GPT2Model
+
+    config = GPT2Config(vocab_size=dims["vocab"], n_embd=dims["hidden"], n_layer=dims["layers"],
+                        n_head=dims["heads"], n_inner=dims["ffn"], n_positions=1024,
+                        use_cache=False, attn_implementation="eager")
+    with _quiet_transformers():
+        gpt2 = GPT2Model(config).eval()
+    ids = torch.randint(0, dims["vocab"], (_EXAMPLE_BATCH, _EXAMPLE_SEQUENCE))
+    axes = {"input_ids": {0: "batch", 1: "sequence"}}
+    return export_module(_GPT2WithClassicAttention(gpt2).eval(), (ids,), path, 17, ["input_ids"],
+                         ["last_hidden_state"], axes, torchscript=True)
+
+
 class _DecoderWithCache(nn.Module):
     """A causal LM whose KV cache comes in as flat tensors (key, value per layer) and goes out as
     logits followed by the updated keys and values."""

@@ -67,8 +67,26 @@ MODELS = ("resnet50", "bert", "gpt2", "llama", "llama-kv")
 TRANSFORMERS = ("bert", "gpt2", "llama", "llama-kv")
 FP32 = "fp32"
 CONVERTERS = ("fp32", "onnxconverter-common", "ort-float16", "ort-optimizer", "autocast",
-              "ours-fp16", "ours-bf16")
+              "ours-fp16", "ours-bf16", "ours-fp16-no-rescale", "ours-fp16-no-rotary",
+              "ours-fp16-no-saturate")
 OURS = "ours-fp16"
+#: Ours with one rewrite left out, to measure what it costs: without `rescale_rms_statistics`
+#: each RMS norm's square and mean stay fp32 (a cast in and out); without `reduce_rotary_angles`
+#: the rotary angle is a plain fp16 product (as other converters leave it, off by radians at
+#: long positions); without `saturate_masked_sums` no Clip before each masked Softmax (a fully
+#: masked row becomes NaN in fp16). The first two only where RMS norms and rotary angles are.
+ABLATIONS = {"ours-fp16-no-rescale": "rescale_rms_statistics",
+             "ours-fp16-no-rotary": "reduce_rotary_angles",
+             "ours-fp16-no-saturate": "saturate_masked_sums"}
+DECODERS = ("llama", "llama-kv")
+#: GPT-2 exported with its attention written as transformers wrote it before 4.27, then fused by
+#: ORT's optimizer: the only form of GPT-2 in which it fuses attention (Attention x12).
+CLASSIC_FORM = "fused-attn"
+#: The contrib ops ORT's optimizer fuses into (counted per variant).
+FUSED_OPS = ("Attention", "MultiHeadAttention", "GroupQueryAttention", "RotaryEmbedding",
+             "SkipLayerNormalization", "SkipSimplifiedLayerNormalization",
+             "SimplifiedLayerNormalization", "EmbedLayerNormalization", "FastGelu", "BiasGelu",
+             "Gelu", "BiasAdd", "Softmax")
 #: fp16 variants of the other converters: the ones ours is compared against.
 OTHER_FP16 = ("onnxconverter-common", "ort-float16", "ort-optimizer", "autocast")
 
@@ -182,6 +200,20 @@ def export(model: str, size: str, work: Path, for_fusion: bool = False) -> Path:
                                       fields, axes, torchscript=torchscript)
 
 
+def export_classic_gpt2(size: str, work: Path) -> Path:
+    """GPT-2 with transformers' pre-4.27 attention code (same function and weights' shapes; see
+    models.torch_export.export_gpt2_classic_attention), the form whose attention ORT fuses."""
+    path = work / f"gpt2_{size}_classic.onnx"
+    if not path.exists():
+        import torch
+
+        from models import torch_export
+
+        torch.manual_seed(0)
+        torch_export.export_gpt2_classic_attention(dims_of("gpt2", size), path)
+    return path
+
+
 def _llama_config(dims: dict[str, int]) -> Any:
     """The plain decoder's config (no KV cache; the cache variant is models.torch_export's)."""
     from transformers import LlamaConfig
@@ -247,7 +279,11 @@ def convert_in_worker(converter: str, source: str, target: str, model: str, size
             start = time.perf_counter()
             if converter.startswith("ours-"):
                 import amp_rewriter
+                from amp_rewriter.passes.pipeline import PIPELINES
 
+                if converter in ABLATIONS:  # this worker process only
+                    PIPELINES["onnx"] = [p for p in PIPELINES["onnx"]
+                                         if p != ABLATIONS[converter]]
                 converted, _ = amp_rewriter.convert(loaded, target=converter.split("-")[1],
                                                     backend="ort-cuda", keep_io_types=True)
             elif converter == "ort-float16":
@@ -281,22 +317,30 @@ def optimize(source: str, model: str, size: str, use_gpu: bool) -> Any:
 
 
 def run_worker(converter: str, source: Path, target: Path, model: str, size: str, use_gpu: bool,
-               timeout: float) -> dict[str, Any]:
-    """One conversion in a fresh process (killed at `timeout`); reused when already written."""
-    if target.exists() and not converter.startswith("ours-"):  # ours is always fresh
-        return {"seconds": None, "cached": True}
+               timeout: float, reuse_ours: bool = False) -> dict[str, Any]:
+    """One conversion in a fresh process (killed at `timeout`); an earlier outcome (the model or
+    its error, kept in a `.outcome.json` beside it) is reused, except that ours is converted
+    afresh unless `reuse_ours` (the build phase of this same run made it)."""
+    outcome_path = target.with_suffix(".outcome.json")
+    if outcome_path.exists() and (reuse_ours or not converter.startswith("ours-")):
+        outcome = json.loads(outcome_path.read_text())
+        if "error" in outcome or target.exists():
+            return outcome
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", converter, str(source),
                str(target), model, "--size", size] + (["--use-gpu"] if use_gpu else [])
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               check=False)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if lines:
+            outcome = json.loads(lines[-1])
+        else:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            outcome = {"error": f"worker failed: {tail[:200]}"}
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:g} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"worker failed: {tail[:200]}"}
-    return json.loads(lines[-1])
+        outcome = {"error": f"timed out after {timeout:g} s"}
+    outcome_path.write_text(json.dumps(outcome))
+    return outcome
 
 
 # -------------------------------------------------------------------------------------------------
@@ -401,6 +445,7 @@ def profile(path: Path, feeds: dict[str, np.ndarray], device: str, nhwc: bool, r
     cutoff = starts[warmup] if len(starts) > warmup else 0
     runs = max(1, len(starts) - warmup)
     by_op: dict[str, float] = defaultdict(float)
+    calls_by_op: dict[str, float] = defaultdict(float)
     cpu_nodes: set[str] = set()
     for event in events:
         if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time") \
@@ -408,12 +453,61 @@ def profile(path: Path, feeds: dict[str, np.ndarray], device: str, nhwc: bool, r
             continue
         args = event.get("args", {})
         by_op[args.get("op_name", "?")] += event.get("dur", 0) / 1000.0 / runs
+        calls_by_op[args.get("op_name", "?")] += 1 / runs
         if args.get("provider") == "CPUExecutionProvider":
             cpu_nodes.add(f"{args.get('op_name')}:{event['name'][:-len('_kernel_time')]}")
     top = dict(sorted(by_op.items(), key=lambda item: -item[1])[:15])
-    return {"kernel_ms_by_op": {op: round(ms, 4) for op, ms in top.items()},
-            "kernel_ms_total": round(sum(by_op.values()), 4),
-            "cpu_nodes": sorted(cpu_nodes)[:40], "cpu_node_count": len(cpu_nodes)}
+    # On CUDA these are the host's times to launch each node (ORT's profiler does not wait for
+    # the GPU); the GPU's own kernel times come from CUPTI below.
+    result: dict[str, Any] = {
+        "host_ms_by_op": {op: round(ms, 4) for op, ms in top.items()},
+        "host_ms_total": round(sum(by_op.values()), 4),
+        "nodes_per_run": round(sum(calls_by_op.values())),
+        "nodes_by_op": {op: round(n) for op, n in sorted(calls_by_op.items(), key=lambda i: -i[1])},
+        "cpu_nodes": sorted(cpu_nodes)[:40], "cpu_node_count": len(cpu_nodes)}
+    if device == "cuda":
+        try:
+            result["gpu"] = gpu_kernel_profile(bound, runs, folder / f"{path.stem}_kineto.json")
+        except Exception as exc:  # noqa: BLE001  (the GPU trace is extra information)
+            result["gpu"] = {"error": first_line(exc)}
+    return result
+
+
+def gpu_kernel_profile(bound: BoundSession, runs: int, trace: Path) -> dict[str, Any]:
+    """The GPU's kernel time per run, from CUPTI through torch's profiler (it records every
+    kernel of the process, onnxruntime's included): busy time, launches, and the kernels and
+    kernel families (the name up to its template arguments) that take the most time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as recorder:
+        for _ in range(runs):
+            bound.run()
+    recorder.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text()).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    by_family: dict[str, float] = defaultdict(float)
+    for event in kernels:
+        name = str(event.get("name", "?"))
+        milliseconds = float(event.get("dur", 0)) / 1000.0 / runs
+        by_name[name][0] += milliseconds
+        by_name[name][1] += 1 / runs
+        by_family[_kernel_family(name)] += milliseconds
+    busy = sum(total for total, _ in by_name.values())
+    top = sorted(by_name.items(), key=lambda item: -item[1][0])[:25]
+    return {"busy_ms_per_run": round(busy, 4),
+            "launches_per_run": round(sum(n for _, n in by_name.values()), 1),
+            "top_kernels": [[name[:140], round(ms, 4), round(n, 1)] for name, (ms, n) in top],
+            "families": {family: round(ms, 4) for family, ms in
+                         sorted(by_family.items(), key=lambda item: -item[1])[:25]}}
+
+
+def _kernel_family(name: str) -> str:
+    """A kernel's name without template arguments or parameters: `void ns::Kernel<...>(...)`
+    -> `ns::Kernel`, so that one op's kernels for several shapes add up."""
+    head = name.split("(")[0].split("<")[0].strip()
+    return head.removeprefix("void ").strip()[:100] or name[:100]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -464,25 +558,42 @@ def build_variants(model: str, args: argparse.Namespace, work: Path) -> tuple[li
                 rows.append(Row(model, "fused", FP32, status="fusion failed", error=first_line(exc)))
         if fused.exists():
             forms["fused"] = fused
+    if model == "gpt2" and CLASSIC_FORM in args.forms:
+        classic = work / f"{model}_{args.size}_{CLASSIC_FORM}.onnx"
+        if not classic.exists():
+            try:
+                optimized = optimize(str(export_classic_gpt2(args.size, work)), model, args.size,
+                                     use_gpu)
+                optimized.save_model_to_file(str(classic))
+            except Exception as exc:  # noqa: BLE001
+                rows.append(Row(model, CLASSIC_FORM, FP32, status="fusion failed",
+                                error=first_line(exc)))
+        if classic.exists():
+            forms[CLASSIC_FORM] = classic
     if "unfused" not in args.forms:
         del forms["unfused"]
     jobs = []
     for form, path in forms.items():
         for converter in args.converters:
-            if converter == "ort-optimizer" and (form != "fused" or model not in TRANSFORMERS):
+            if converter == "ort-optimizer" and (form == "unfused" or model not in TRANSFORMERS):
+                continue
+            if converter in ABLATIONS and model not in (
+                    TRANSFORMERS if converter == "ours-fp16-no-saturate" else DECODERS):
                 continue
             row = Row(model, form, converter)
             rows.append(row)
             if converter == FP32:
                 row.path = str(path)
                 continue
-            from_path = export(model, args.size, work, for_fusion=True) \
-                if converter == "ort-optimizer" else path
+            from_path = path
+            if converter == "ort-optimizer":  # from the export it fuses, not from our fused form
+                from_path = export_classic_gpt2(args.size, work) if form == CLASSIC_FORM \
+                    else export(model, args.size, work, for_fusion=True)
             target = work / f"{model}_{args.size}_{form}_{converter}.onnx"
             jobs.append((row, from_path, target))
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = {pool.submit(run_worker, row.converter, from_path, target, model, args.size,
-                               use_gpu, args.convert_timeout): (row, target)
+                               use_gpu, args.convert_timeout, args.reuse_ours): (row, target)
                    for row, from_path, target in jobs}
         for future in concurrent.futures.as_completed(futures):
             row, target = futures[future]
@@ -496,6 +607,7 @@ def build_variants(model: str, args: argparse.Namespace, work: Path) -> tuple[li
         if row.path is not None:
             ops = count_ops(Path(row.path))
             row.casts, row.nodes = ops.get("Cast", 0), sum(ops.values())
+            row.extra["fused_ops"] = {op: n for op, n in sorted(ops.items()) if op in FUSED_OPS}
     if model == "resnet50" and args.device == "cuda":
         rows += [Row(row.model, row.form, row.converter, layout="NHWC", path=row.path,
                      casts=row.casts, nodes=row.nodes, convert_seconds=row.convert_seconds,
@@ -542,20 +654,26 @@ def bench_model(model: str, args: argparse.Namespace, work: Path) -> tuple[list[
         except Exception as exc:  # noqa: BLE001  (a model that does not load or run is a result)
             row.status, row.error = "fails to load or run", first_line(exc)
             bound.pop(row.key, None)
-    times: dict[str, list[float]] = defaultdict(list)
+    times: dict[str, list[list[float]]] = defaultdict(list)
     keys = list(bound)
     rounds = max(1, args.rounds)
     per_round = max(1, -(-args.runs // rounds))
     for round_index in range(rounds):
         shift = round_index % max(1, len(keys))
         for key in keys[shift:] + keys[:shift]:
-            times[key] += bound[key].timed(per_round)
+            times[key].append(bound[key].timed(per_round))
     by_key = {row.key: row for row in rows}
-    for key, samples in times.items():
+    for key, per_round_samples in times.items():
         row = by_key[key]
+        samples = [t for one_round in per_round_samples for t in one_round]
         row.median_ms = statistics.median(samples)
         row.p10_ms, row.p90_ms = (float(q) for q in np.percentile(samples, [10, 90]))
         row.extra["timed_runs"] = len(samples)
+        # The median of each half of the rounds: how far two runs of the table would differ.
+        half = max(1, len(per_round_samples) // 2)
+        row.extra["half_medians_ms"] = [
+            round(statistics.median([t for r in part for t in r]), 4)
+            for part in (per_round_samples[:half], per_round_samples[half:]) if part]
     bound.clear()
     gc.collect()
     fill_ratios(rows)
@@ -592,13 +710,18 @@ def fill_ratios(rows: list[Row]) -> None:
 
 
 def profile_targets(rows: list[Row]) -> list[Row]:
-    """Ours (fastest form) and the fastest other fp16 variant of the model."""
+    """Ours (fp16, every form and layout) and the fastest other fp16 variant of the model; for the
+    decoders also every ours-fp16 variant and ORT's float16 tool in each form (what the rewrites
+    cost), and fp32 in each form and layout."""
     timed = [row for row in rows if row.median_ms and row.path]
-    picks = []
-    for group in ([r for r in timed if r.converter == OURS],
-                  [r for r in timed if r.converter in OTHER_FP16]):
-        if group:
-            picks.append(min(group, key=lambda row: row.median_ms))  # type: ignore[arg-type]
+    picks = [row for row in timed if row.converter == OURS]
+    others = [row for row in timed if row.converter in OTHER_FP16]
+    if others:
+        picks.append(min(others, key=lambda row: row.median_ms))  # type: ignore[arg-type]
+    picks += [row for row in timed if row.model in DECODERS and row not in picks
+              and (row.converter.startswith(OURS) or row.converter == "ort-float16")]
+    # fp32 in each form and layout: the GPU time a speed-up over fp32 is bounded by.
+    picks += [row for row in timed if row.converter == FP32 and row not in picks]
     return picks
 
 
@@ -612,14 +735,16 @@ def _fmt(value: Any, pattern: str, suffix: str = "") -> str:
 
 
 def markdown_table(rows: list[Row]) -> str:
-    lines = ["| model | form | converter | layout | median ms | vs fp32 | ours vs fastest other "
-             "| rel. error | NaN/Inf | casts | convert s | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | form | converter | layout | median ms | halves ms | vs fp32 "
+             "| ours vs fastest other | rel. error | NaN/Inf | casts | convert s | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         status = row.status if row.error is None else f"{row.status}: {row.error[:90]}"
+        halves = " / ".join(f"{m:.3f}" for m in row.extra.get("half_medians_ms", [])) or "-"
         lines.append(
             f"| {row.model} | {row.form} | {row.converter} | {row.layout} "
-            f"| {_fmt(row.median_ms, '.3f')} | {_fmt(row.speedup_vs_fp32, '.2f', 'x')} "
+            f"| {_fmt(row.median_ms, '.3f')} | {halves} "
+            f"| {_fmt(row.speedup_vs_fp32, '.2f', 'x')} "
             f"| {_fmt(row.ours_vs_fastest_other, '.2f', 'x')} | {_fmt(row.relative_error, '.2e')} "
             f"| {_fmt(row.nonfinite, 'd')} | {_fmt(row.casts, 'd')} "
             f"| {_fmt(row.convert_seconds, '.1f')} | {status.replace('|', '/')} |")
@@ -658,7 +783,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--converters", default=",".join(CONVERTERS))
-    parser.add_argument("--forms", default="unfused,fused")
+    parser.add_argument("--forms", default=f"unfused,fused,{CLASSIC_FORM}",
+                        help=f"{CLASSIC_FORM}: GPT-2 only (its attention fused by ORT)")
     parser.add_argument("--size", choices=sorted(SIZES), default="base")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--runs", type=int, default=100, help="timed runs per variant (median)")
@@ -671,6 +797,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work", type=Path, default=REPO_ROOT / "bench_out" / "gpu",
                         help="exports and converted models (reused when present)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--parallel-build", action="store_true",
+                        help="first export, fuse and convert every model at once, one process per "
+                             "model (a many-core GPU host builds in the time of the slowest "
+                             "model), then time them one model at a time on a quiet machine")
+    parser.add_argument("--build-only", action="store_true",
+                        help="export, fuse and convert, and stop (what --parallel-build runs)")
+    parser.add_argument("--reuse-ours", action="store_true",
+                        help="reuse our converted models found in --work (made by this code)")
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.converters = [c for c in args.converters.split(",") if c]
@@ -696,15 +830,25 @@ def main(argv: list[str] | None = None) -> int:
                                            w.use_gpu)))
         return 0
     args = parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.build_only:
+        for model in args.models:
+            start = time.perf_counter()
+            build_variants(model, args, args.work)
+            print(f"[{model}] built in {time.perf_counter() - start:.1f} s", flush=True)
+        return 0
     import torch  # noqa: F401, I001  (before onnxruntime: its CUDA libraries are those ORT preloads)
     import onnxruntime as ort
 
-    if args.device == "cuda" and hasattr(ort, "preload_dlls"):
-        ort.preload_dlls()
-    args.work.mkdir(parents=True, exist_ok=True)
+    if args.device == "cuda":
+        if hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()
+        check_cuda_provider()
+    build_seconds = build_in_parallel(args) if args.parallel_build else None
     payload: dict[str, Any] = {"environment": environment(args.device),
                                "settings": {k: str(v) for k, v in vars(args).items()},
                                "models": {}, "rows": []}
+    payload["environment"]["parallel_build_seconds"] = build_seconds
     print(json.dumps(payload["environment"]), flush=True)
     all_rows: list[Row] = []
     for model in args.models:
@@ -727,6 +871,63 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(all_rows))
     write_json(payload, args.json)
     return 0
+
+
+def check_cuda_provider() -> None:
+    """Fail fast when onnxruntime's CUDA provider does not compute: a small fp16 and fp32 model
+    (MatMul, Softmax, LayerNormalization, Cast) run on CUDA against the CPU provider."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((64, 64)).astype(np.float32)
+    nodes = [helper.make_node("Cast", ["x"], ["x16"], to=TensorProto.FLOAT16),
+             helper.make_node("MatMul", ["x16", "w16"], ["y16"]),
+             helper.make_node("Softmax", ["y16"], ["s16"], axis=-1),
+             helper.make_node("Cast", ["s16"], ["s"], to=TensorProto.FLOAT),
+             helper.make_node("MatMul", ["s", "w"], ["z"]),
+             helper.make_node("LayerNormalization", ["z", "gamma"], ["out"], axis=-1)]
+    graph = helper.make_graph(
+        nodes, "cuda_check",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 64])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [8, 64])],
+        [onnx.numpy_helper.from_array(weight.astype(np.float16), "w16"),
+         onnx.numpy_helper.from_array(weight, "w"),
+         onnx.numpy_helper.from_array(np.ones(64, np.float32), "gamma")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    feeds = {"x": rng.standard_normal((8, 64)).astype(np.float32)}
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    cuda = ort.InferenceSession(model, options, providers=["CUDAExecutionProvider"])
+    got = cuda.run(None, feeds)[0]
+    want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    error = float(np.max(np.abs(got - want)))
+    if not np.isfinite(error) or error > 1e-2:
+        raise SystemExit(f"onnxruntime's CUDA provider computes wrongly (max error {error})")
+    print(f"CUDA provider check: max error {error:.1e} against the CPU provider", flush=True)
+
+
+def build_in_parallel(args: argparse.Namespace) -> float:
+    """Build every model's variants at once, one `--build-only` process per model sharing the
+    conversion jobs; afterwards the timing phase reuses them (ours included)."""
+    start = time.perf_counter()
+    jobs = max(1, args.jobs // len(args.models))
+    passed = ["--size", args.size, "--device", args.device, "--converters",
+              ",".join(args.converters), "--forms", ",".join(args.forms), "--work",
+              str(args.work), "--jobs", str(jobs), "--convert-timeout", str(args.convert_timeout)]
+    builders = {model: subprocess.Popen([sys.executable, str(Path(__file__).resolve()),
+                                         "--build-only", "--models", model, *passed],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True)
+                for model in args.models}
+    for model, builder in builders.items():
+        output, _ = builder.communicate()
+        lines = output.strip().splitlines()
+        print(f"[{model}] build exit {builder.returncode}: {lines[-1] if lines else ''}"[:300],
+              flush=True)
+    args.reuse_ours = True
+    return round(time.perf_counter() - start, 1)
 
 
 def write_json(payload: dict[str, Any], explicit: Path | None) -> None:
