@@ -895,7 +895,8 @@ def check_cuda_provider() -> None:
         [onnx.numpy_helper.from_array(weight.astype(np.float16), "w16"),
          onnx.numpy_helper.from_array(weight, "w"),
          onnx.numpy_helper.from_array(np.ones(64, np.float32), "gamma")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                              ir_version=8).SerializeToString()
     feeds = {"x": rng.standard_normal((8, 64)).astype(np.float32)}
     options = ort.SessionOptions()
     options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")

@@ -194,6 +194,9 @@ class OpLists:
     #: Ops whose class the user set (overrides, config, environment lists): decision kind
     #: user_override instead of op_list.
     user_set: set[str] = field(default_factory=set)
+    #: Ops a rewrite pass may not build in the target dtype on this backend, with the reason
+    #: (measured slow or wrong there); the model's own nodes of that op are not affected.
+    not_in_rewrites: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def load(cls, fmt: str, target: str, backend: str,
@@ -231,7 +234,8 @@ class OpLists:
         if opset is not None:
             no_kernel |= {op for op, since in profile.get("no_kernel_from_opset", {}).items()
                           if opset >= since}
-        lists = cls(fmt, target, backend, classes, reasons, frozenset(no_kernel), kernels)
+        lists = cls(fmt, target, backend, classes, reasons, frozenset(no_kernel), kernels,
+                    not_in_rewrites=dict(profile.get("not_in_rewrites", {})))
         if overrides is not None:
             lists.apply_overrides(overrides)
         return lists
@@ -264,6 +268,16 @@ class OpLists:
         if self.kernels is not None and op not in self.kernels:
             return False
         return self.kernel_check is None or self.kernel_check(op, group)
+
+    def rewrite_refusal(self, ops: Iterable[str]) -> str | None:
+        """Why a rewrite may not build `ops` in the target dtype on this backend (an op with no
+        kernel, or one the profile keeps out of rewrites), or None when it may."""
+        for op in ops:
+            if op in self.not_in_rewrites:
+                return f"{op}: {self.not_in_rewrites[op]}"
+            if not self.has_kernel(op):
+                return f"{op} has no {self.target} kernel on backend {self.backend}"
+        return None
 
     def listed(self, op_class: str) -> Iterable[str]:
         return sorted(op for op, c in self.classes.items() if c == op_class)

@@ -234,11 +234,12 @@ def scaling_fits(eps: float, dtype: str) -> bool:
     return root >= SMALLEST_NORMAL[dtype] and 1.0 / root <= FINITE_MAX[dtype]
 
 
-def _rms_norm_reasons(eps: float, dtype: str, rescaled: bool,
-                      whole: bool = False) -> tuple[str, str | None]:
+def _rms_norm_reasons(eps: float, dtype: str, rescaled: bool, whole: bool = False,
+                      backend_refusal: str | None = None) -> tuple[str, str | None]:
     """Why the statistics stay fp32, and why the scaling step runs low (None: it stays fp32).
     `rescaled`: whether the mean square runs in low precision on a rescaled row; `whole`:
-    the inverse root too (see rescale_rms; only where the scaling step runs low)."""
+    the inverse root too (see rescale_rms; only where the scaling step runs low);
+    `backend_refusal`: why the backend rules the rescaled form out, where it does."""
     if rescaled and whole:
         statistics = (f"the statistics of an RMS norm (eps {eps:g}) run in {short_name(dtype)} "
                       f"on the row divided by 2^-7 of its largest |x| (s; at least "
@@ -256,6 +257,8 @@ def _rms_norm_reasons(eps: float, dtype: str, rescaled: bool,
         statistics = (f"the statistics of an RMS norm (eps {eps:g}) stay fp32: the square "
                       f"overflows fp16 once |x| > 256, so the norm reads its low-precision input "
                       f"through one cast; the residual stream stays low")
+        if backend_refusal is not None:
+            statistics += f" (no rescaled fp16 form on this backend: {backend_refusal})"
     if not scaling_fits(eps, dtype):
         return statistics + (f"; the scaling stays fp32 too, since 1/sqrt(eps) = {eps ** -0.5:.3g}"
                              f" is outside {short_name(dtype)}'s normal range"), None
@@ -304,13 +307,18 @@ def _chain_to_mean(step: Node, x: Value, mean: Node, rules: FormatRules) -> list
     return chain
 
 
-def can_rescale(ctx: PassContext, mean: Node) -> bool:
-    """Whether the mean square of an RMS norm can run in the target dtype on a rescaled row:
-    fp16 (bf16's range holds any square), a format that names the ops, kernels for all, and a
-    mean that keeps the reduced axes (the row's scale then broadcasts against the row)."""
-    ops = ctx.rules.rescale_ops
-    return (ctx.target_dtype == FLOAT16 and bool(ops) and mean.attrs.get("keepdims", 1) != 0
-            and all(ctx.lists.has_kernel(op) for op in (*ops.values(), mean.op_type)))
+def rescale_applies(ctx: PassContext, mean: Node) -> bool:
+    """Whether the mean square of an RMS norm has a rescaled low-precision form here: fp16
+    (bf16's range holds any square), a format that names the ops, and a mean that keeps the
+    reduced axes (the row's scale then broadcasts against the row)."""
+    return (ctx.target_dtype == FLOAT16 and bool(ctx.rules.rescale_ops)
+            and mean.attrs.get("keepdims", 1) != 0)
+
+
+def rescale_refusal(ctx: PassContext, mean: Node) -> str | None:
+    """Why the backend rules out the rescaled form (an op of it with no kernel, or one measured
+    slow or wrong there), or None when a rewrite may build every op of it."""
+    return ctx.lists.rewrite_refusal((*ctx.rules.rescale_ops.values(), mean.op_type))
 
 
 def _statistics_nodes(step: Node, x: Value) -> list[Node]:
@@ -352,12 +360,15 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
                or m.class_kind == decisions.USER_OVERRIDE for m in members):
             continue
         parts = _square_and_mean(members, ctx.rules)
-        rescaled = parts is not None and can_rescale(ctx, parts[1])
+        applies = parts is not None and rescale_applies(ctx, parts[1])
+        refusal = rescale_refusal(ctx, parts[1]) if applies and parts is not None else None
+        rescaled = applies and refusal is None
         # Only a step that runs low reads the inverse in low precision.
         chain = _chain_to_mean(node, x, parts[1], ctx.rules) \
             if rescaled and parts and scaling_fits(eps, ctx.target_dtype) \
             and INVERSE_FLOOR * eps ** 0.5 <= FINITE_MAX[ctx.target_dtype] else None
-        why, scaling_why = _rms_norm_reasons(eps, ctx.target_dtype, rescaled, chain is not None)
+        why, scaling_why = _rms_norm_reasons(eps, ctx.target_dtype, rescaled, chain is not None,
+                                             backend_refusal=refusal)
         for member in members:
             if member is node and scaling_why is not None:
                 low_class = member.op_class if member.op_class in (ALLOW, INFER) else INFER
