@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """GPU speed of fp16/bf16 conversions on onnxruntime's CUDA execution provider, every converter in
 one run: ResNet-50, BERT-base, GPT-2 and a LLaMA-style decoder (with and without a KV cache),
-each as exported and, for the transformers, fused by ORT's transformer optimizer.
+each as exported and, for the transformers, fused by ORT's transformer optimizer (GPT-2 also in
+the one export form whose attention ORT fuses, "fused-attn").
 
-    python scripts/bench_gpu.py --work bench_out/gpu                  # everything (GPU host)
+    python scripts/bench_gpu.py --parallel-build --jobs 15           # everything (GPU host)
     python scripts/bench_gpu.py --models bert,gpt2 --runs 200
     python scripts/bench_gpu.py --device cpu --size small --runs 3    # a smoke run on any machine
 
@@ -17,7 +18,8 @@ export with keep_io_types:
 * ``ort-optimizer``: ORT's transformer optimizer with ``--float16`` (fusion and its own fp16
   conversion in one go; listed with the fused form);
 * ``autocast``: NVIDIA AutoCast (``modelopt.onnx.autocast.convert_to_mixed_precision``, fp16);
-* ``ours-fp16`` / ``ours-bf16``: ``amp_rewriter.convert`` with the ort-cuda profile, defaults.
+* ``ours-fp16`` / ``ours-bf16``: ``amp_rewriter.convert`` with the ort-cuda profile, defaults;
+* ``ours-fp16-no-*``: ours with one rewrite left out (``ABLATIONS``), to measure what it costs.
 
 ResNet-50 is timed twice: NCHW and with the CUDA provider's ``prefer_nhwc`` (its NHWC kernels).
 
@@ -27,13 +29,17 @@ order), median reported; all variants of a model are open at once, so they see t
 state. Relative error is max|y - ref| / max|ref| over outputs, the reference being the fp32 export
 with TF32 off (exact fp32). Casts counts Cast nodes. Conversions run in worker processes (in
 parallel, so their seconds are indicative only). For ours and the fastest other fp16 variant of
-each model, ORT's profiler gives the kernel time per op type and the nodes ORT placed on the CPU.
+each model (and the decoders' variants, and fp32), ORT's profiler gives the host's launch time and
+the node count per op type and the nodes ORT placed on the CPU, and CUPTI (through torch's
+profiler) the GPU's own kernel time per call ("busy") and the kernels that take it.
 
 Writes the Markdown table to stdout and everything to ``$OUT/bench_gpu.json`` (when OUT is set)
 and ``--json``, after every model, so a run cut short keeps what it measured.
 
-On the GPU host (no package index), bring onnxruntime-gpu over as ../shared/gpu/README.md says,
-with the other converters' wheels: see docs/benchmarks.md ("GPU") for the exact commands.
+On the GPU host (no package index), bring onnxruntime-gpu over in two transfers with
+scripts/gpu_stage_ort.py, with the other converters' wheels: docs/benchmarks.md ("GPU latency")
+has the exact commands. ``--parallel-build`` builds every model at once first (one process per
+model), so that the timing phase runs on a quiet machine.
 """
 
 from __future__ import annotations

@@ -234,6 +234,38 @@ def test_optimize_is_deterministic_and_keeps_external_data(torchscript_bert, tmp
         assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want))
 
 
+def test_optimize_gpt2_fuses_attention_in_the_classic_attention_export(capsys, tmp_path):
+    """transformers 5's GPT-2 exports fuse no attention in onnxruntime's optimizer; the export
+    with the pre-4.27 attention code computes the same function as GPT2Model and `--optimize
+    gpt2` fuses one Attention per layer, converted to fp16 and validated against fp32."""
+    torch = pytest.importorskip("torch")
+    from transformers import GPT2Config, GPT2Model
+
+    from models import torch_export
+
+    config = GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_inner=64,
+                        n_positions=64, use_cache=False, attn_implementation="eager")
+    torch.manual_seed(0)
+    with torch_export._quiet_transformers():  # noqa: SLF001  (the export helper's own quieting)
+        gpt2 = GPT2Model(config).eval()
+    ids = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        expected = gpt2(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+        classic = torch_export._GPT2WithClassicAttention(gpt2)(ids)  # noqa: SLF001
+    assert torch.allclose(classic, expected, atol=1e-6)
+
+    dims = dict(vocab=100, hidden=32, layers=2, heads=4, ffn=64)
+    source = torch_export.export_gpt2_classic_attention(dims, tmp_path / "gpt2.onnx")
+    out, report_path = tmp_path / "gpt2_fp16.onnx", tmp_path / "report.json"
+    code, _, stderr = cli(capsys, "convert", source, out, "--optimize", "gpt2", "--num-heads", 4,
+                          "--hidden-size", 32, "--validate", "--report", report_path)
+    assert code == 0, stderr
+    report = json.loads(report_path.read_text())
+    assert report["optimizer"]["ops_added"].get(f"{MS}.Attention") == 2, report["optimizer"]
+    assert node_dtypes(onnx.load(str(out)), "Attention") == {"float16"}
+    assert report["validation"]["passed"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--optimize", "gtp2"], "unknown model type 'gtp2'"),
     (["--num-heads", "4"], "--num-heads only applies with --optimize"),

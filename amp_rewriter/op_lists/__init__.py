@@ -270,14 +270,16 @@ class OpLists:
         return self.kernel_check is None or self.kernel_check(op, group)
 
     def rewrite_refusal(self, ops: Iterable[str]) -> str | None:
-        """Why a rewrite may not build `ops` in the target dtype on this backend (an op with no
-        kernel, or one the profile keeps out of rewrites), or None when it may."""
-        for op in ops:
+        """Why a rewrite may not build `ops` in the target dtype on this backend (ops with no
+        kernel, or ones the profile keeps out of rewrites, each with its reason), or None when
+        it may."""
+        refusals = []
+        for op in dict.fromkeys(ops):
             if op in self.not_in_rewrites:
-                return f"{op}: {self.not_in_rewrites[op]}"
-            if not self.has_kernel(op):
-                return f"{op} has no {self.target} kernel on backend {self.backend}"
-        return None
+                refusals.append(f"{op}: {self.not_in_rewrites[op]}")
+            elif not self.has_kernel(op):
+                refusals.append(f"{op} has no {self.target} kernel on backend {self.backend}")
+        return "; ".join(refusals) or None
 
     def listed(self, op_class: str) -> Iterable[str]:
         return sorted(op for op, c in self.classes.items() if c == op_class)
