@@ -10,7 +10,8 @@ from .api import convert, convert_auto, convert_file, diagnose
 from .errors import AmpError, CheckFailed
 from .options import AutoOptions, Options, TrainingOptions
 from .report import Report
+from .version import package_version
 
 __all__ = ["convert", "convert_auto", "convert_file", "diagnose", "AmpError", "CheckFailed",
            "Options", "TrainingOptions", "AutoOptions", "Report"]
-__version__ = "0.1.0"
+__version__ = package_version()

@@ -26,6 +26,7 @@ from .ir import short_name
 from .options import AutoOptions, Options, TrainingOptions, cli_flags, cli_given, from_cli
 from .report import Report, to_json
 from .validation import default_rtol, load_inputs
+from .version import package_version
 
 PROG = "amp-rewriter"
 #: Where validation runs the converted model (ONNX: onnxruntime's CPU or CUDA provider).
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of every command; conversion flags come from `Options`' fields."""
     parser = _Parser(prog=PROG, description="Automatic mixed precision for ONNX and TensorFlow "
                                             "models.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {package_version()}")
     commands = parser.add_subparsers(dest="command", parser_class=_Parser, required=True)
 
     convert = commands.add_parser("convert", help="convert an fp32 model to mixed precision")
