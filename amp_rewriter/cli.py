@@ -18,19 +18,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
-from . import formats, progress
+from . import ci, formats, progress
 from .cost import summary_line
 from .errors import AmpError, CheckFailed, ConvertedModelFailed
-from .fileio import OutputTransaction, check_input_path, write_atomically
+from .fileio import OutputTransaction, check_input_path, read_input_bytes, write_atomically
 from .ir import short_name
 from .options import AutoOptions, Options, TrainingOptions, cli_flags, cli_given, from_cli
-from .report import Report, to_json
+from .report import Report
 from .validation import default_rtol, load_inputs
 from .version import package_version
 
 PROG = "amp-rewriter"
 #: Where validation runs the converted model (ONNX: onnxruntime's CPU or CUDA provider).
 DEVICES = ("cpu", "cuda")
+#: What `check --format` prints on stdout.
+CHECK_FORMATS = ("text", "json")
+#: The file GitHub Actions shows as a job's summary (`check` appends to it).
+STEP_SUMMARY_VARIABLE = "GITHUB_STEP_SUMMARY"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -97,10 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--data-max", "--flush-max", "--max-reduction", "--random-batches"):
         _add_auto_flag(rules, flag)
 
-    check = commands.add_parser("check", help="check a converted model (for CI)")
-    check.add_argument("model", help="the mixed-precision model: .onnx, a TensorFlow graph "
-                                     "(.meta, .pb, .pbtxt; training graphs included) or a "
-                                     "SavedModel directory")
+    check = commands.add_parser("check", help="check converted models (for CI)")
+    check.add_argument("models", nargs="+", metavar="model",
+                       help="the mixed-precision model(s): .onnx, a TensorFlow graph (.meta, "
+                            ".pb, .pbtxt; training graphs included) or a SavedModel directory "
+                            "(or its saved_model.pb)")
     check.add_argument("--target", default=None, help="fp16 or bf16 (default: detected)")
     check.add_argument("--backend", default=None,
                        help="ONNX ort-cuda (default) or ort-cpu; TensorFlow tf-gpu or tf-cpu")
@@ -114,6 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--device", choices=DEVICES, default="cpu",
                        help="where --reference runs the model: cpu (default) or cuda")
     check.add_argument("--report", metavar="JSON", help="write the findings as JSON")
+    check.add_argument("--format", choices=CHECK_FORMATS, default="text",
+                       help="what stdout gets: text (default) or the JSON of --report")
+    check.add_argument("--junit", metavar="XML",
+                       help="write a JUnit XML file: per model a test case per rule class, a "
+                            "failing one per finding")
+    check.add_argument("--summary", metavar="MD",
+                       help="write a Markdown summary (verdict, cost line, findings); without "
+                            "it, appended to $GITHUB_STEP_SUMMARY when that is set")
 
     explain = commands.add_parser("explain", help="why does a node run in its precision?")
     explain.add_argument("source", help="a report JSON from convert, or a model")
@@ -387,49 +400,94 @@ def _training_line(training: dict) -> str:
     return "loss scaling: none"
 
 
+def _check_target(argument: str) -> Path:
+    """The model a `check` argument names: a SavedModel's saved_model.pb stands for its folder
+    (what a pre-commit hook passes when a SavedModel changes)."""
+    path = Path(argument)
+    if path.name in ("saved_model.pb", "saved_model.pbtxt") \
+            and formats.is_saved_model_dir(path.parent):
+        return path.parent
+    return path
+
+
 def _run_check(args: argparse.Namespace) -> int:
     if args.inputs and not args.reference:
         raise AmpError("--inputs only makes sense with --reference (they feed both models)")
     if args.rtol is not None and not args.reference:
         raise AmpError("--rtol only makes sense with --reference")
+    if args.reference and len(args.models) > 1:
+        raise AmpError("--reference compares one model with its fp32 original: give one model")
     _check_rtol(args.rtol)
-    check_input_path(args.model)
+    models = [_check_target(argument) for argument in args.models]
+    for model in models:
+        check_input_path(model)
     if args.reference:
         check_input_path(args.reference, "--reference")
-    model = Path(args.model)
     reference = Path(args.reference) if args.reference else None
-    fmt = formats.for_path(model)
-    if reference is not None and formats.detect(reference) != fmt.name:
-        raise AmpError(f"--reference {reference} is not a {fmt.name} model like {model}")
-    reads = [_input_entry(model, "checked"), *_extra_inputs(args)]
+    model_formats = [formats.for_path(model) for model in models]
+    if reference is not None and formats.detect(reference) != model_formats[0].name:
+        raise AmpError(f"--reference {reference} is not a {model_formats[0].name} model like "
+                       f"{models[0]}")
+    reads = [_input_entry(model, "checked") for model in models] + _extra_inputs(args)
     if reference is not None:
         reads.append(_input_entry(reference, "reference"))
 
     def every_file_read() -> list[tuple[Path, str]]:
-        files = fmt.input_files(model)
+        files = [entry for model, fmt in zip(models, model_formats)
+                 for entry in fmt.input_files(model)]
         if reference is not None:
-            files += [(path, f"{what} (--reference)") for path, what in fmt.input_files(reference)]
+            files += [(path, f"{what} (--reference)")
+                      for path, what in model_formats[0].input_files(reference)]
         return files
 
+    step_summary = os.environ.get(STEP_SUMMARY_VARIABLE) if not args.summary else None
     with OutputTransaction(reads, every_file_read) as outputs:
-        staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
-        result = fmt.check(model, args.target, args.backend, reference, args.rtol, args.inputs,
-                           args.device)
-        for note in result.notes:
-            print(f"note: {note}")
-        for problem in result.problems:
-            print(f"{problem['kind']}: {problem['message']}")
-        for output in result.outputs:
-            emulated = output.get("emulated_ops")
-            how = f" [emulated: {', '.join(emulated)}]" if emulated else ""
-            print(f"output {output['name']}: relative error {output['relative_error']:.3g}{how}")
-        if staged_report is not None:  # the findings are the report: written pass or fail
-            write_atomically(staged_report, to_json(result.to_dict()).encode())
-            outputs.commit()
-    print(f"check: {'ok' if result.ok else f'{len(result.problems)} problem(s)'}")
-    if not result.ok:
-        raise CheckFailed(f"{len(result.problems)} problem(s) in {args.model}")
+        # Every destination is checked before any model is read: a collision costs no check.
+        staged = {flag: outputs.stage(Path(path), flag) for flag, path in (
+            ("--report", args.report), ("--junit", args.junit), ("--summary", args.summary),
+            (f"${STEP_SUMMARY_VARIABLE}", step_summary)) if path}
+        checked = []
+        for model, fmt in zip(models, model_formats):
+            result = fmt.check(model, args.target, args.backend, reference, args.rtol,
+                               args.inputs, args.device)
+            checked.append(ci.CheckedModel(str(model), result, fmt.check_rules,
+                                           args.reference))
+            if args.format == "text":
+                _print_check(checked[-1], several=len(models) > 1)
+        # The findings are the outputs: written pass or fail.
+        if "--report" in staged:
+            write_atomically(staged["--report"], ci.json_text(checked).encode())
+        if "--junit" in staged:
+            write_atomically(staged["--junit"], ci.junit_xml(checked))
+        if "--summary" in staged:
+            write_atomically(staged["--summary"], ci.markdown_summary(checked).encode())
+        if step_summary:  # GitHub's file collects every step's summary: ours is added to it
+            before = read_input_bytes(step_summary, "expected a file", "summary file") \
+                if Path(step_summary).exists() else b""
+            separator = b"\n" if before and not before.endswith(b"\n") else b""
+            write_atomically(staged[f"${STEP_SUMMARY_VARIABLE}"],
+                             before + separator + ci.markdown_summary(checked).encode())
+        outputs.commit()
+    if args.format == "json":
+        print(ci.json_text(checked), end="")
+    else:
+        print(ci.verdict_line(checked))
+    problems = sum(len(entry.result.problems) for entry in checked)
+    if problems:
+        failed = [entry.path for entry in checked if not entry.result.ok]
+        raise CheckFailed(f"{problems} problem(s) in {', '.join(failed)}")
     return 0
+
+
+def _print_check(model: ci.CheckedModel, several: bool) -> None:
+    """One model's findings on stdout; several models each under their path."""
+    if not several:
+        for line in ci.text_lines(model):
+            print(line)
+        return
+    print(f"{model.path}:")
+    for line in ci.text_lines(model) + [ci.verdict_line([model])]:
+        print(f"  {line}")
 
 
 def _run_explain(args: argparse.Namespace) -> int:

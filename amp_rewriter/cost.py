@@ -168,13 +168,44 @@ def summary_line(cost: Mapping[str, Any]) -> str:
         parts.append(f"{moved['low_precision_share']:.0%} of {_megabytes(total)} activation "
                      f"traffic in low precision")
     compute = cost["compute_ops"]
-    why = ", ".join(f"{kind} {count}" for kind, count in compute["fp32_by_kind"].items())
+    # A conversion knows why each compute op stayed fp32 (its decision's kind); a model that
+    # `check` reads only shows which ops they are.
+    left = compute["fp32_by_kind"] if "fp32_by_kind" in compute else compute["fp32_by_op"]
+    why = ", ".join(f"{kind} {count}" for kind, count in left.items())
     parts.append(f"compute ops fp32 {compute['fp32']}/{compute['total']}"
                  + (f" ({why})" if why else ""))
-    casts = cost["casts_by_reason"]
-    parts.append("casts: " + (", ".join(f"{count} {reason}" for reason, count in casts.items())
-                              if casts else "none"))
+    if "casts_by_reason" in cost:
+        casts = cost["casts_by_reason"]
+        parts.append("casts: " + (", ".join(f"{count} {reason}" for reason, count in casts.items())
+                                  if casts else "none"))
+    else:
+        parts.append(f"casts: {cost['casts']} to or from low precision")
     return "cost: " + "; ".join(parts)
+
+
+def model_cost(nodes: Iterable[tuple[str, bool, bool, bool]], compute_ops: frozenset[str],
+               activation_bytes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a model (not a conversion: `check` reads it as it is) runs in low precision, from
+    (op, float data, low precision, cast to or from low precision) per node: the compute ops
+    left fp32 by op type, the low-precision nodes and the casts; `activation_bytes` as
+    `bytes_moved` gives it, where the format can infer the shapes."""
+    total = nodes_low = nodes_float = casts = 0
+    fp32_by_op: Counter[str] = Counter()
+    for op, floating, low, cast in nodes:
+        nodes_float += floating
+        nodes_low += low
+        casts += cast
+        if op in compute_ops and floating:
+            total += 1
+            if not low:
+                fp32_by_op[op] += 1
+    cost: dict[str, Any] = {
+        "compute_ops": {"total": total, "fp32": sum(fp32_by_op.values()),
+                        "fp32_by_op": dict(sorted(fp32_by_op.items()))},
+        "float_nodes": nodes_float, "low_precision_nodes": nodes_low, "casts": casts}
+    if activation_bytes is not None:
+        cost["activation_bytes"] = activation_bytes
+    return cost
 
 
 def _megabytes(count: int) -> str:

@@ -482,6 +482,16 @@ def _chain(report: Report, graph: str | None, group: dict, limit: int = 12) -> l
     return steps
 
 
+@dataclass(frozen=True)
+class CheckRule:
+    """One class of finding `check` looks for: a problem's `kind`, what passing it means, and
+    whether it can be checked only against the fp32 model (`--reference`)."""
+
+    kind: str
+    description: str
+    needs_reference: bool = False
+
+
 @dataclass
 class CheckResult:
     """What `check` found in a converted model; no problems means it passes."""
@@ -491,11 +501,19 @@ class CheckResult:
     outputs: list[dict] = field(default_factory=list)
     #: Findings that do not fail the check (shown, and kept in the JSON).
     notes: list[str] = field(default_factory=list)
+    #: The backend whose deny lists were applied.
+    backend: str = ""
+    #: What the model runs in low precision (`cost.model_cost`): compute ops, casts and, where
+    #: the format's shape inference gives them, activation bytes; None when it could not be read.
+    cost: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "target": self.target, "problems": self.problems,
-                "outputs": self.outputs, "notes": self.notes}
+        data = {"ok": self.ok, "target": self.target, "backend": self.backend,
+                "problems": self.problems, "outputs": self.outputs, "notes": self.notes}
+        if self.cost is not None:
+            data["cost"] = self.cost
+        return data

@@ -16,6 +16,7 @@ from .errors import AmpError
 from .fileio import read_input_bytes
 from .ir import LOW_PRECISION_DTYPES, LazyTensor
 from .ir.dtypes import NUMPY_DTYPES
+from .report import CheckRule
 
 #: OutputComparison.computed for an output that some emulated op fed.
 EMULATED = "emulated"
@@ -177,6 +178,19 @@ class ConstantOrigins:
 def _digest(array: np.ndarray) -> bytes:
     return hashlib.sha256(repr(array.shape).encode() + np.ascontiguousarray(array).tobytes()
                           ).digest()
+
+
+#: What `check` looks for in every format's low-precision constants and, with the fp32 model,
+#: its outputs (the kinds `check_constants`, `output_verdict` and `flushed_verdict` report; a
+#: model that fails to run is `run_failed`).
+COMMON_CHECK_RULES = (
+    CheckRule("constant_overflow", "no finite fp32 constant became inf", needs_reference=True),
+    CheckRule("constant_flushed", "no non-zero constant flushed to zero, unless the outputs "
+                                  "agree with the fp32 model's"),
+    CheckRule("run_failed", "the model loads and runs", needs_reference=True),
+    CheckRule("output_mismatch", "every output is within rtol of the fp32 model's, with no new "
+                                 "NaN/Inf", needs_reference=True),
+)
 
 
 @dataclass

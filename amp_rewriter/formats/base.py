@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ..errors import AmpError
 from ..options import Options, TrainingOptions
 from ..passes.base import FormatRules
-from ..report import CheckResult, Report
+from ..report import CheckResult, CheckRule, Report
 from ..validation import Validation
 
 if TYPE_CHECKING:
@@ -27,6 +27,8 @@ class Format(ABC):
     #: Short name ("onnx", "tf"), as in op_lists/<name>.toml.
     name: str
     rules: FormatRules
+    #: What `check` looks for (the kinds of its problems), for reports that list what passed.
+    check_rules: tuple[CheckRule, ...] = ()
 
     @abstractmethod
     def default_backend(self, target: str) -> str:

@@ -12,7 +12,7 @@ from ...options import Options, TrainingOptions
 from ...report import CheckResult, Report
 from ...validation import Validation, load_inputs
 from ..base import Format
-from .check import check_model
+from .check import ONNX_CHECK_RULES, check_model
 from .convert import (
     DEFAULT_BACKEND,
     convert,
@@ -32,6 +32,7 @@ class OnnxFormat(Format):
 
     name = "onnx"
     rules = ONNX_RULES
+    check_rules = ONNX_CHECK_RULES
 
     def default_backend(self, target: str) -> str:
         return DEFAULT_BACKEND

@@ -4,14 +4,17 @@ the checker, and with a reference model the outputs)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
+from ...cost import model_cost
 from ...errors import AmpError, ConvertedModelFailed, first_line
-from ...ir import DENY, LOW_PRECISION_DTYPES, LazyTensor, Model
+from ...ir import DENY, FLOAT_DTYPES, LOW_PRECISION_DTYPES, LazyTensor, Model
 from ...op_lists import OpLists
 from ...passes.analysis.structures import tanh_gelu_cube
-from ...report import CheckResult
+from ...report import CheckResult, CheckRule
 from ...validation import (
+    COMMON_CHECK_RULES,
     ConstantOrigins,
     check_constants,
     default_rtol,
@@ -22,9 +25,18 @@ from ...validation import (
 from .convert import onnx_full_check
 from .load import load_onnx, read_model_file
 from .rules import ONNX_RULES
+from .shapes import activation_traffic, validation_input_shapes
 from .validate import random_inputs, validate_conversion
 
 TARGET_OF_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
+
+#: What `check` looks for in an ONNX model (a JUnit test case each).
+ONNX_CHECK_RULES = (
+    CheckRule("invalid_model", "the model passes onnx.checker's full check"),
+    CheckRule("deny_op_in_low_precision", "no op of the backend's deny list runs in low "
+                                          "precision"),
+    *COMMON_CHECK_RULES,
+)
 
 
 def _detect_target(model_ir: Model) -> str | None:
@@ -53,6 +65,22 @@ def _constants(model_ir: Model) -> dict[str, LazyTensor]:
     return found
 
 
+def _node_precisions(model_ir: Model) -> Iterator[tuple[str, bool, bool, bool]]:
+    """(op, float data, low precision, cast to or from low precision) per node, as
+    `cost.model_cost` reads them: a node is low precision when its float outputs are (its float
+    inputs, for a node without float outputs), and a Cast is counted as a cast, not a node."""
+    for node in model_ir.graph.walk_nodes():
+        outputs = [v.dtype for v in node.outputs if v is not None and v.dtype in FLOAT_DTYPES]
+        inputs = [v.dtype for v in node.inputs if v is not None and v.dtype in FLOAT_DTYPES]
+        if node.op_type == "Cast":
+            yield node.qualified_op, False, False, any(
+                dtype in LOW_PRECISION_DTYPES for dtype in outputs + inputs)
+            continue
+        data = outputs or inputs
+        yield (node.qualified_op, bool(data), any(d in LOW_PRECISION_DTYPES for d in data),
+               False)
+
+
 def check_model(path: str | os.PathLike, target: str | None = None, backend: str = "ort-cuda",
                 reference: str | os.PathLike | None = None, rtol: float | None = None,
                 inputs: str | os.PathLike | None = None, device: str = "cpu") -> CheckResult:
@@ -77,12 +105,17 @@ def check_model(path: str | os.PathLike, target: str | None = None, backend: str
         model_ir = load_onnx(model, base_dir)
     except AmpError as exc:
         return CheckResult(target or "fp16", [{"kind": "invalid_model",
-                                                "message": invalid or str(exc)}])
+                                                "message": invalid or str(exc)}],
+                           backend=backend)
     target = target or _detect_target(model_ir) or "fp16"
     lists = OpLists.load("onnx", target, backend)
-    result = CheckResult(target)
+    result = CheckResult(target, backend=backend)
     if invalid is not None:
         result.problems.append({"kind": "invalid_model", "message": invalid})
+    # The activation bytes need shape inference, which only a valid model is sure to pass.
+    traffic = (activation_traffic(model, validation_input_shapes(model)) if invalid is None
+               else None)
+    result.cost = model_cost(_node_precisions(model_ir), ONNX_RULES.compute_ops, traffic)
 
     for node in model_ir.graph.walk_nodes():
         op_class, why = lists.class_of(node.qualified_op)

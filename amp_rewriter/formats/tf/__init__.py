@@ -18,7 +18,7 @@ from ...report import CheckResult, Report
 from ...validation import Validation, load_inputs
 from ..base import Format
 from . import _tensorflow  # noqa: F401  (sorts first of this package: TensorFlow, quietly)
-from .check import check_tf_graph
+from .check import TF_CHECK_RULES, check_tf_graph
 from .convert import (
     convert_file,
     convert_graph_def,
@@ -43,6 +43,7 @@ class TfFormat(Format):
 
     name = "tf"
     rules = TF_RULES
+    check_rules = TF_CHECK_RULES
 
     def default_backend(self, target: str) -> str:
         return default_backend(target)

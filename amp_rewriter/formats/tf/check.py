@@ -16,11 +16,13 @@ import tensorflow as tf
 from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow.python.framework import op_def_registry
 
+from ...cost import model_cost
 from ...errors import AmpError
 from ...ir import DENY, TARGET_DTYPES, LazyTensor
 from ...ir.dtypes import NUMPY_DTYPES
-from ...report import CheckResult
+from ...report import CheckResult, CheckRule
 from ...validation import (
+    COMMON_CHECK_RULES,
     ConstantOrigins,
     OutputComparison,
     check_constants,
@@ -33,6 +35,7 @@ from .convert import meta_graph_fetches
 from .files import is_saved_model_dir, read_saved_model
 from .lists import default_backend, load_tf_lists
 from .load import default_fetches
+from .rules import TF_RULES
 from .training.plan import const_value, is_optimizer_op, is_update_op, split_ref
 from .training.rewrite import as_meta_graph
 from .validate import ConvertedGraphFailed, compare_graphdefs, compare_saved_models
@@ -41,6 +44,19 @@ from .validate import ConvertedGraphFailed, compare_graphdefs, compare_saved_mod
 _PASS_THROUGH = frozenset({"Identity", "Snapshot", "StopGradient", "Cast", "Switch", "RefSwitch"})
 _LOW_TF_DTYPES = {tf.float16.as_datatype_enum: "fp16", tf.bfloat16.as_datatype_enum: "bf16"}
 _FLOAT_TF_DTYPES = {dtype.as_datatype_enum for dtype in (tf.float16, tf.bfloat16, tf.float32)}
+
+
+#: What `check` looks for in a TensorFlow graph (a JUnit test case each).
+TF_CHECK_RULES = (
+    CheckRule("deny_op_in_low_precision", "no op of the backend's deny list runs in low "
+                                          "precision"),
+    CheckRule("low_precision_update", "optimizer updates keep fp32 master weights"),
+    CheckRule("optimizer_constant_underflow", "no optimizer constant (epsilon, learning rate) "
+                                              "underflows in the type it is cast to"),
+    CheckRule("optimizer_constant_overflow", "no optimizer constant overflows in the type it "
+                                             "is cast to"),
+    *COMMON_CHECK_RULES,
+)
 
 
 def _in_dtype(value: float, target: str) -> np.ndarray:
@@ -86,10 +102,12 @@ def check_tf_graph(path: str | os.PathLike, target: str | None = None,
         found = [_LOW_TF_DTYPES[a.type] for _, nodes in _graphs(metas) for nd in nodes
                  for a in nd.attr.values() if a.type in _LOW_TF_DTYPES]
         target = found[0] if found else "fp16"
-    result = CheckResult(target)
+    backend = backend or default_backend(target)
+    result = CheckResult(target, backend=backend,
+                         cost=model_cost(_node_precisions(metas), TF_RULES.compute_ops))
     for meta in metas:
         _check_optimizer(meta, target, result)
-    lists = load_tf_lists(target, backend or default_backend(target))
+    lists = load_tf_lists(target, backend)
     for graph, nodes in _graphs(metas):
         where = "" if graph == "main" else f" (in {graph})"
         for nd in nodes:
@@ -117,6 +135,20 @@ def check_tf_graph(path: str | os.PathLike, target: str | None = None,
     result.problems.extend(problems)
     result.notes.extend(notes)
     return result
+
+
+def _node_precisions(metas: list[meta_graph_pb2.MetaGraphDef]
+                     ) -> Iterator[tuple[str, bool, bool, bool]]:
+    """(op, float data, low precision, cast to or from low precision) per node of every graph,
+    from the nodes' type attributes (`T`, `dtype`, a Cast's `SrcT`/`DstT`)."""
+    for _, nodes in _graphs(metas):
+        for nd in nodes:
+            if nd.op == "Cast":
+                ends = (nd.attr["SrcT"].type, nd.attr["DstT"].type)
+                yield nd.op, False, False, any(t in _LOW_TF_DTYPES for t in ends)
+                continue
+            types = [a.type for a in nd.attr.values() if a.type in _FLOAT_TF_DTYPES]
+            yield nd.op, bool(types), any(t in _LOW_TF_DTYPES for t in types), False
 
 
 def _meta_graphs(path: Path) -> list[meta_graph_pb2.MetaGraphDef]:
