@@ -24,6 +24,7 @@ from .errors import AmpError, CheckFailed, ConvertedModelFailed
 from .fileio import OutputTransaction, check_input_path, read_input_bytes, write_atomically
 from .ir import short_name
 from .options import AutoOptions, Options, TrainingOptions, cli_flags, cli_given, from_cli
+from .plots import diagnose_figure, plot_paths, precision_map_figure, save
 from .report import Report
 from .validation import default_rtol, load_inputs
 from .version import package_version
@@ -73,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "(onnxruntime-gpu and a GPU)")
     convert.add_argument("--quiet", action="store_true",
                          help="print only errors (no summary, no progress bars)")
+    convert.add_argument("--plot", metavar="FILE.png|svg", action="append",
+                         help="draw the converted model's precision map: each node a cell in "
+                              "graph order, coloured by precision (repeatable; needs the plot "
+                              "extra, matplotlib)")
     training = convert.add_argument_group(
         "training graphs (TensorFlow .meta, or .pb/.pbtxt with --loss and --train-op)")
     training.add_argument("--training", action="store_true",
@@ -97,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose.add_argument("--json", metavar="OUT", help="write the full report as JSON")
     diagnose.add_argument("--top", type=int, default=25, metavar="N",
                           help="nodes shown in the text report (default 25)")
+    diagnose.add_argument("--plot", metavar="FILE.png|svg", action="append",
+                          help="draw each node's local and accumulated error and its overflow "
+                               "and flush shares in graph order, the culprit named (repeatable; "
+                               "needs the plot extra, matplotlib)")
     rules = diagnose.add_argument_group("data-range rules (as --auto applies them)")
     for flag in ("--data-max", "--flush-max", "--max-reduction", "--random-batches"):
         _add_auto_flag(rules, flag)
@@ -221,7 +230,8 @@ def _convert(args: argparse.Namespace) -> int:
     elif training_given:
         flags = TrainingOptions(**training_given).given_flags()
         raise AmpError(f"{', '.join(flags)} only apply with --training")
-    options = from_cli(args, Options)
+    plots = plot_paths(args.plot)  # before any work: a bad name or no matplotlib costs none
+    options = dataclasses.replace(from_cli(args, Options), precision_map=bool(plots))
     if args.inputs:
         load_inputs(args.inputs[0])  # a bad inputs file is refused before anything is converted
     library_warnings: list[str] = []
@@ -232,6 +242,7 @@ def _convert(args: argparse.Namespace) -> int:
         staged = outputs.stage(output_path, "output", fmt.output_kind(input_path),
                                replace_dir=fmt.replaceable_output_dir)
         staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
+        staged_plots = [(outputs.stage(path, "--plot"), path) for path in plots]
         with _warnings_as_lines(library_warnings):
             report = fmt.convert_file(input_path, staged, options, training)
         report.warnings.extend(library_warnings)
@@ -242,6 +253,7 @@ def _convert(args: argparse.Namespace) -> int:
                               f"written ({args.output} is as it was)")
         if staged_report is not None:
             write_atomically(staged_report, report.json_pieces())
+        _write_precision_map(report, input_path, args.output, staged_plots)
         outputs.commit()
     # Warnings only once the run is through: an error (exit 2) prints that one line alone.
     _print_warnings(report)
@@ -260,6 +272,23 @@ def _convert(args: argparse.Namespace) -> int:
                   f"({w['bytes_before'] / 1e6:.1f} MB -> {w['bytes_after'] / 1e6:.1f} MB), read "
                   f"without a cast (--keep-fp32-weights keeps them fp32)")
     return 0
+
+
+def _write_precision_map(report: Report, input_path: Path, output: str,
+                         staged_plots: list[tuple[Path, Path]]) -> None:
+    """`--plot`: the precision map of the conversion, titled with its cost line, to each
+    staged path."""
+    if not staged_plots:
+        return
+    assert report.precision_map is not None, "--plot asks the conversion for its cells"
+    title = summary_line(report.cost) if report.cost is not None \
+        else _summary_line(report, output)
+    subtitle = (f"{input_path.name} -> {Path(output).name}: {report.target}, backend "
+                f"{report.backend}; {len(report.precision_map)} nodes in graph order, left to "
+                f"right and top to bottom")
+    figure = precision_map_figure(report.precision_map, title, subtitle, report.target)
+    for staged, destination in staged_plots:
+        save(figure, staged, destination)
 
 
 def _print_warnings(report: Report) -> None:
@@ -282,7 +311,8 @@ def _run_auto(args: argparse.Namespace, auto: AutoOptions) -> int:
     check_input_path(args.input)
     input_path, output_path = Path(args.input), Path(args.output)
     fmt = formats.for_path(input_path)
-    options = from_cli(args, Options)
+    plots = plot_paths(args.plot)
+    options = dataclasses.replace(from_cli(args, Options), precision_map=bool(plots))
     say = None if args.quiet else (lambda line: print(line, flush=True))
     # Staged like a plain conversion: the model and the report appear together or not at all.
     with OutputTransaction([_input_entry(input_path), *_extra_inputs(args)],
@@ -290,10 +320,12 @@ def _run_auto(args: argparse.Namespace, auto: AutoOptions) -> int:
         staged = outputs.stage(output_path, "output", fmt.output_kind(input_path),
                                replace_dir=fmt.replaceable_output_dir)
         staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
+        staged_plots = [(outputs.stage(path, "--plot"), path) for path in plots]
         runner = fmt.accuracy_runner(input_path, options)
         report, result = run_auto(runner, staged, args.inputs, auto, options.target, say)
         if staged_report is not None:
             write_atomically(staged_report, report.json_pieces())
+        _write_precision_map(report, input_path, args.output, staged_plots)
         outputs.commit()
     _print_warnings(report)
     if not args.quiet:
@@ -323,16 +355,28 @@ def _run_diagnose(args: argparse.Namespace) -> int:
     auto = AutoOptions(**cli_given(args, AutoOptions))
     if args.top < 1:
         raise AmpError(f"--top must be >= 1, got {args.top}")
-    if args.json and Path(args.json).resolve() == Path(args.model).resolve():
-        raise AmpError("--json must not be the model path")
-    runner = fmt.accuracy_runner(Path(args.model), options)
-    resolved = runner.options if hasattr(runner, "options") else options
-    report, warnings = run_diagnose(runner, args.inputs, auto, options.target,
-                                    resolved.backend or "")
+    plots = plot_paths(args.plot)
+    check_input_path(args.model)
+    model = Path(args.model)
+    # The JSON and the pictures are one transaction: all written once the measurement is
+    # through, none when it fails, and none over a file the run reads.
+    with OutputTransaction([_input_entry(model), *_extra_inputs(args)],
+                           lambda: fmt.input_files(model)) as outputs:
+        staged_json = outputs.stage(Path(args.json), "--json") if args.json else None
+        staged_plots = [(outputs.stage(path, "--plot"), path) for path in plots]
+        runner = fmt.accuracy_runner(model, options)
+        resolved = runner.options if hasattr(runner, "options") else options
+        report, warnings = run_diagnose(runner, args.inputs, auto, options.target,
+                                        resolved.backend or "")
+        if staged_json is not None:
+            write_atomically(staged_json, to_json(report).encode())
+        if staged_plots:
+            figure = diagnose_figure(report, model.name)
+            for staged, destination in staged_plots:
+                save(figure, staged, destination)
+        outputs.commit()
     for warning in warnings:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
-    if args.json:
-        write_atomically(args.json, to_json(report).encode())
     print(diagnose_text(report, args.top))
     return 0
 

@@ -91,6 +91,9 @@ class Options:
         metavar="BYTES", type=int)
     #: Python API only: run the format's validity check (onnx.checker, TF import) on the result.
     check: bool = True
+    #: Python API only (the CLI's `convert --plot` sets it): record the converted graph's nodes
+    #: in `Report.precision_map`.
+    precision_map: bool = False
     _overrides: Overrides = field(init=False, repr=False, compare=False)
     _patterns: list[NodePattern] = field(init=False, repr=False, compare=False)
 

@@ -15,6 +15,7 @@ from .fileio import read_input_text
 from .ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, Node, short_name
 from .packed import PackedRecords
 from .passes.base import PassContext, PassResult
+from .precision_map import PrecisionMap, precision_map
 
 #: Report precisions that count as low precision (a node with several groups may be "mixed").
 LOW_PRECISION_NAMES = ("fp16", "bf16", "mixed", "low")
@@ -264,9 +265,12 @@ class Report:
     structures: list[dict[str, Any]] = field(default_factory=list)
     #: `convert --auto`'s search: calibration, runs, pinned nodes and what each contributed.
     auto: dict[str, Any] | None = None
+    #: The converted graph's cells for `convert --plot` (asked for with
+    #: `Options.precision_map`); not part of the JSON.
+    precision_map: PrecisionMap | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(replace(self, nodes=NodeEntries()))
+        data = asdict(replace(self, nodes=NodeEntries(), precision_map=None))
         data["nodes"] = list(self.nodes)
         return _without_absent_parts(data)
 
@@ -276,7 +280,7 @@ class Report:
     def json_pieces(self) -> Iterator[str]:
         """`to_json()` in pieces, each node entry made as it is written (at a million nodes the
         whole text and entries would take gigabytes)."""
-        data = asdict(replace(self, nodes=NodeEntries(), constants=[]))
+        data = asdict(replace(self, nodes=NodeEntries(), constants=[], precision_map=None))
         data["nodes"], data["constants"] = Streamed(self.nodes), Streamed(self.constants)
         return json_pieces(_without_absent_parts(data))
 
@@ -288,6 +292,7 @@ def _without_absent_parts(data: dict[str, Any]) -> dict[str, Any]:
     for key in ("validation", "training", "optimizer", "cost", "weights", "auto"):
         if data[key] is None:
             del data[key]
+    del data["precision_map"]
     return data
 
 
@@ -339,10 +344,13 @@ def build_report(ctx: PassContext, original_nodes: Sequence[Node], results: list
     }
     cost = {"compute_ops": compute_ops_left_fp32(ctx.model, ctx.rules.compute_ops),
             "casts_by_reason": casts_by_reason(ctx.model)}
+    cells = (precision_map(ctx.model, ctx.rules.compute_ops, graph_name)
+             if ctx.options.precision_map else None)
     return Report(ctx.options.target, ctx.options.backend or "", summary, entries,
                   constant_entries(ctx.constants) if with_constants else [],
                   [{"name": r.name, "changed": r.changed, "notes": r.notes} for r in results],
-                  cost=cost, structures=[asdict(s) for s in ctx.structures])
+                  cost=cost, structures=[asdict(s) for s in ctx.structures],
+                  precision_map=cells)
 
 
 def constant_entries(records: Iterable[Any]) -> list[dict[str, Any]]:

@@ -143,5 +143,46 @@ def build_model(seed: int = 1) -> onnx.ModelProto:
     return finish_model(graph)
 
 
+#: The block's nodes that build the additive mask from ``attention_mask``: a stack builds it once.
+MASK_NODES = ("mask/cast", "mask/unsqueeze", "mask/invert", "mask/additive")
+
+
+def build_stack(layers: int, seed: int = 1) -> onnx.ModelProto:
+    """``layers`` copies of the block, one feeding the next (a deep encoder, as ALBERT shares its
+    weights across layers: the model stays small however deep). The mask is built once; every
+    other node and activation of layer i is renamed ``layer.i/NAME``, the last output stays ``out``."""
+    block = build_model(seed)
+    shared = {init.name for init in block.graph.initializer} | {"attention_mask"}
+    nodes = [n for n in block.graph.node if n.name in MASK_NODES]
+    shared |= {name for n in nodes for name in n.output}
+    previous = "hidden"
+    for layer in range(layers):
+        prefix = f"layer.{layer}/"
+        last = layer == layers - 1
+
+        def renamed(name: str, prefix: str = prefix, previous: str = previous, last: bool = last) -> str:
+            if name == "hidden":
+                return previous
+            if name in shared or not name:
+                return name
+            if name == "out" and last:
+                return name
+            return prefix + name
+
+        for original in block.graph.node:
+            if original.name in MASK_NODES:
+                continue
+            copy = onnx.NodeProto()
+            copy.CopyFrom(original)
+            copy.name = prefix + original.name
+            copy.input[:] = [renamed(name) for name in original.input]
+            copy.output[:] = [renamed(name) for name in original.output]
+            nodes.append(copy)
+        previous = renamed("out")
+    graph = helper.make_graph(nodes, f"transformer_stack_{layers}", list(block.graph.input),
+                              list(block.graph.output), list(block.graph.initializer))
+    return finish_model(graph)
+
+
 if __name__ == "__main__":
     raise SystemExit(write_model_cli(build_model))

@@ -37,7 +37,8 @@ def rows(measurement: Measurement, options: AutoOptions) -> list[dict[str, Any]]
     for node in sorted(nodes, key=lambda n: _contribution(n, measurement)):
         ranges = measurement.ranges_of(node.info.outputs)
         entry: dict[str, Any] = {
-            "node": node.info.name, "op": node.info.op, "precision": node.info.precision,
+            "node": node.info.name, "op": node.info.op, "order": node.info.order,
+            "precision": node.info.precision,
             "absmax": max((s.absmax for s in ranges), default=0.0),
             "min": min((s.minimum for s in ranges if s.elements), default=None),
             "max": max((s.maximum for s in ranges if s.elements), default=None),
@@ -52,6 +53,8 @@ def rows(measurement: Measurement, options: AutoOptions) -> list[dict[str, Any]]
             "input_rounding_error": (_number(node.input_rounding_error)
                                      if node.rounded else None),
             "hazard": node_hazard(node, measurement, options) if node.info.low else "",
+            # An attention mask's sum, saturated before its Softmax: its -inf is by design.
+            "saturated": node.info.saturated,
         }
         if node.info.graph != "main":
             entry["graph"] = node.info.graph

@@ -30,6 +30,7 @@ from ...ir import ALLOW, TARGET_DTYPES, Model, ValueNames, decisions, short_name
 from ...op_lists import OpLists
 from ...options import Options
 from ...passes import PassContext, Pin, StoredRange, run_pipeline
+from ...precision_map import PrecisionMap
 from ...report import NodeEntries, Report, build_report
 from ..base import cyclic_gc_paused
 from .emit import emit_function, emit_graphdef
@@ -407,8 +408,14 @@ def merge_reports(reports: list[Report], options: Options,
     summary["graphs_converted"] = len(reports)  # function bodies and main graphs
     if served is not None:
         summary["graphs_not_served"] = served.count(False)
+    cells = None
+    if options.precision_map:
+        cells = PrecisionMap()
+        for report in reports:
+            if report.precision_map is not None:
+                cells.extend(report.precision_map)
     return Report(options.target, options.backend or "", summary, NodeEntries(nodes), constants,
-                  list(passes.values()))
+                  list(passes.values()), precision_map=cells)
 
 
 def served_functions(meta_graph: meta_graph_pb2.MetaGraphDef) -> set[str]:
