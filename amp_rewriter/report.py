@@ -265,6 +265,9 @@ class Report:
     structures: list[dict[str, Any]] = field(default_factory=list)
     #: `convert --auto`'s search: calibration, runs, pinned nodes and what each contributed.
     auto: dict[str, Any] | None = None
+    #: The host check behind a warning that low precision may run slower here than fp32
+    #: (`amp_rewriter.host`): the CPU flags looked for and found.
+    host: dict[str, Any] | None = None
     #: The converted graph's cells for `convert --plot` (asked for with
     #: `Options.precision_map`); not part of the JSON.
     precision_map: PrecisionMap | None = field(default=None, repr=False, compare=False)
@@ -289,7 +292,7 @@ class Report:
 
 
 def _without_absent_parts(data: dict[str, Any]) -> dict[str, Any]:
-    for key in ("validation", "training", "optimizer", "cost", "weights", "auto"):
+    for key in ("validation", "training", "optimizer", "cost", "weights", "auto", "host"):
         if data[key] is None:
             del data[key]
     del data["precision_map"]
@@ -373,7 +376,7 @@ def load_report(path: str | Path) -> Report:
                       training=data.get("training"), optimizer=data.get("optimizer"),
                       cost=data.get("cost"), weights=data.get("weights"),
                       structures=data.get("structures", []), auto=data.get("auto"),
-                      warnings=data.get("warnings", []))
+                      warnings=data.get("warnings", []), host=data.get("host"))
     except _ReportShapeError as exc:
         raise AmpError(f"{path}: not an amp-rewriter report ({exc})") from None
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:

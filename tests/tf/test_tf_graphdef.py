@@ -4,6 +4,7 @@ precisions and cast counts and running the converted graph in a tf.compat.v1 Ses
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -337,6 +338,32 @@ def test_cli_in_process(tmp_path, capsys):
     code = cli.main(["convert", str(src), str(tmp_path / "o4.pb"), "--outputs", "y",
                      "--deny", "Rellu", "--quiet"])
     assert code == 0 and "--deny Rellu: no such TensorFlow op" in capsys.readouterr().err
+
+
+def test_bf16_on_tf_cpu_without_native_bf16_warns_once(tmp_path, capsys, monkeypatch):
+    """TensorFlow emulates bf16 kernels on a CPU without avx512_bf16 / amx_bf16: one warning
+    that the model will likely run slower than fp32 here; the report records the check."""
+    def model():
+        x = v1.placeholder(tf.float32, [None, 8], name="x")
+        tf.identity(tf.nn.relu(tf.matmul(x, weights(8, 8), name="mm")), name="y")
+
+    src = tmp_path / "m.pb"
+    src.write_bytes(build(model).SerializeToString())
+    for flags, slower in (("fpu sse avx2 fma", True), ("avx2 avx512f avx512_bf16", False)):
+        (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setenv("AMP_REWRITER_CPUINFO", str(tmp_path / "cpuinfo"))
+        code = cli.main(["convert", str(src), str(tmp_path / "o.pb"), "--outputs", "y",
+                         "--target", "bf16", "--report", str(tmp_path / "r.json")])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        warned = [line for line in err.splitlines() if "slower than fp32" in line]
+        assert len(warned) == int(slower), err
+        if slower:
+            assert "bf16 on tf-cpu" in warned[0] and "TensorFlow emulates" in warned[0]
+            assert "avx512_bf16 or amx_bf16" in warned[0]
+        host = json.loads((tmp_path / "r.json").read_text())["host"]
+        assert host["native_bf16"] is not slower and host["looked_for"] == ["avx512_bf16",
+                                                                           "amx_bf16"]
 
 
 def test_cli_subprocess_one_line_errors(tmp_path, amp_cli):

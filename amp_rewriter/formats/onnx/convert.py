@@ -18,6 +18,7 @@ from onnx import external_data_helper
 from ... import progress
 from ...errors import AmpError, first_line
 from ...fileio import OutputTransaction, owned_prefix
+from ...host import record_bf16_host_check
 from ...ir import LazyTensor, Model, Node, ValueNames
 from ...op_lists import OpLists
 from ...options import Options
@@ -251,6 +252,7 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         report.warnings = override_warnings
         report.warnings += bf16_advice(report, lists, opset)
         report.warnings += schema_warnings
+        record_bf16_host_check(report)
         if converted is None:
             assert encoded is not None
             converted = encoded.parse()

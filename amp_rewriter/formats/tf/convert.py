@@ -26,6 +26,7 @@ from tensorflow.python.framework import op_def_registry
 
 from ...errors import AmpError, first_line
 from ...fileio import OutputTransaction
+from ...host import record_bf16_host_check
 from ...ir import ALLOW, TARGET_DTYPES, Model, ValueNames, decisions, short_name
 from ...op_lists import OpLists
 from ...options import Options
@@ -143,6 +144,7 @@ def convert_graph_def_ir(graph_def: graph_pb2.GraphDef, options: Options,
         converted = emit_graphdef(ir_model)
     report.summary["outputs"] = fetches
     report.warnings = _warnings(options, report, ir_model.handle.unknown_ops)
+    record_bf16_host_check(report)
     if options.check:
         check_graphdef(converted)
     return converted, report, (ir_model, names)
@@ -257,6 +259,7 @@ def convert_saved_model_proto(input_dir: Path, options: Options,
             served.extend(True for _ in main)
     report = merge_reports(reports, options, served)
     report.warnings = _warnings(options, report, unknown_ops)
+    record_bf16_host_check(report)
     write_variables = None
     if not options.keep_fp32_weights:
         write_variables = _lower_weights(saved, options, report, ranges)

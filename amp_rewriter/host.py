@@ -1,0 +1,91 @@
+"""Whether this machine's CPU computes bf16 natively, for the warning that a bf16 conversion for a
+CPU backend will likely run slower than fp32 here.
+
+Without native bf16 instructions (x86: AVX512_BF16 or AMX-BF16; Arm: the BF16 extension),
+TensorFlow's oneDNN and onnxruntime's CPU kernels emulate bf16 arithmetic by widening to fp32
+and rounding back, which costs more than computing in fp32 (docs/benchmarks.md: every bf16
+rewrite of Keras ResNet-50 and MobileNetV2 ran slower than fp32 on an AVX2 server). The flags
+come from /proc/cpuinfo; `AMP_REWRITER_CPUINFO` names another file in its format (a copy of the
+deployment machine's, when converting elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+from .fileio import read_input_text
+from .report import Report
+
+#: The file the CPU flags are read from, and the variable that names another.
+CPUINFO = "/proc/cpuinfo"
+CPUINFO_VARIABLE = "AMP_REWRITER_CPUINFO"
+#: The flags that mean native bf16 arithmetic, by the cpuinfo line that lists them.
+X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+ARM_BF16_FLAGS = ("bf16",)
+#: The backends whose bf16 kernels run on the CPU.
+CPU_BACKENDS = ("tf-cpu", "ort-cpu")
+
+
+def _flags_looked_for(text: str) -> tuple[str, tuple[str, ...]]:
+    """(the cpuinfo field listing the flags, the bf16 flags) for the CPU `text` describes: x86
+    lists them under `flags`, Arm under `Features`."""
+    if any(line.split(":")[0].strip() == "Features" for line in text.splitlines()):
+        return "Features", ARM_BF16_FLAGS
+    return "flags", X86_BF16_FLAGS
+
+
+def cpu_bf16_check() -> dict[str, Any]:
+    """What this host says about native bf16: the file read, the flags looked for, those found
+    and `native_bf16` (None when there is no cpuinfo to read, as on macOS)."""
+    source = os.environ.get(CPUINFO_VARIABLE) or CPUINFO
+    check: dict[str, Any] = {"cpuinfo": source, "machine": platform.machine()}
+    if not os.path.exists(source):
+        check.update(looked_for=list(X86_BF16_FLAGS + ARM_BF16_FLAGS), found=[],
+                     native_bf16=None)
+        return check
+    text = read_input_text(source, f"CPU description ({CPUINFO_VARIABLE})")
+    field, wanted = _flags_looked_for(text)
+    present: set[str] = set()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == field:
+            present.update(value.split())
+    found = [flag for flag in wanted if flag in present]
+    check.update(looked_for=list(wanted), found=found, native_bf16=bool(found))
+    return check
+
+
+def bf16_speed_warning(target: str, backend: str, low_precision_nodes: int
+                       ) -> tuple[dict[str, Any] | None, str | None]:
+    """(the host check for the report, one warning line) for a bf16 conversion on a CPU
+    backend: the warning when the CPU has no native bf16 and the conversion put nodes in bf16;
+    (None, None) for other conversions."""
+    if target != "bf16" or backend not in CPU_BACKENDS:
+        return None, None
+    check = cpu_bf16_check()
+    if check["native_bf16"] is not False or low_precision_nodes == 0:
+        return check, None
+    runtime = "TensorFlow" if backend == "tf-cpu" else "onnxruntime"
+    wanted = " or ".join(check["looked_for"])
+    examples = (_ARM_EXAMPLES if tuple(check["looked_for"]) == ARM_BF16_FLAGS
+                else _X86_EXAMPLES)
+    return check, (
+        f"bf16 on {backend}: this CPU has no native bf16 ({check['cpuinfo']} lists no "
+        f"{wanted}), so {runtime} emulates the bf16 kernels and the converted model will likely "
+        f"run slower than fp32 here; what helps: a CPU with {wanted} ({examples}), or, where "
+        f"the aim is a smaller model, fp16 storage of the weights only, computing in fp32")
+
+
+_X86_EXAMPLES = "Intel Cooper Lake, Sapphire Rapids and newer; AMD Zen 4 and newer"
+_ARM_EXAMPLES = "Armv8.6-A and newer, such as Neoverse V1 and N2"
+
+
+def record_bf16_host_check(report: Report) -> None:
+    """Put the host check of a bf16 conversion for a CPU backend in `report.host`, and its
+    warning, if any, among the report's warnings."""
+    report.host, warning = bf16_speed_warning(report.target, report.backend,
+                                              report.summary.get("low_precision_nodes", 0))
+    if warning is not None:
+        report.warnings.append(warning)
