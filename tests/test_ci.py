@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -143,3 +144,33 @@ def test_ci_outputs_that_collide_are_refused_before_anything_is_written(models, 
     assert not (tmp_path / "same").exists()
     result = run_cli("check", models["converted"], models["bad"], "--reference", models["fp32"])
     assert result.returncode == 2 and "give one model" in one_error_line(result.stderr)
+
+
+def test_the_github_actions_job_runs_as_written(tmp_path: Path) -> None:
+    """The job's amp-rewriter steps, run as written in a copy of what they read (the install
+    step is this test's own environment)."""
+    yaml = pytest.importorskip("yaml")
+    workflow = yaml.safe_load((REPO_ROOT / "docs" / "ci" / "github-actions.yml").read_text())
+    (job,) = workflow["jobs"].values()
+    example = tmp_path / "models" / "examples" / "tiny_cnn.onnx"
+    example.parent.mkdir(parents=True)
+    shutil.copy(REPO_ROOT / "models" / "examples" / "tiny_cnn.onnx", example)
+    step_summary = tmp_path / "step_summary.md"
+    env = {**os.environ, **workflow["env"], "GITHUB_STEP_SUMMARY": str(step_summary),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    ran = []
+    for step in job["steps"]:
+        if "run" not in step or "pip install" in step["run"]:
+            continue
+        result = subprocess.run(["bash", "-eo", "pipefail", "-c", step["run"]], cwd=tmp_path,
+                                env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, (step["name"], describe_run(result))
+        ran.append(step["name"])
+    assert ran == ["Convert", "Check against the fp32 model"]
+    suites = list(JUnitXml.fromfile(str(tmp_path / "out" / "amp-rewriter-check.xml")))
+    assert len(suites) == 1 and suites[0].failures == 0 and suites[0].skipped == 0
+    assert step_summary.read_text().startswith("## ✅ amp-rewriter check: passed")
+    assert (tmp_path / "out" / "precision_map.png").read_bytes()[:4] == b"\x89PNG"
+    for uses in ("actions/checkout@", "EnricoMi/publish-unit-test-result-action@",
+                 "actions/upload-artifact@"):
+        assert any(step.get("uses", "").startswith(uses) for step in job["steps"]), uses
