@@ -165,9 +165,12 @@ def markdown_summary(models: Sequence[CheckedModel]) -> str:
     """A Markdown summary for a pull request: the verdict first, then per model its cost line,
     its findings (a table), its outputs against the fp32 model and its notes."""
     ok = all(m.result.ok for m in models)
-    verdict = verdict_line(models).removeprefix("check: ")
-    lines = [f"## {'✅' if ok else '❌'} amp-rewriter check: {'passed' if ok else 'failed'} "
-             f"({verdict})", ""]
+    if ok:
+        verdict = "✅ amp-rewriter check: passed" + (f" ({len(models)} models)"
+                                                    if len(models) > 1 else "")
+    else:
+        verdict = f"❌ amp-rewriter check: failed ({verdict_line(models).removeprefix('check: ')})"
+    lines = [f"## {verdict}", ""]
     for model in models:
         result = model.result
         state = "passed" if result.ok else f"{len(result.problems)} problem(s)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from xml.etree import ElementTree
 
 import numpy as np
 import pytest
@@ -242,6 +243,23 @@ def test_check_fails_a_saved_model_that_does_not_match_its_reference(keras_cnn, 
     assert code == 1 and "run_failed" in printed.out  # another model's signature inputs
     code = cli.main(["check", str(dst), "--reference", str(keras_cnn), "--rtol", "0"])
     assert code == 1 and "output_mismatch" in capsys.readouterr().out
+
+
+def test_check_takes_a_saved_model_by_its_saved_model_pb_with_other_models(keras_cnn, tmp_path,
+                                                                          capsys):
+    """What a pre-commit hook passes when a SavedModel changes: its saved_model.pb, among other
+    files; each is checked, the SavedModel as a whole, one JUnit suite each."""
+    dst = tmp_path / "cnn_fp16"
+    assert cli.main(["convert", str(keras_cnn), str(dst), "--quiet"]) == 0
+    capsys.readouterr()
+    junit = tmp_path / "check.xml"
+    code = cli.main(["check", str(dst / "saved_model.pb"), str(keras_cnn), "--junit", str(junit)])
+    printed = capsys.readouterr()
+    assert code == 0, printed
+    assert f"{dst}:" in printed.out and f"{keras_cnn}:" in printed.out
+    assert printed.out.splitlines()[-1] == "check: ok (2 models)"
+    suites = [suite.get("name") for suite in ElementTree.parse(junit).getroot()]
+    assert suites == [str(dst), str(keras_cnn)]
 
 
 def test_a_failed_run_keeps_the_earlier_saved_model_and_a_second_run_is_identical(keras_cnn,
