@@ -15,7 +15,8 @@ import os
 import platform
 from typing import Any
 
-from .fileio import read_input_text
+from .errors import AmpError
+from .fileio import open_input
 from .report import Report
 
 #: The file the CPU flags are read from, and the variable that names another.
@@ -26,6 +27,27 @@ X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 ARM_BF16_FLAGS = ("bf16",)
 #: The backends whose bf16 kernels run on the CPU.
 CPU_BACKENDS = ("tf-cpu", "ort-cpu")
+#: The most of a CPU description read (a machine with hundreds of cores lists a few MB).
+CPUINFO_LIMIT = 16 << 20
+
+
+def read_cpuinfo(path: str) -> str:
+    """The text of a CPU description. /proc/cpuinfo says its size is 0, so it is read to its
+    end (up to `CPUINFO_LIMIT`) rather than to the size the checked reader trusts; still only
+    a regular file (a FIFO would block)."""
+    fd, _ = open_input(path, f"CPU description {path}")
+    chunks: list[bytes] = []
+    try:
+        while sum(map(len, chunks)) < CPUINFO_LIMIT:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    except OSError as exc:
+        raise AmpError(f"CPU description {path}: cannot read ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    return b"".join(chunks)[:CPUINFO_LIMIT].decode("utf-8", "replace")
 
 
 def _flags_looked_for(text: str) -> tuple[str, tuple[str, ...]]:
@@ -45,7 +67,7 @@ def cpu_bf16_check() -> dict[str, Any]:
         check.update(looked_for=list(X86_BF16_FLAGS + ARM_BF16_FLAGS), found=[],
                      native_bf16=None)
         return check
-    text = read_input_text(source, f"CPU description ({CPUINFO_VARIABLE})")
+    text = read_cpuinfo(source)
     field, wanted = _flags_looked_for(text)
     present: set[str] = set()
     for line in text.splitlines():

@@ -14,6 +14,8 @@ import pytest
 from builder import GraphBuilder
 from conftest import run_in_process
 
+from amp_rewriter.host import read_cpuinfo
+
 #: /proc/cpuinfo of an AVX2 server (abridged) and of a Sapphire Rapids one.
 AVX2_CPU = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse sse2 avx avx2 fma f16c\n"
 BF16_CPU = ("processor\t: 0\nvendor_id\t: GenuineIntel\n"
@@ -84,3 +86,10 @@ def test_fp16_and_gpu_backends_have_no_host_check(layer_norms, tmp_path, capsys,
                     ("--target", "bf16", "--backend", "ort-cuda")):
         err, report = _convert(capsys, monkeypatch, tmp_path, layer_norms, AVX2_CPU, *options)
         assert "host" not in report and "slower than fp32" not in err
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="no /proc/cpuinfo here")
+def test_proc_cpuinfo_is_read_whole_though_it_says_its_size_is_zero() -> None:
+    text = read_cpuinfo("/proc/cpuinfo")
+    assert text == Path("/proc/cpuinfo").read_text(errors="replace")
+    assert "processor" in text
