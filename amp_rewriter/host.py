@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import AmpError
 from .fileio import open_input
-from .report import Report
+
+if TYPE_CHECKING:
+    from .report import Report
 
 #: The file the CPU flags are read from, and the variable that names another.
 CPUINFO = "/proc/cpuinfo"
