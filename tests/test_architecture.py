@@ -103,7 +103,8 @@ def test_the_tensorflow_path_loads_no_onnx():
 # -- only the IR edits use lists and node order -----------------------------------------------
 
 #: Attributes that hold IR edges: changing them by hand would leave the other end stale.
-EDGE_ATTRIBUTES = {"uses", "graph_output_uses"}
+EDGE_ATTRIBUTES = {"uses", "graph_output_uses", "control_inputs", "control_users",
+                   "control_outputs"}
 MUTATORS = {"append", "remove", "extend", "insert", "clear", "pop", "sort", "reverse"}
 
 

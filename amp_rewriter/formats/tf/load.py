@@ -4,8 +4,9 @@ A node's type groups come from its OpDef: one group per `type` attribute (`T`, `
 per element of a `list(type)` attribute (`T[0]`, `T[1]`, ... for IdentityN), with every port bound
 to that attribute in the group (a `number_attr` input such as AddN's N inputs shares one group).
 Ports of a fixed dtype (Shape's `out_type` is an attr, but `bool` predicates, `resource` handles
-are not) have no group. Ops with no OpDef are fp32 barriers. Only data edges become IR edges;
-control edges stay on the NodeDef (the IR node's handle) and the emitter writes them back.
+are not) have no group. Ops with no OpDef are fp32 barriers. Data edges and control edges
+(`^name` inputs) both become IR edges, and a function's control outputs (`control_ret`) the
+graph's `control_outputs`; the emitter writes them back from the IR.
 
 TF1 graphs are not sorted and their while loops are cycles (NextIteration -> Merge): nodes are
 ordered topologically with those back edges left out.
@@ -143,11 +144,10 @@ class Port:
 
 @dataclass
 class TfNodeInfo:
-    """What the emitter needs about one loaded node beyond its NodeDef."""
+    """What the emitter needs about one loaded node beyond its NodeDef: its expanded ports."""
 
     inputs: list[Port]
     outputs: list[Port]
-    controls: list[str]  # control-input node names, in the original order
 
 
 @dataclass
@@ -326,6 +326,13 @@ class TfLoader:
                                f"({producer.op_type}) has {len(producer.outputs)} output(s)")
         return present(producer.outputs[index])
 
+    def _control_node(self, name: str, consumer: str) -> Node:
+        """The node a control input `^name` (or a control output) names."""
+        node = self.nodes.get(name)
+        if node is None:
+            raise AmpError(f"{self.label}: {consumer}: control input {name!r} names no node")
+        return node
+
     def _producer_name(self, ref: str) -> str:
         if self.source.kind == "function":
             return ref.split(":")[0]
@@ -398,8 +405,8 @@ class TfLoader:
         node.order = order
         self.model.used_names.add(nd.name)
         op_def = self.opdefs.get(nd.op)
-        data, controls = self._split_inputs(nd)
-        info = TfNodeInfo([], [], controls)
+        data, _controls = self._split_inputs(nd)
+        info = TfNodeInfo([], [])
         self.source.nodes[nd.name] = info
         if op_def is None:
             node.has_schema = False
@@ -425,9 +432,12 @@ class TfLoader:
     def _wire_and_group(self, node: Node) -> None:
         nd: node_def_pb2.NodeDef = node.handle
         info = self.source.nodes[node.name]
-        data, _ = self._split_inputs(nd)
+        data, controls = self._split_inputs(nd)
         for ref in data:
             node.add_input(self._resolve(ref, nd.name))
+        if controls:
+            node.add_control_inputs(self._control_node(name, f"node {nd.name!r}")
+                                    for name in controls)
         node.input_group = [None] * len(node.inputs)
         if not node.has_schema:
             return
@@ -567,4 +577,6 @@ def load_function(fdef: function_pb2.FunctionDef,
         ref = fdef.ret[arg.name]
         graph.add_output(loader._resolve(ref, f"return value {arg.name}"))
         loader.source.ret_names.append(arg.name)
+    for key, name in fdef.control_ret.items():
+        graph.set_control_output(key, loader._control_node(name, f"control output {key!r}"))
     return model
