@@ -13,7 +13,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from amp_rewriter.errors import AmpError  # noqa: E402
-from amp_rewriter.tf import LossScaleConfig, check_tf_graph, rewrite_training_graph  # noqa: E402
+from amp_rewriter.tf import LossScaleRule, check_tf_graph, rewrite_training_graph  # noqa: E402
 from models.tf_training import build_training_graph, digits_data, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ def test_weights_optimizer_and_update_stay_fp32():
     assert len(casts) == 1 and casts[0].get_attr("DstT") == tf.float16
     training = result.report.training
     assert training["loss_scale_variable"] and training["good_steps_variable"]
-    assert training["loss_scale_rule"]["initial"] == 2.0 ** 15
+    assert training["loss_scale_rule"]["initial_scale"] == 2.0 ** 15
 
 
 @pytest.mark.parametrize("towers", [1, 2])
@@ -125,27 +125,6 @@ def test_nonfinite_step_changes_nothing_but_the_scale(towers, resource):
         assert session.run("accuracy:0", {"x:0": x_test, "y:0": y_test}) > 0.5
 
 
-def _reference_rule(config: LossScaleConfig, steps: list[bool]) -> list[tuple[float, int]]:
-    """The scaler's rule written out plainly, in fp32."""
-    scale, good, bad, states = np.float32(config.initial), 0, 0, []
-    for finite in steps:
-        if finite:
-            good, bad = good + 1, 0
-            if good >= config.growth_interval:
-                grown = np.float32(scale * np.float32(config.growth_factor))
-                if np.isfinite(grown):
-                    scale = grown
-                good = 0
-        else:
-            good, bad = 0, bad + 1
-            if bad >= config.hysteresis:
-                scale = max(np.float32(scale * np.float32(config.backoff_factor)),
-                            np.float32(config.min_scale))
-                bad = 0
-        states.append((float(scale), good))
-    return states
-
-
 @pytest.mark.parametrize("target, rule", [
     ("fp16", dict(initial_scale=8.0, growth_interval=3, min_scale=1.0)),
     # growing 2**126 by 4 would give inf (bf16 keeps fp32's range, so the gradients stay finite)
@@ -156,11 +135,10 @@ def _reference_rule(config: LossScaleConfig, steps: list[bool]) -> list[tuple[fl
 def test_scale_and_counter_follow_the_rule(target, rule):
     result = rewrite_training_graph(build_training_graph("mlp", "sgd"), target=target,
                                     loss_scale="dynamic", **rule)
-    config = LossScaleConfig.parse("dynamic", target, initial=rule.get("initial_scale"),
-                                   **{k: v for k, v in rule.items() if k != "initial_scale"})
+    config = LossScaleRule.from_spec("dynamic", target, **rule)
     steps = list(np.random.default_rng(len(str(rule))).random(40) < 0.7)
     steps[5:11] = [False] * 6  # a run of bad steps reaches the minimum
-    expected = _reference_rule(config, steps)
+    expected = [(state.scale, state.good_steps) for state in config.run(steps)]
     with tf.compat.v1.Session(graph=result.graph) as session:
         session.run("init")
         for finite, (scale, good) in zip(steps, expected):

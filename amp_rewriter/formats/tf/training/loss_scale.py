@@ -1,79 +1,19 @@
-"""The dynamic loss scaler: its rule (`LossScaleConfig`) and the subgraph that carries it out
+"""The dynamic loss scaler: the subgraph that carries out its rule (`training.LossScaleRule`)
 inside a training graph (scale and good-step counter variables, scaled seeds, fp32 unscale,
 one all-finite flag, Switch-gated updates, the scale update)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
-from ....errors import AmpError
+from ....training import LossScaleRule
 from ..load import value_name
 from .plan import TrainingPlan
 
 SCOPE = "amp_loss_scale"
-DEFAULT_LOSS_SCALE = {"fp16": "dynamic", "bf16": "none"}
-
-
-@dataclass
-class LossScaleConfig:
-    """The dynamic loss scaler's rule and defaults (TF's DynamicLossScale values).
-
-    mode: "dynamic" (the default for fp16), "none" (the default for bf16) or "fixed" (`initial`
-    is used as a constant scale; bad steps are still skipped).
-    """
-
-    mode: str = "dynamic"
-    initial: float = 2.0 ** 15
-    growth_interval: int = 2000
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    min_scale: float = 1.0
-    #: Consecutive bad steps tolerated before backing off (1: back off at once).
-    hysteresis: int = 1
-
-    @classmethod
-    def parse(cls, spec: str | float | None, target: str, **rule) -> LossScaleConfig:
-        """`spec` as the CLI takes it: "dynamic", "none", a number (fixed scale) or None (the
-        target's default). `rule` sets the other fields."""
-        rule = {k: v for k, v in rule.items() if v is not None}
-        if spec is None:
-            spec = DEFAULT_LOSS_SCALE[target]
-        if isinstance(spec, str) and spec.lower() in ("dynamic", "none"):
-            config = cls(mode=spec.lower(), **rule)
-        else:
-            try:
-                value = float(spec)
-            except (TypeError, ValueError):
-                raise AmpError(f"--loss-scale must be dynamic, none or a number, got "
-                               f"{spec!r}") from None
-            config = cls(mode="fixed", **{**rule, "initial": value})
-        config.validate()
-        return config
-
-    def validate(self) -> None:
-        problems = []
-        if self.mode not in ("dynamic", "fixed", "none"):
-            problems.append(f"mode must be dynamic, fixed or none, not {self.mode!r}")
-        if not (math.isfinite(self.initial) and self.initial > 0):
-            problems.append(f"the initial scale must be a finite number > 0, got {self.initial}")
-        if not (int(self.growth_interval) == self.growth_interval and self.growth_interval >= 1):
-            problems.append(f"the growth interval must be an integer >= 1, got "
-                            f"{self.growth_interval}")
-        if not (math.isfinite(self.growth_factor) and self.growth_factor > 1):
-            problems.append(f"the growth factor must be > 1, got {self.growth_factor}")
-        if not 0 < self.backoff_factor < 1:
-            problems.append(f"the backoff factor must be in (0, 1), got {self.backoff_factor}")
-        if not (math.isfinite(self.min_scale) and self.min_scale > 0):
-            problems.append(f"the minimum scale must be a finite number > 0, got "
-                            f"{self.min_scale}")
-        if not (int(self.hysteresis) == self.hysteresis and self.hysteresis >= 1):
-            problems.append(f"hysteresis must be an integer >= 1, got {self.hysteresis}")
-        if problems:
-            raise AmpError("loss scale: " + "; ".join(problems))
 
 
 class Rewires:
@@ -140,12 +80,12 @@ class ScalerNames:
     initializers: list[str]
 
 
-def _scale_state(config: LossScaleConfig):
+def _scale_state(config: LossScaleRule):
     """The scaler's variables (dynamic mode) or a constant scale (fixed mode)."""
     local = [tf.compat.v1.GraphKeys.LOCAL_VARIABLES]
     if config.mode == "fixed":
-        return tf.constant(config.initial, tf.float32, name="scale"), None, None
-    scale = tf.compat.v1.Variable(config.initial, dtype=tf.float32, trainable=False,
+        return tf.constant(config.initial_scale, tf.float32, name="scale"), None, None
+    scale = tf.compat.v1.Variable(config.initial_scale, dtype=tf.float32, trainable=False,
                                   use_resource=True, collections=local, name="scale")
     good = tf.compat.v1.Variable(0, dtype=tf.int32, trainable=False, use_resource=True,
                                  collections=local, name="good_steps")
@@ -156,7 +96,7 @@ def _scale_state(config: LossScaleConfig):
     return scale, good, bad
 
 
-def _scale_update(config: LossScaleConfig, scale, good, bad, finite) -> tuple[list, object, object]:
+def _scale_update(config: LossScaleRule, scale, good, bad, finite) -> tuple[list, object, object]:
     """Assignments of the scaler's rule: grow after `growth_interval` good steps in a row (only
     to a finite value), back off on a bad step (after `hysteresis` of them), never below min."""
     growth_interval = tf.constant(int(config.growth_interval), tf.int32, name="growth_interval")
@@ -185,14 +125,14 @@ def _scale_update(config: LossScaleConfig, scale, good, bad, finite) -> tuple[li
     return updates, new_scale, new_good
 
 
-def build_loss_scaling(graph: tf.Graph, plan: TrainingPlan, config: LossScaleConfig,
+def build_loss_scaling(graph: tf.Graph, plan: TrainingPlan, config: LossScaleRule,
                        rewires: Rewires) -> ScalerNames:
     """Add the loss-scaling subgraph to `graph` (imported from the training graph); record in
     `rewires` the edits to the original nodes (seeds, gradient readers, update ops, train op)."""
     with graph.as_default(), graph.name_scope(SCOPE):
         scale_var, good_var, bad_var = _scale_state(config)
         if config.mode == "dynamic":
-            scale = _lazy_read(scale_var, config.initial, "scale_read")
+            scale = _lazy_read(scale_var, config.initial_scale, "scale_read")
             good = _lazy_read(good_var, 0, "good_steps_read")
         else:
             scale, good = scale_var, None

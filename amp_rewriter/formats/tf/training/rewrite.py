@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,12 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from ....errors import AmpError
-from ....options import Options, TrainingOptions, split_kwargs
+from ....options import Options, TrainingOptions
 from ....passes import Pin
 from ....report import Report
 from .. import convert as tf_convert
 from .. import files
-from .loss_scale import LossScaleConfig, Rewires, build_loss_scaling
+from .loss_scale import Rewires, build_loss_scaling
 from .plan import TrainingPlan, node_name, plan_training_graph
 
 
@@ -138,12 +138,7 @@ def rewrite_training_meta_graph(source: Any, options: Options, training: Trainin
     if not options.keep_io_types:
         raise AmpError("--no-keep-io-types does not apply with --training: the loss and "
                        "placeholders keep their dtypes")
-    scaler = LossScaleConfig.parse(training.loss_scale, options.target,
-                                   initial=training.initial_scale,
-                                   growth_interval=training.growth_interval,
-                                   growth_factor=training.growth_factor,
-                                   backoff_factor=training.backoff_factor,
-                                   min_scale=training.min_scale, hysteresis=training.hysteresis)
+    scaler = training.loss_scale_rule(options.target)
     meta = as_meta_graph(source)
     loss, train_op = training.loss, training.train_op
     train_op_name = node_name(train_op) if train_op is not None else _collection_train_op(meta)
@@ -202,7 +197,7 @@ def rewrite_training_meta_graph(source: Any, options: Options, training: Trainin
                      all_finite=scaler_names.all_finite)
     report.training = {
         **names,
-        "loss_scale_rule": asdict(scaler),
+        "loss_scale_rule": scaler.as_dict(),
         "gradient_seeds_scaled": plan.seeds if scaler_names else [],
         "gradients_unscaled": sum(1 for _ in plan.frontier) if scaler_names else 0,
         "update_ops_gated": plan.update_ops if scaler_names else [],
@@ -238,9 +233,8 @@ def rewrite_training_graph(
         saver of the input restored), the names of the loss, train op, scale and counter, and
         the conversion report (with a `training` section).
     """
-    training, rest = split_kwargs(TrainingOptions, {**options, "loss": loss,
-                                                    "train_op": train_op,
-                                                    "loss_scale": loss_scale})
+    training, rest = TrainingOptions.from_kwargs({**options, "loss": loss, "train_op": train_op,
+                                                  "loss_scale": loss_scale})
     meta, names, report = rewrite_training_meta_graph(
         graph_or_graph_def_or_meta_graph, Options(target=target, backend=backend, **rest),
         training)
