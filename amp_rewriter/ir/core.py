@@ -21,6 +21,7 @@ asked for survives a folded cast or a replaced constant.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -621,6 +622,38 @@ class Graph:
                     self.control_outputs[name] = replacements[0]
                 else:
                     del self.control_outputs[name]
+
+    def sort_nodes(self) -> None:
+        """Order the nodes topologically again, by their data and control edges (a loop's back
+        edge aside), keeping the current order wherever it already is one: for a pass whose new
+        edges point back in the list (a node made to wait for one placed after it). IRError
+        when the edges form a cycle."""
+        position = {id(node): i for i, node in enumerate(self.nodes)}
+        waiting = [0] * len(self.nodes)
+        followers: list[list[int]] = [[] for _ in self.nodes]
+        for i, node in enumerate(self.nodes):
+            before = {position.get(id(v.producer), -1) for v in node.inputs
+                      if v is not None and v.producer is not None and not v.loop_back}
+            before |= {position.get(id(n), -1) for n in node.control_inputs
+                       if not any(v is not None and v.loop_back for v in n.outputs)}
+            before.discard(-1)
+            waiting[i] = len(before)
+            for j in before:
+                followers[j].append(i)
+        ready = [i for i, count in enumerate(waiting) if count == 0]
+        heapq.heapify(ready)
+        order: list[Node] = []
+        while ready:
+            i = heapq.heappop(ready)
+            order.append(self.nodes[i])
+            for j in followers[i]:
+                waiting[j] -= 1
+                if waiting[j] == 0:
+                    heapq.heappush(ready, j)
+        if len(order) != len(self.nodes):
+            stuck = next(node.name for i, node in enumerate(self.nodes) if waiting[i] > 0)
+            raise IRError(f"graph {self.name}: the edges form a cycle (at {stuck!r})")
+        self.nodes = order
 
     def take_nodes(self) -> list[Node]:
         """Hand the node list over, leaving the graph without nodes: for an emitter that writes

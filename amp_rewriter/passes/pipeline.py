@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from ..errors import AmpError
 from ..ir import IRInvariantError, assert_sound, lint_enabled
+from ..training import passes as training_passes  # noqa: F401  (registers the training passes)
 from . import analysis, rewrite  # noqa: F401  (importing them registers their passes)
 from .base import REGISTRY, Pass, PassContext, PassResult
 
@@ -29,6 +30,18 @@ _TF_PASSES = [
     "insert_casts",
     "fold_casts",
     "convert_constants",
+]
+
+#: A training plan's passes (training/passes.py), in the order they build on each other.
+TRAINING_PASSES = [
+    "pin_training_path",
+    "move_waited_writes",
+    "create_loss_scale_state",
+    "scale_gradient_seeds",
+    "unscale_gradients",
+    "check_gradients_finite",
+    "gate_variable_writes",
+    "update_loss_scale",
 ]
 
 #: Analysis first (decisions only), then the rewrite.
