@@ -10,7 +10,7 @@ from training_ir import evaluate, tiny_step
 
 from amp_rewriter.ir import decisions, lint
 from amp_rewriter.passes import PassError, run_pipeline
-from amp_rewriter.passes.pipeline import TRAINING_PASSES
+from amp_rewriter.passes.pipeline import PIPELINES, TRAINING_PASSES
 from amp_rewriter.training import LossScaleRule, ScalerState
 from amp_rewriter.training.passes import LOSS_REASON, OPTIMIZER_REASON, OUTSIDE_REASON
 from amp_rewriter.training.plan import VariableWrite
@@ -19,6 +19,10 @@ from amp_rewriter.training.plan import VariableWrite
 @pytest.fixture(autouse=True)
 def _lint_after_every_pass(monkeypatch):
     monkeypatch.setenv("AMP_REWRITER_LINT", "1")
+
+
+def test_the_training_pipeline_runs_the_training_passes_first():
+    assert PIPELINES["tf-training"][1:1 + len(TRAINING_PASSES)] == TRAINING_PASSES
 
 
 def test_a_sound_plan_has_no_problems_and_a_broken_one_says_what_is_wrong():

@@ -68,9 +68,9 @@ PIPELINES: dict[str, list[str]] = {
         "convert_constants",
     ],
     "tf": ["pin_nodes", *_TF_PASSES],
-    # The forward and backward passes of a training graph go through the TF passes; the training
-    # front end's plan (pin_front_end) pins everything else (optimizer path, loss, loss scaling).
-    "tf-training": ["pin_nodes", *_TF_PASSES],
+    # A training step (amp_rewriter/training): the plan's fp32 path, then loss scaling built
+    # by the format's TrainingOps, then the TF passes on the forward and backward passes.
+    "tf-training": ["pin_nodes", *TRAINING_PASSES, *_TF_PASSES],
 }
 
 class PassError(Exception):
