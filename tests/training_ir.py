@@ -21,7 +21,7 @@ from amp_rewriter.passes import PassContext
 from amp_rewriter.passes.base import FormatRules
 from amp_rewriter.passes.rewrite.building import array_constant, fill_node
 from amp_rewriter.training import LossScaleRule
-from amp_rewriter.training.ops import SCALER_REASON, StateVariable
+from amp_rewriter.training.ops import SCALER_REASON, PendingNodes, StateVariable
 from amp_rewriter.training.passes import TrainingContext
 from amp_rewriter.training.plan import GradientExit, GradientSeed, TrainingPlan, VariableWrite
 
@@ -43,12 +43,12 @@ SEMANTICS: dict[str, Callable[..., np.ndarray]] = {
 }
 
 
-class IrTrainingOps:
+class IrTrainingOps(PendingNodes):
     """A `TrainingOps` that builds plain IR nodes (see `SEMANTICS`)."""
 
     def __init__(self, model: Model):
-        self.model, self.graph = model, model.graph
-        self.pending: list[Node] = []
+        super().__init__(model.graph)
+        self.model = model
 
     def _value(self, op: str, inputs: list[Value], dtype: str, name: str,
                waits: list[Node] | None = None, outputs: int = 1) -> Node:
@@ -119,13 +119,6 @@ class IrTrainingOps:
 
     def group(self, nodes: list[Node], name: str) -> Node:
         return self._value("Group", [], "", name, waits=nodes, outputs=0)
-
-    def commit(self) -> list[Node]:
-        made, self.pending = self.pending, []
-        for node in made:
-            self.graph.append_node(node)
-        self.graph.sort_nodes()
-        return made
 
 
 def evaluate(value: Value, leaves: Mapping[int, np.ndarray]) -> np.ndarray:

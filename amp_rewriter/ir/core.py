@@ -640,20 +640,11 @@ class Graph:
             waiting[i] = len(before)
             for j in before:
                 followers[j].append(i)
-        ready = [i for i, count in enumerate(waiting) if count == 0]
-        heapq.heapify(ready)
-        order: list[Node] = []
-        while ready:
-            i = heapq.heappop(ready)
-            order.append(self.nodes[i])
-            for j in followers[i]:
-                waiting[j] -= 1
-                if waiting[j] == 0:
-                    heapq.heappush(ready, j)
+        order = stable_topological_order(followers, waiting)
         if len(order) != len(self.nodes):
-            stuck = next(node.name for i, node in enumerate(self.nodes) if waiting[i] > 0)
+            stuck = self.nodes[first_unplaced(order, len(self.nodes))].name
             raise IRError(f"graph {self.name}: the edges form a cycle (at {stuck!r})")
-        self.nodes = order
+        self.nodes = [self.nodes[i] for i in order]
 
     def take_nodes(self) -> list[Node]:
         """Hand the node list over, leaving the graph without nodes: for an emitter that writes
@@ -731,6 +722,30 @@ class ValueNames:
         """The name `value` had then (None for a value made since)."""
         entry = self._names.get(id(value))
         return entry[1] if entry is not None and entry[0] is value else None
+
+
+def stable_topological_order(followers: Sequence[Sequence[int]], waiting: list[int]
+                             ) -> list[int]:
+    """Kahn's algorithm over positions 0..n-1 that keeps their order wherever it can: position
+    i runs before each of `followers[i]`, and `waiting[j]` counts what j runs after (one per
+    entry of followers; it is used up). Shorter than n when the edges form a cycle."""
+    ready = [i for i, count in enumerate(waiting) if count == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for j in followers[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(ready, j)
+    return order
+
+
+def first_unplaced(order: Sequence[int], count: int) -> int:
+    """The first position of 0..count-1 that `order` (a partial order: a cycle) leaves out."""
+    placed = set(order)
+    return next(i for i in range(count) if i not in placed)
 
 
 def present(value: Value | None) -> Value:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..ir import Node, Value
+from ..ir import Graph, Node, Value
 
 #: Why the nodes a `TrainingOps` makes are fp32 (their pin's reason; they have no type groups).
 SCALER_REASON = "loss-scaling subgraph: fp32 by design"
@@ -38,6 +38,23 @@ class StateVariable:
     handle: Any = None
     #: The nodes that write it (`TrainingOps.assign`).
     writes: list[Node] = field(default_factory=list)
+
+
+class PendingNodes:
+    """The nodes a `TrainingOps` made since its last commit, and the commit that puts them into
+    their graph (a base for formats' TrainingOps)."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.pending: list[Node] = []
+
+    def commit(self) -> list[Node]:
+        """Append the pending nodes and sort the graph again; returns them."""
+        made, self.pending = self.pending, []
+        for node in made:
+            self.graph.append_node(node)
+        self.graph.sort_nodes()
+        return made
 
 
 class TrainingOps(Protocol):

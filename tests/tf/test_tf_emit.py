@@ -53,12 +53,17 @@ def _gate_on_finite(model: Model, x: Value) -> Value:
     return out(merged)
 
 
-def test_added_nodes_with_control_inputs_run_in_a_graphdef():
+def _identity_model() -> Model:
+    """The IR of `y = identity(x)`, x a float32 [3] placeholder."""
     graph = tf.Graph()
     with graph.as_default():
         x = v1.placeholder(tf.float32, [3], name="x")
         tf.identity(x, name="y")
-    model = load_graphdef(graph.as_graph_def(), ["y"])
+    return load_graphdef(graph.as_graph_def(), ["y"])
+
+
+def test_added_nodes_with_control_inputs_run_in_a_graphdef():
+    model = _identity_model()
     x_value = model.graph.values["x"]
     merged = _gate_on_finite(model, x_value)
     add(model, "Identity", [merged], ["float32"])  # a fetchable copy
@@ -116,11 +121,7 @@ def test_added_nodes_and_control_outputs_in_a_function_body():
 
 
 def test_an_added_node_the_opdef_cannot_write_is_an_ir_error():
-    graph = tf.Graph()
-    with graph.as_default():
-        x = v1.placeholder(tf.float32, [3], name="x")
-        tf.identity(x, name="y")
-    model = load_graphdef(graph.as_graph_def(), ["y"])
+    model = _identity_model()
     add(model, "Identity", [model.graph.values["x"]], ["float32"], colour="red")
     with pytest.raises(IRError, match="no attribute 'colour'"):
         emit_graphdef(model)

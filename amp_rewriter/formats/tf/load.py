@@ -21,7 +21,6 @@ Grappler's TF-specific rules that are plain data live here as marks the passes r
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ from tensorflow.python.framework import dtypes, op_def_registry, tensor_util
 
 from ...errors import AmpError
 from ...ir import FLOAT32, Graph, LazyTensor, Model, Node, TypeGroup, Value, decisions, present
+from ...ir.core import first_unplaced, stable_topological_order
 from .rules import BACK_EDGE_OPS, BATCH_NORM_V2, FIXED_TYPE_ATTRS, REF_VARIABLE_OPS
 
 
@@ -357,21 +357,12 @@ class TfLoader:
                     continue  # a loop's back edge
                 indegree[i] += 1
                 consumers[j].append(i)
-        ready = [i for i, d in enumerate(indegree) if d == 0]
-        heapq.heapify(ready)
-        order: list[node_def_pb2.NodeDef] = []
-        while ready:
-            i = heapq.heappop(ready)
-            order.append(self.node_defs[i])
-            for j in consumers[i]:
-                indegree[j] -= 1
-                if indegree[j] == 0:
-                    heapq.heappush(ready, j)
+        order = stable_topological_order(consumers, indegree)
         if len(order) != len(self.node_defs):
-            stuck = next(nd.name for i, nd in enumerate(self.node_defs) if indegree[i] > 0)
+            stuck = self.node_defs[first_unplaced(order, len(self.node_defs))].name
             raise AmpError(f"{self.label}: the graph has a cycle that is not a while loop's "
                            f"NextIteration -> Merge edge (at node {stuck!r})")
-        return order
+        return [self.node_defs[i] for i in order]
 
     # -- nodes ----------------------------------------------------------------------------
     def _add_output(self, node: Node, port: Port) -> None:

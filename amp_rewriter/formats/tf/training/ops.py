@@ -31,7 +31,7 @@ import numpy as np
 
 from ....ir import FP32, Model, Node, Value, decisions, present
 from ....passes.rewrite.building import array_constant, fill_node
-from ....training.ops import SCALER_REASON, StateVariable
+from ....training.ops import SCALER_REASON, PendingNodes, StateVariable
 from ..load import value_name
 
 #: Where the loss-scaling nodes live (names of the scaler's variables: `amp_loss_scale/scale`).
@@ -48,12 +48,12 @@ class TfVariableNodes:
     initial_value: Value
 
 
-class TfTrainingOps:
+class TfTrainingOps(PendingNodes):
     """`TrainingOps` for a TF graph or function body (see the module docstring)."""
 
     def __init__(self, model: Model, scope: str = SCOPE):
-        self.model, self.graph, self.scope = model, model.graph, scope
-        self.pending: list[Node] = []
+        super().__init__(model.graph)
+        self.model, self.scope = model, scope
         self.variables: list[StateVariable] = []
 
     # -- building -------------------------------------------------------------------------
@@ -76,13 +76,6 @@ class TfTrainingOps:
                waits: list[Node] | None = None, **attrs: object) -> Value:
         return present(self._node(op, inputs, [dtype], name, waits=waits, attrs=attrs)
                        .outputs[0])
-
-    def commit(self) -> list[Node]:
-        made, self.pending = self.pending, []
-        for node in made:
-            self.graph.append_node(node)
-        self.graph.sort_nodes()
-        return made
 
     # -- values ---------------------------------------------------------------------------
     def constant(self, value: np.ndarray, name: str) -> Value:

@@ -13,7 +13,7 @@ groups the scaler's state joins.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -42,38 +42,35 @@ def node_name(name_or_object) -> str:
     return name.lstrip("^").partition(":")[0]
 
 
-def _before(roots: Iterable[Node], data_only: bool = False,
-            ignored: frozenset[int] = frozenset()) -> set[Node]:
-    """`roots` and everything they wait for (control edges from `ignored` nodes aside)."""
+def _walk(roots: Iterable[Node], neighbours: Callable[[Node], Iterable[Node]]) -> set[Node]:
+    """`roots` and every node reached from them through `neighbours` (iterative: graphs are
+    big)."""
     seen: dict[int, Node] = {}
     stack = list(roots)
     while stack:
         node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
-        for value in node.inputs:
-            if value is not None and value.producer is not None:
-                stack.append(value.producer)
-        if not data_only:
-            stack.extend(n for n in node.control_inputs if id(n) not in ignored)
+        if id(node) not in seen:
+            seen[id(node)] = node
+            stack.extend(neighbours(node))
     return set(seen.values())
+
+
+def _before(roots: Iterable[Node], data_only: bool = False,
+            ignored: frozenset[int] = frozenset()) -> set[Node]:
+    """`roots` and everything they wait for (control edges from `ignored` nodes aside)."""
+    def waited(node: Node) -> Iterator[Node]:
+        yield from (v.producer for v in node.inputs if v is not None and v.producer is not None)
+        if not data_only:
+            yield from (n for n in node.control_inputs if id(n) not in ignored)
+    return _walk(roots, waited)
 
 
 def _after(roots: Iterable[Node]) -> set[Node]:
     """`roots` and everything that runs after them (data and control edges)."""
-    seen: dict[int, Node] = {}
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
-        for value in node.outputs:
-            if value is not None:
-                stack.extend(consumer for consumer, _slot in value.uses)
-        stack.extend(node.control_users)
-    return set(seen.values())
+    def waiting(node: Node) -> Iterator[Node]:
+        yield from (c for v in node.outputs if v is not None for c, _slot in v.uses)
+        yield from node.control_users
+    return _walk(roots, waiting)
 
 
 def _is_one(value: Value | None) -> bool:
