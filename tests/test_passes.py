@@ -231,6 +231,11 @@ def matmul_op_matmul(op: str) -> onnx.ModelProto:
 @pytest.mark.parametrize("backend, expected, n_casts", [("ort-cuda", "fp16", 2),
                                                         ("ort-cpu", "fp32", 4)])
 def test_accumulating_ops_follow_the_backend_profile(op, backend, expected, n_casts):
+    """ORT CUDA's Softmax and LayerNormalization keep fp32 statistics: fp16 there. Its fp16
+    ReduceMean accumulates in fp32 too but overflows once a row's sum passes 65504 (measured), so
+    it keeps the generic deny on both backends, and ort-cuda's reason says why."""
+    if op == "ReduceMean" and backend == "ort-cuda":
+        expected, n_casts = "fp32", 4
     model = matmul_op_matmul(op)
     converted, report = convert(model, backend=backend)
     assert precisions(report) == {"mm1": "fp16", "mid": expected, "mm2": "fp16"}
@@ -242,6 +247,8 @@ def test_accumulating_ops_follow_the_backend_profile(op, backend, expected, n_ca
     else:
         assert mid_input.op_type == "Cast" and cast_to(mid_input) == FLOAT
         assert report.node("mid")["class"] == "deny"
+        if backend == "ort-cuda":
+            assert "overflows once the row's sum passes" in report.node("mid")["class_reason"]
     if op == "LayerNormalization":
         wanted = FLOAT16 if expected == "fp16" else FLOAT
         assert initializer(converted, "gamma").data_type == wanted
