@@ -26,6 +26,7 @@ from .ir import short_name
 from .options import AutoOptions, Options, TrainingOptions, cli_flags, cli_given, from_cli
 from .plots import diagnose_figure, plot_paths, precision_map_figure, save
 from .report import Report
+from .training import LossScaleRule
 from .validation import default_rtol, load_inputs
 from .version import package_version
 
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="rewrite a TF1 training graph: fp32 master weights and optimizer, "
                                "loss scaling for fp16")
     cli_flags(training, TrainingOptions)
+    cli_flags(training, LossScaleRule)
     auto = convert.add_argument_group(
         "accuracy-driven conversion (--auto): convert as much as possible while the metric "
         "holds on calibration data")
@@ -220,15 +222,16 @@ def _convert(args: argparse.Namespace) -> int:
     check_input_path(args.input)
     input_path, output_path = Path(args.input), Path(args.output)
     fmt = formats.for_path(input_path)
-    training_given = cli_given(args, TrainingOptions)
+    training_given = TrainingOptions(**cli_given(args, TrainingOptions),
+                                     rule=cli_given(args, LossScaleRule))
     training = None
     if args.training:
         if args.validate:
             raise AmpError("--validate compares inference outputs; a training graph is checked "
                            "by training it (see scripts/train_digits.py)")
-        training = TrainingOptions(**training_given)
-    elif training_given:
-        flags = TrainingOptions(**training_given).given_flags()
+        training = training_given
+    elif training_given.given_flags():
+        flags = training_given.given_flags()
         raise AmpError(f"{', '.join(flags)} only apply with --training")
     plots = plot_paths(args.plot)  # before any work: a bad name or no matplotlib costs none
     options = dataclasses.replace(from_cli(args, Options), precision_map=bool(plots))
@@ -306,7 +309,7 @@ def _run_auto(args: argparse.Namespace, auto: AutoOptions) -> int:
         if given:
             raise AmpError(f"{flag} does not combine with --auto (--auto verifies the result on "
                            f"its calibration data)")
-    if cli_given(args, TrainingOptions):
+    if cli_given(args, TrainingOptions) or cli_given(args, LossScaleRule):
         raise AmpError("training options do not combine with --auto")
     check_input_path(args.input)
     input_path, output_path = Path(args.input), Path(args.output)
@@ -435,12 +438,13 @@ def _training_line(training: dict) -> str:
     rule = training["loss_scale_rule"]
     gated = len(training["update_ops_gated"])
     if training.get("loss_scale_variable"):
-        return (f"loss scaling: dynamic, initial {rule['initial']:g}, x{rule['growth_factor']:g} "
+        return (f"loss scaling: dynamic, initial {rule['initial_scale']:g}, "
+                f"x{rule['growth_factor']:g} "
                 f"every {rule['growth_interval']} good steps, x{rule['backoff_factor']:g} on "
                 f"overflow (min {rule['min_scale']:g}); {gated} update ops skip bad steps; scale "
                 f"{training['loss_scale']}, counter {training['good_steps']}")
     if rule["mode"] == "fixed":
-        return f"loss scaling: fixed {rule['initial']:g}; {gated} update ops skip bad steps"
+        return f"loss scaling: fixed {rule['initial_scale']:g}; {gated} update ops skip bad steps"
     return "loss scaling: none"
 
 

@@ -15,24 +15,16 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .errors import AmpError
+from .flags import flag_field as _flag
 from .node_patterns import NodePattern
 from .op_lists import TARGETS, Overrides
+from .training.rule import LossScaleRule
 
 T = TypeVar("T")
 
 #: `--external-data` layouts (ONNX outputs): see formats/onnx/emit.py.
 EXTERNAL_LAYOUTS = ("single", "per-tensor", "inline")
 
-
-def _flag(default: Any, flag: str, help: str, *, metavar: str | None = None,
-          kind: str = "value", type: Any = str, negation: str | None = None) -> Any:
-    """A dataclass field with its command-line flag. kind: value (one value), list (repeatable),
-    comma (one comma-separated value), switch (on with `flag`, off with `negation`)."""
-    cli = {"flag": flag, "help": help, "metavar": metavar, "kind": kind, "type": type,
-           "negation": negation}
-    if isinstance(default, list):
-        return field(default_factory=list, metadata={"cli": cli})
-    return field(default=default, metadata={"cli": cli})
 
 
 @dataclass
@@ -160,8 +152,10 @@ class Options:
 
 @dataclass
 class TrainingOptions:
-    """The training rewrite's options (TensorFlow training graphs): what to rewrite and the
-    dynamic loss scaler's rule. None means the default (see `LossScaleConfig`)."""
+    """The training rewrite's options (TensorFlow training graphs): what to rewrite and the loss
+    scale. `loss_scale` chooses the mode ("dynamic", "none", a fixed scale; None: the target's
+    default); `rule` holds the loss-scale rule's knobs the user set (their flags are declared on
+    `training.LossScaleRule`, with their defaults)."""
 
     loss: str | None = _flag(None, "--loss", "the loss (default: the tensor the gradients are "
                                              "taken of)", metavar="NAME")
@@ -170,18 +164,36 @@ class TrainingOptions:
     loss_scale: str | float | None = _flag(
         None, "--loss-scale", "dynamic (default for fp16), none (default for bf16) or a fixed "
         "scale", metavar="dynamic|none|VALUE")
-    initial_scale: float | None = _flag(None, "--initial-scale", "default 32768", type=float)
-    growth_interval: int | None = _flag(None, "--growth-interval", "default 2000", type=int)
-    growth_factor: float | None = _flag(None, "--growth-factor", "default 2", type=float)
-    backoff_factor: float | None = _flag(None, "--backoff-factor", "default 0.5", type=float)
-    min_scale: float | None = _flag(None, "--min-scale", "default 1", type=float)
-    hysteresis: int | None = _flag(None, "--hysteresis", "default 1: back off at the first bad "
-                                                         "step", type=int)
+    rule: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.rule) - set(LossScaleRule.knobs()))
+        if unknown:
+            raise AmpError(f"loss scale: no option {unknown[0]!r} (options: "
+                           f"{', '.join(LossScaleRule.knobs())})")
+        self.rule = {name: value for name, value in self.rule.items() if value is not None}
+
+    def loss_scale_rule(self, target: str) -> LossScaleRule:
+        """The loss-scale rule these options ask for on `target`."""
+        return LossScaleRule.from_spec(self.loss_scale, target, **self.rule)
 
     def given_flags(self) -> list[str]:
         """The flags of the options that were set."""
-        return [f.metadata["cli"]["flag"] for f in dataclasses.fields(self)
-                if getattr(self, f.name) is not None]
+        given = [f.metadata["cli"]["flag"] for f in dataclasses.fields(self)
+                 if "cli" in f.metadata and getattr(self, f.name) is not None]
+        return given + [f.metadata["cli"]["flag"] for f in dataclasses.fields(LossScaleRule)
+                        if f.name in self.rule]
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> tuple[TrainingOptions, dict[str, Any]]:
+        """The training options among an API call's keyword arguments (the rule's knobs by
+        name: `growth_interval=...`), and the rest."""
+        mine = {name: kwargs[name] for name in ("loss", "train_op", "loss_scale")
+                if name in kwargs}
+        knobs = {name: kwargs[name] for name in LossScaleRule.knobs() if name in kwargs}
+        rest = {name: value for name, value in kwargs.items()
+                if name not in mine and name not in knobs}
+        return cls(**mine, rule=knobs), rest
 
 
 @dataclass

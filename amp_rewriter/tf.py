@@ -8,7 +8,7 @@ Inference graphs and SavedModels: `convert_graphdef`, `convert_saved_model`, `co
 """
 
 from .formats.tf import (
-    LossScaleConfig,
+    LossScaleRule,
     TrainingRewrite,
     check_tf_graph,
     convert_graphdef,
@@ -17,5 +17,5 @@ from .formats.tf import (
     rewrite_training_graph,
 )
 
-__all__ = ["rewrite_training_graph", "TrainingRewrite", "LossScaleConfig", "check_tf_graph",
+__all__ = ["rewrite_training_graph", "TrainingRewrite", "LossScaleRule", "check_tf_graph",
            "convert_graphdef", "convert_saved_model", "convert_tf_file"]

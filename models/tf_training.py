@@ -125,6 +125,79 @@ def build_training_graph(model: str = "mlp", optimizer: str = "adam", *, resourc
     return graph
 
 
+def _classifier_head(features, labels, name: str = "head"):
+    w = tf.compat.v1.get_variable(name, [int(features.shape[-1]), 10])
+    logits = tf.matmul(features, w)
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits), name="loss")
+
+
+def _special_graph(body) -> tf.Graph:
+    """A graph with placeholders `x` and `y`, `loss` and `train` from `body(x, y)`, and `init`."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(0)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 64], name="x")
+        y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+        body(x, y)
+        tf.compat.v1.variables_initializer(tf.compat.v1.global_variables(), name="init")
+    return graph
+
+
+def integer_fill_graph() -> tf.Graph:
+    """reduce_sum over a non-batch axis with a dynamic batch: its gradient (Sum_grad) holds an
+    int32 Fill(shape, 1), which is not a gradient seed."""
+    def body(x, y):
+        w = tf.compat.v1.get_variable("w", [64, 40])
+        features = tf.reduce_sum(tf.reshape(tf.matmul(x, w), [-1, 10, 4]), axis=2)
+        loss = _classifier_head(features, y)
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return _special_graph(body)
+
+
+def sparse_embedding_graph(resource: bool) -> tf.Graph:
+    """An embedding table trained by Adam through sparse gradients (IndexedSlices: scatters into
+    the slots). x picks the rows, so an inf goes in through the `poison` multiplier instead."""
+    def body(x, y):
+        tokens = tf.cast(tf.round(x * 16.0), tf.int32) + tf.range(64) * 17
+        table = tf.compat.v1.get_variable("table", [64 * 17, 16], use_resource=resource)
+        poison = tf.compat.v1.placeholder_with_default(1.0, [], name="poison")
+        embedded = tf.reduce_mean(tf.nn.embedding_lookup(table, tokens), axis=1) * poison
+        tf.compat.v1.train.AdamOptimizer(0.01).minimize(_classifier_head(embedded, y),
+                                                        name="train")
+    return _special_graph(body)
+
+
+def batch_norm_graph() -> tf.Graph:
+    """Moving averages updated the TF1 way: the train op is built under
+    control_dependencies(UPDATE_OPS), one reference and one resource variable."""
+    def body(x, y):
+        hidden = tf.matmul(x, tf.compat.v1.get_variable("w", [64, 32]))
+        mean, variance = tf.nn.moments(hidden, [0])
+        zeros = tf.compat.v1.zeros_initializer()
+        moving_mean = tf.compat.v1.get_variable("moving_mean", [32], initializer=zeros,
+                                                trainable=False, use_resource=False)
+        moving_variance = tf.compat.v1.get_variable("moving_variance", [32], initializer=zeros,
+                                                    trainable=False, use_resource=True)
+        updates = [tf.compat.v1.assign(moving_mean, 0.9 * moving_mean + 0.1 * mean),
+                   moving_variance.assign_sub(0.1 * (moving_variance - variance))]
+        normed = tf.nn.batch_normalization(hidden, mean, variance, None, None, 1e-3)
+        loss = _classifier_head(tf.nn.relu(normed), y)
+        with tf.control_dependencies(updates):
+            tf.compat.v1.train.MomentumOptimizer(0.05, 0.9).minimize(loss, name="train")
+    return _special_graph(body)
+
+
+#: The other training graphs the tests build, by name: each has `x`, `y`, `loss`, `train` and
+#: `init` (sparse_* also `poison`, a multiplier that carries an inf past the row lookup).
+SPECIAL_GRAPHS = {
+    "integer_fill": integer_fill_graph,
+    "sparse_ref": lambda: sparse_embedding_graph(False),
+    "sparse_resource": lambda: sparse_embedding_graph(True),
+    "batch_norm": batch_norm_graph,
+}
+
+
 def batches(x: np.ndarray, y: np.ndarray, batch: int, steps: int, seed: int = 0):
     """`steps` seeded mini-batches (reshuffled each epoch)."""
     rng = np.random.default_rng(seed)

@@ -37,10 +37,10 @@ def imports_a_format_library(path: Path) -> list[str]:
                   if any(n == lib or n.startswith(lib + ".") for lib in FORMAT_LIBRARIES))
 
 
-@pytest.mark.parametrize("path", [p for d in ("ir", "passes", "op_lists", "accuracy")
+@pytest.mark.parametrize("path", [p for d in ("ir", "passes", "op_lists", "accuracy", "training")
                                   for p in modules_under(PACKAGE / d)] + [
     PACKAGE / name for name in ("__init__.py", "api.py", "cli.py", "options.py", "report.py",
-                                "validation.py", "errors.py", "fileio.py")] + [
+                                "validation.py", "errors.py", "fileio.py", "flags.py")] + [
     PACKAGE / "formats" / "__init__.py", PACKAGE / "formats" / "base.py"],
     ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_format_neutral_modules_import_no_format_library(path):
@@ -74,9 +74,9 @@ def top_levels(modules: set[str]) -> set[str]:
     return {m.split(".")[0] for m in modules}
 
 
-def test_importing_ir_passes_and_the_package_loads_no_format_library():
+def test_importing_ir_passes_training_and_the_package_loads_no_format_library():
     loaded = loaded_modules("import amp_rewriter, amp_rewriter.ir, amp_rewriter.passes, "
-                            "amp_rewriter.cli")
+                            "amp_rewriter.training, amp_rewriter.cli")
     assert not top_levels(loaded) & {"onnx", "onnxruntime", "tensorflow"}
 
 
@@ -103,7 +103,8 @@ def test_the_tensorflow_path_loads_no_onnx():
 # -- only the IR edits use lists and node order -----------------------------------------------
 
 #: Attributes that hold IR edges: changing them by hand would leave the other end stale.
-EDGE_ATTRIBUTES = {"uses", "graph_output_uses"}
+EDGE_ATTRIBUTES = {"uses", "graph_output_uses", "control_inputs", "control_users",
+                   "control_outputs"}
 MUTATORS = {"append", "remove", "extend", "insert", "clear", "pop", "sort", "reverse"}
 
 

@@ -77,6 +77,51 @@ def test_graph_outputs_move_with_set_output():
     assert lint(graph) == []
 
 
+def test_control_edges_keep_both_ends_and_lint_checks_them():
+    graph, (a, b, c), x = chain_graph()
+    c.add_control_inputs([a, a])  # repeats are skipped
+    assert list(c.control_inputs) == [a] and list(a.control_users) == [c]
+    assert lint(graph) == []
+    c.remove_control_input(a)
+    assert not c.control_inputs and not a.control_users and lint(graph) == []
+    with pytest.raises(IRError):
+        c.remove_control_input(a)
+    with pytest.raises(IRError):
+        c.add_control_input(c)
+    a.add_control_input(c)  # a would wait for c, which runs after it
+    assert any("runs after it" in p for p in lint(graph))
+    a.remove_control_input(c)
+    c.add_control_input(b)
+    b.control_users = []  # a hand edit leaves the other end stale
+    assert any("control_users miss it" in p for p in lint(graph))
+
+
+def test_removing_a_node_hands_its_waiters_over_to_what_it_waited_for():
+    graph, (a, b, c), x = chain_graph()
+    guard = Node("guard", "NoOp", graph=graph)
+    graph.insert_before(a, [guard])
+    sink = Node("sink", "NoOp", graph=graph)
+    graph.append_node(sink)
+    b.add_control_input(guard)
+    sink.add_control_inputs([b, guard])
+    graph.set_control_output("done", b)
+    # b reads a's output and waits for guard: what waited for b now waits for a and guard
+    c.set_input(0, a.outputs[0])
+    assert graph.remove_nodes([b]) == 1
+    assert [n.name for n in sink.control_inputs] == ["a", "guard"]
+    assert {n.name for n in a.control_users} == {"sink"}
+    assert graph.control_outputs == {"done": a}
+    assert [n.name for n in b.control_inputs] == ["guard"]  # kept by the removed node
+    assert [n.name for n in guard.control_users] == ["sink"]  # b no longer waits
+    assert lint(graph) == []
+    # a constant-like node that waits for nothing: its waiters simply stop waiting
+    sink.remove_control_input(a)
+    graph.remove_nodes([guard])
+    assert not sink.control_inputs and lint(graph) == []
+    with pytest.raises(IRError):
+        graph.set_control_output("other", Node("elsewhere", "NoOp", graph=Graph("h")))
+
+
 def _context(model_name: str = "transformer_block") -> PassContext:
     options = Options()
     ir_model: Model = load_onnx(BUILDERS[model_name]())

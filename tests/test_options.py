@@ -13,6 +13,7 @@ from amp_rewriter import AmpError, Options, TrainingOptions
 from amp_rewriter.cli import build_parser, main
 from amp_rewriter.ir import decisions
 from amp_rewriter.options import cli_given, from_cli
+from amp_rewriter.training import LossScaleRule
 from models import BUILDERS
 
 FLAGGED = [f for f in dataclasses.fields(Options) if "cli" in f.metadata]
@@ -31,10 +32,17 @@ def test_every_option_field_is_a_flag(command):
         assert f.metadata["cli"]["flag"] in text, f.name
 
 
-def test_training_fields_are_flags_of_convert():
+def test_training_fields_and_loss_scale_knobs_are_flags_of_convert():
     text = help_text("convert")
-    for f in dataclasses.fields(TrainingOptions):
+    flagged = [f for cls in (TrainingOptions, LossScaleRule) for f in dataclasses.fields(cls)
+               if "cli" in f.metadata]
+    assert {f.name for f in flagged} == {"loss", "train_op", "loss_scale",
+                                         *LossScaleRule.knobs()}
+    for f in flagged:
         assert f.metadata["cli"]["flag"] in text, f.name
+    args = build_parser().parse_args(["convert", "in.meta", "out.meta", "--training",
+                                      "--growth-interval", "7", "--loss-scale", "dynamic"])
+    assert cli_given(args, LossScaleRule) == {"growth_interval": 7}
 
 
 def test_flags_come_back_as_the_same_options():

@@ -6,14 +6,22 @@ type constraint such as ``T``, a TensorFlow type attribute). A type group is the
 passes paint low precision or fp32. Loaders fill the IR from a model file and keep a handle to the
 original proto on every node, so emitters can write back everything the passes did not touch.
 
-Use lists (`Value.uses`, `Value.graph_output_uses`), node inputs and outputs, and node order are
-read freely but changed only through the methods here (`Node.add_input`, `Node.set_input`,
-`Value.replace_all_uses_with`, `Graph.append_node`, `Graph.insert_nodes`, `Graph.remove_nodes`,
-...), which keep both ends of every edge in step; `lint` checks that they are.
+Use lists (`Value.uses`, `Value.graph_output_uses`), node inputs and outputs, control edges
+(`Node.control_inputs` / `Node.control_users`, `Graph.control_outputs`) and node order are read
+freely but changed only through the methods here (`Node.add_input`, `Node.set_input`,
+`Node.add_control_input`, `Value.replace_all_uses_with`, `Graph.append_node`,
+`Graph.insert_nodes`, `Graph.remove_nodes`, ...), which keep both ends of every edge in step;
+`lint` checks that they are.
+
+A control edge says "run after" without passing a value (TensorFlow's `^name` inputs, a
+function's control outputs). Removing a node hands the nodes that waited for it over to what it
+waited for itself (the producers it read and its own control inputs), so an order the model
+asked for survives a folded cast or a replaced constant.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -204,7 +212,7 @@ class Node:
     __slots__ = ("name", "op_type", "domain", "inputs", "outputs", "attrs", "subgraphs",
                  "type_groups", "input_group", "output_group", "graph", "handle", "op_class",
                  "class_reason", "class_kind", "order", "has_schema", "pin_reason", "pin_kind",
-                 "pin_barrier", "scopes", "edges_changed")
+                 "pin_barrier", "scopes", "edges_changed", "control_inputs", "control_users")
 
     def __init__(self, name: str, op_type: str, domain: str = "", graph: Graph | None = None):
         self.name = name
@@ -214,6 +222,12 @@ class Node:
         #: Read-only outside the IR: change through add_input / set_input / add_output.
         self.inputs: list[Value | None] = []
         self.outputs: list[Value | None] = []
+        #: Nodes this one runs after without reading a value of theirs (control edges), in the
+        #: model's order, and the nodes that run after this one so. Shared empty tuples until a
+        #: node has one (few do). Read-only outside the IR: change through add_control_input /
+        #: remove_control_input.
+        self.control_inputs: Sequence[Node] = ()
+        self.control_users: Sequence[Node] = ()
         #: Read-only outside the IR: change through set_attr / add_subgraph.
         self.attrs: Mapping[str, Any] = _NONE
         self.subgraphs: Mapping[str, Graph] = _NONE
@@ -294,6 +308,55 @@ class Node:
             value.producer, value.producer_slot = self, len(self.outputs)
         self.outputs.append(value)
 
+    def add_control_input(self, node: Node) -> None:
+        """Make this node run after `node` (no change when it already does)."""
+        self.add_control_inputs([node])
+
+    def add_control_inputs(self, nodes: Iterable[Node]) -> None:
+        """Make this node run after each of `nodes`, in order (those it already waits for, and
+        repeats, are skipped): one call for a group of thousands stays linear."""
+        waited = {id(n) for n in self.control_inputs}
+        added = []
+        for node in nodes:
+            if node is self:
+                raise IRError(f"{self.name!r} cannot wait for itself")
+            if id(node) in waited:
+                continue
+            waited.add(id(node))
+            added.append(node)
+            users = node.control_users
+            if not isinstance(users, list):  # the shared empty tuple: its own list now
+                users = node.control_users = list(users)
+            users.append(self)
+        if added:
+            self.control_inputs = [*self.control_inputs, *added]
+            self.edges_changed = True
+
+    def remove_control_input(self, node: Node) -> None:
+        """Stop waiting for `node` (IRError when this node does not wait for it)."""
+        if not any(n is node for n in self.control_inputs):
+            raise IRError(f"{self.name!r} does not wait for {node.name!r}")
+        self.control_inputs = [n for n in self.control_inputs if n is not node]
+        node.control_users = [n for n in node.control_users if n is not self]
+        self.edges_changed = True
+
+    def predecessors(self) -> list[Node]:
+        """What this node waits for: the nodes of its graph whose outputs it reads, then its
+        control inputs, each once, in that order (what a node waiting for it is handed over
+        to when it is removed)."""
+        found: list[Node] = []
+        seen: set[int] = set()
+        for value in self.inputs:
+            producer = value.producer if value is not None else None
+            if producer is not None and producer.graph is self.graph and id(producer) not in seen:
+                seen.add(id(producer))
+                found.append(producer)
+        for node in self.control_inputs:
+            if id(node) not in seen:
+                seen.add(id(node))
+                found.append(node)
+        return found
+
     def trim(self) -> None:
         """Give up the spare room the node's lists kept while they grew by appends (a loader's
         last step for each node: ~60 bytes a node)."""
@@ -320,6 +383,7 @@ class Node:
                 value.release()
         self.inputs.clear()
         self.outputs.clear()
+        self.control_inputs = self.control_users = ()
         self.type_groups.clear()
         self.input_group.clear()
         self.output_group.clear()
@@ -350,6 +414,10 @@ class Graph:
         self.outputs: list[Value] = []
         self.initializers: dict[str, Value] = {}
         self.values: dict[str, Value] = {}
+        #: Nodes the graph's caller waits for though it reads nothing of theirs (a TF
+        #: function's control outputs: its stateful ops), by the name the format gives each.
+        #: Read-only outside the IR: change through set_control_output.
+        self.control_outputs: dict[str, Node] = {}
         self.handle: Any = None
         #: Formats where every initializer must also be listed as a graph input (ONNX IR < 4).
         self.initializers_are_inputs = False
@@ -429,6 +497,13 @@ class Graph:
         value.add_graph_output_use(self, len(self.outputs))
         self.outputs.append(value)
 
+    def set_control_output(self, name: str, node: Node) -> None:
+        """Make `node` (a node of this graph) the control output called `name`."""
+        if node.graph is not self:
+            raise IRError(f"control output {name!r}: {node.name!r} is not a node of "
+                          f"graph {self.name}")
+        self.control_outputs[name] = node
+
     def set_output(self, index: int, value: Value) -> None:
         """Make graph output `index` be `value`."""
         old = self.outputs[index]
@@ -473,25 +548,103 @@ class Graph:
 
     def remove_nodes(self, doomed: Iterable[Node]) -> int:
         """Remove nodes whose outputs nothing reads; they stop reading their inputs. Returns how
-        many were removed. Removing a node that is still read raises IRError."""
+        many were removed. Removing a node that is still read raises IRError.
+
+        A node that waited for a removed one (a control edge) waits for what the removed node
+        waited for instead (`Node.predecessors`, through other removed nodes); a control output
+        goes to the first of those, or away when there is none. A removed node keeps its
+        `control_inputs` (nothing points back at it), so a constant made from its output
+        (`Value.origin`) can still be placed where it was."""
         doomed_ids = {id(node) for node in doomed}
         if not doomed_ids:
             return 0
+        mine = [node for node in self.nodes if id(node) in doomed_ids]
+        for node in mine:
+            if node.is_used:
+                raise IRError(f"cannot remove {node.name!r} ({node.op_type}): its output is "
+                              f"still used")
+        for node in mine:
+            if node.control_users or any(n is node for n in self.control_outputs.values()):
+                self._hand_over_waiters(node, doomed_ids)
         kept = []
         for node in self.nodes:
             if id(node) not in doomed_ids:
                 kept.append(node)
                 continue
-            if node.is_used:
-                raise IRError(f"cannot remove {node.name!r} ({node.op_type}): its output is "
-                              f"still used")
             node.detach_inputs()
+            for waited in node.control_inputs:
+                waited.control_users = [n for n in waited.control_users if n is not node]
+            node.control_users = ()
             for value in node.outputs:
                 if value is not None and self.values.get(value.name) is value:
                     del self.values[value.name]
         removed = len(self.nodes) - len(kept)
         self.nodes = kept
         return removed
+
+    def _hand_over_waiters(self, node: Node, doomed_ids: set[int]) -> None:
+        """Make what waits for `node` (about to be removed) wait for what it waited for."""
+        replacements: list[Node] = []
+        seen: set[int] = set()
+        stack = list(reversed(node.predecessors()))
+        while stack:
+            waited = stack.pop()
+            if id(waited) in seen:
+                continue
+            seen.add(id(waited))
+            if id(waited) in doomed_ids:
+                stack.extend(reversed(waited.predecessors()))
+            else:
+                replacements.append(waited)
+        for user in list(node.control_users):
+            if id(user) in doomed_ids:
+                continue
+            merged: list[Node] = []
+            merged_ids: set[int] = set()
+            for waited in user.control_inputs:
+                for candidate in (replacements if waited is node else [waited]):
+                    if candidate is not user and id(candidate) not in merged_ids:
+                        merged_ids.add(id(candidate))
+                        merged.append(candidate)
+            for candidate in replacements:
+                if id(candidate) in merged_ids and not any(u is user
+                                                           for u in candidate.control_users):
+                    users = candidate.control_users
+                    if not isinstance(users, list):
+                        users = candidate.control_users = list(users)
+                    users.append(user)
+            user.control_inputs = merged
+            user.edges_changed = True
+        node.control_users = ()
+        for name, output in list(self.control_outputs.items()):
+            if output is node:
+                if replacements:
+                    self.control_outputs[name] = replacements[0]
+                else:
+                    del self.control_outputs[name]
+
+    def sort_nodes(self) -> None:
+        """Order the nodes topologically again, by their data and control edges (a loop's back
+        edge aside), keeping the current order wherever it already is one: for a pass whose new
+        edges point back in the list (a node made to wait for one placed after it). IRError
+        when the edges form a cycle."""
+        position = {id(node): i for i, node in enumerate(self.nodes)}
+        waiting = [0] * len(self.nodes)
+        followers: list[list[int]] = [[] for _ in self.nodes]
+        for i, node in enumerate(self.nodes):
+            before = {position.get(id(v.producer), -1) for v in node.inputs
+                      if v is not None and v.producer is not None and not v.loop_back}
+            before |= {position.get(id(n), -1) for n in node.control_inputs
+                       if not any(v is not None and v.loop_back for v in n.outputs)}
+            before.discard(-1)
+            waiting[i] = len(before)
+            for j in before:
+                followers[j].append(i)
+        order = stable_topological_order(followers, waiting)
+        if len(order) != len(self.nodes):
+            stuck = self.nodes[first_unplaced(order, len(self.nodes))].name
+            raise IRError(f"graph {self.name}: the edges form a cycle (at {stuck!r})")
+        self.nodes = [self.nodes[i] for i in order]
 
     def take_nodes(self) -> list[Node]:
         """Hand the node list over, leaving the graph without nodes: for an emitter that writes
@@ -510,6 +663,7 @@ class Graph:
         self.initializers.clear()
         self.inputs.clear()
         self.outputs.clear()
+        self.control_outputs.clear()
         self.parent = self.owner = None
         self.handle = None
 
@@ -568,6 +722,30 @@ class ValueNames:
         """The name `value` had then (None for a value made since)."""
         entry = self._names.get(id(value))
         return entry[1] if entry is not None and entry[0] is value else None
+
+
+def stable_topological_order(followers: Sequence[Sequence[int]], waiting: list[int]
+                             ) -> list[int]:
+    """Kahn's algorithm over positions 0..n-1 that keeps their order wherever it can: position
+    i runs before each of `followers[i]`, and `waiting[j]` counts what j runs after (one per
+    entry of followers; it is used up). Shorter than n when the edges form a cycle."""
+    ready = [i for i, count in enumerate(waiting) if count == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for j in followers[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(ready, j)
+    return order
+
+
+def first_unplaced(order: Sequence[int], count: int) -> int:
+    """The first position of 0..count-1 that `order` (a partial order: a cycle) leaves out."""
+    placed = set(order)
+    return next(i for i in range(count) if i not in placed)
 
 
 def present(value: Value | None) -> Value:

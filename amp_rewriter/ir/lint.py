@@ -1,4 +1,5 @@
-"""Structural checks of the IR: both ends of every edge agree, nodes are in topological order."""
+"""Structural checks of the IR: both ends of every edge (data and control) agree, nodes are in
+topological order."""
 
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ def lint(graph: Graph) -> list[str]:
     Checked: every input slot is listed in its value's uses and every use points back at a live
     input slot; every output knows its producer and slot; graph outputs and their
     `graph_output_uses` agree; a node reads only values produced before it in its own graph or
-    defined in an enclosing one; node and value registrations point at the right graph; type
-    groups name existing slots.
+    defined in an enclosing one; control edges join live nodes of one graph, the earlier one
+    first (a loop's back edge aside), and both ends list them; control outputs are live nodes
+    of their graph; node and value registrations point at the right graph; type groups name
+    existing slots.
     """
     problems: list[str] = []
     live: set[int] = set()
@@ -38,12 +41,19 @@ def lint(graph: Graph) -> list[str]:
     for g in graphs:
         outer = visible.get(id(g.parent), set()) if g.parent is not None else set()
         defined = set(outer) | {id(v) for v in g.inputs} | {id(v) for v in g.initializers.values()}
+        earlier: set[int] = set()
         for node in g.nodes:
             _lint_node(node, g, defined, live, problems)
+            _lint_control_edges(node, g, earlier, live, problems)
+            earlier.add(id(node))
             for value in node.outputs:
                 if value is not None:
                     defined.add(id(value))
         visible[id(g)] = defined
+        for name, node in g.control_outputs.items():
+            if id(node) not in live or node.graph is not g:
+                problems.append(f"graph {g.name}: control output {name!r} is {node.name}, which "
+                                f"is not a node of the graph")
         for index, value in enumerate(g.outputs):
             if (g, index) not in value.graph_output_uses:
                 problems.append(f"graph {g.name}: output {index} ({value.name}) missing from its "
@@ -88,6 +98,25 @@ def _lint_node(node: Node, graph: Graph, defined: set[int], live: set[int],
         if any(s >= len(node.inputs) for s in group.input_slots) or \
                 any(s >= len(node.outputs) for s in group.output_slots):
             problems.append(f"{node.name}: type group {group.name} names a slot it does not have")
+
+
+def _lint_control_edges(node: Node, graph: Graph, earlier: set[int], live: set[int],
+                        problems: list[str]) -> None:
+    for waited in node.control_inputs:
+        if id(waited) not in live or waited.graph is not graph:
+            problems.append(f"{node.name}: waits for {waited.name}, which is not a node of its "
+                            f"graph")
+        elif id(waited) not in earlier and not any(v is not None and v.loop_back
+                                                   for v in waited.outputs):
+            problems.append(f"{node.name}: waits for {waited.name}, which runs after it")
+        if not any(user is node for user in waited.control_users):
+            problems.append(f"{node.name}: waits for {waited.name}, whose control_users miss it")
+    for user in node.control_users:
+        if id(user) not in live:
+            problems.append(f"{node.name}: control user {user.name} is not in the graph")
+        elif not any(waited is node for waited in user.control_inputs):
+            problems.append(f"{node.name}: lists control user {user.name}, which does not wait "
+                            f"for it")
 
 
 def assert_sound(graph: Graph, after: str) -> None:

@@ -16,6 +16,7 @@ from ..op_lists import OpLists
 
 if TYPE_CHECKING:  # the passes read options, they never build them
     from ..options import Options
+    from ..training.passes import TrainingContext
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,9 @@ class PassContext:
     #: Whether the model may hold an op a rewrite would add (ONNX: the op exists at the model's
     #: opset; Mod, which the rotary rule needs, came with opset 10).
     op_available: Callable[[str], bool] = _every_op
+    #: A training front end's plan, rule and format ops, and what the training passes made
+    #: (training pipelines only: see amp_rewriter/training).
+    training: TrainingContext | None = None
 
     @property
     def target_dtype(self) -> str:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from ..errors import AmpError
 from ..ir import IRInvariantError, assert_sound, lint_enabled
+from ..training import passes as training_passes  # noqa: F401  (registers the training passes)
 from . import analysis, rewrite  # noqa: F401  (importing them registers their passes)
 from .base import REGISTRY, Pass, PassContext, PassResult
 
@@ -29,6 +30,18 @@ _TF_PASSES = [
     "insert_casts",
     "fold_casts",
     "convert_constants",
+]
+
+#: A training plan's passes (training/passes.py), in the order they build on each other.
+TRAINING_PASSES = [
+    "pin_training_path",
+    "move_waited_writes",
+    "create_loss_scale_state",
+    "scale_gradient_seeds",
+    "unscale_gradients",
+    "check_gradients_finite",
+    "gate_variable_writes",
+    "update_loss_scale",
 ]
 
 #: Analysis first (decisions only), then the rewrite.
@@ -55,9 +68,9 @@ PIPELINES: dict[str, list[str]] = {
         "convert_constants",
     ],
     "tf": ["pin_nodes", *_TF_PASSES],
-    # The forward and backward passes of a training graph go through the TF passes; the training
-    # front end's plan (pin_front_end) pins everything else (optimizer path, loss, loss scaling).
-    "tf-training": ["pin_nodes", *_TF_PASSES],
+    # A training step (amp_rewriter/training): the plan's fp32 path, then loss scaling built
+    # by the format's TrainingOps, then the TF passes on the forward and backward passes.
+    "tf-training": ["pin_nodes", *TRAINING_PASSES, *_TF_PASSES],
 }
 
 class PassError(Exception):

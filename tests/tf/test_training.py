@@ -13,8 +13,15 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from amp_rewriter.errors import AmpError  # noqa: E402
-from amp_rewriter.tf import LossScaleConfig, check_tf_graph, rewrite_training_graph  # noqa: E402
-from models.tf_training import build_training_graph, digits_data, train  # noqa: E402
+from amp_rewriter.tf import LossScaleRule, check_tf_graph, rewrite_training_graph  # noqa: E402
+from models.tf_training import (  # noqa: E402
+    batch_norm_graph,
+    build_training_graph,
+    digits_data,
+    integer_fill_graph,
+    sparse_embedding_graph,
+    train,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 200
@@ -94,7 +101,27 @@ def test_weights_optimizer_and_update_stay_fp32():
     assert len(casts) == 1 and casts[0].get_attr("DstT") == tf.float16
     training = result.report.training
     assert training["loss_scale_variable"] and training["good_steps_variable"]
-    assert training["loss_scale_rule"]["initial"] == 2.0 ** 15
+    assert training["loss_scale_rule"]["initial_scale"] == 2.0 ** 15
+
+
+def test_every_write_waits_for_one_gate_and_no_switch_carries_a_variable():
+    result = rewrite_training_graph(build_training_graph("mlp", "adam", towers=2), loss="loss",
+                                    target="fp16")
+    ops = result.graph.get_operations()
+    # the gate and the scaler's lazy reads switch bools only: no RefSwitch, no resource Switch
+    switched = [op.inputs[0].dtype for op in ops if op.type in ("Switch", "RefSwitch")]
+    assert switched and set(switched) == {tf.bool}
+    gated = result.report.training["update_ops_gated"]
+    assert len(gated) == 7  # 4 ApplyAdam, 2 beta powers, the global step
+    waits = {name: {c.name for c in result.graph.get_operation_by_name(name).control_inputs
+                    if c.name.startswith("amp_loss_scale/")} for name in gated}
+    # the train op here is the global step's increment: it also waits for the scaler's update
+    assert waits.pop("train") == {"amp_loss_scale/gate/apply", "amp_loss_scale/update/update"}
+    assert set(map(frozenset, waits.values())) == {frozenset({"amp_loss_scale/gate/apply"})}
+    assert {v.name for v in result.graph.get_collection("local_variables")} == {
+        "amp_loss_scale/scale:0", "amp_loss_scale/good_steps:0"}
+    assert result.report.training["variable_writes"] == {"assign": 2, "optimizer_update": 4,
+                                                         "step_counter": 1}
 
 
 @pytest.mark.parametrize("towers", [1, 2])
@@ -125,27 +152,6 @@ def test_nonfinite_step_changes_nothing_but_the_scale(towers, resource):
         assert session.run("accuracy:0", {"x:0": x_test, "y:0": y_test}) > 0.5
 
 
-def _reference_rule(config: LossScaleConfig, steps: list[bool]) -> list[tuple[float, int]]:
-    """The scaler's rule written out plainly, in fp32."""
-    scale, good, bad, states = np.float32(config.initial), 0, 0, []
-    for finite in steps:
-        if finite:
-            good, bad = good + 1, 0
-            if good >= config.growth_interval:
-                grown = np.float32(scale * np.float32(config.growth_factor))
-                if np.isfinite(grown):
-                    scale = grown
-                good = 0
-        else:
-            good, bad = 0, bad + 1
-            if bad >= config.hysteresis:
-                scale = max(np.float32(scale * np.float32(config.backoff_factor)),
-                            np.float32(config.min_scale))
-                bad = 0
-        states.append((float(scale), good))
-    return states
-
-
 @pytest.mark.parametrize("target, rule", [
     ("fp16", dict(initial_scale=8.0, growth_interval=3, min_scale=1.0)),
     # growing 2**126 by 4 would give inf (bf16 keeps fp32's range, so the gradients stay finite)
@@ -156,11 +162,10 @@ def _reference_rule(config: LossScaleConfig, steps: list[bool]) -> list[tuple[fl
 def test_scale_and_counter_follow_the_rule(target, rule):
     result = rewrite_training_graph(build_training_graph("mlp", "sgd"), target=target,
                                     loss_scale="dynamic", **rule)
-    config = LossScaleConfig.parse("dynamic", target, initial=rule.get("initial_scale"),
-                                   **{k: v for k, v in rule.items() if k != "initial_scale"})
+    config = LossScaleRule.from_spec("dynamic", target, **rule)
     steps = list(np.random.default_rng(len(str(rule))).random(40) < 0.7)
     steps[5:11] = [False] * 6  # a run of bad steps reaches the minimum
-    expected = _reference_rule(config, steps)
+    expected = [(state.scale, state.good_steps) for state in config.run(steps)]
     with tf.compat.v1.Session(graph=result.graph) as session:
         session.run("init")
         for finite, (scale, good) in zip(steps, expected):
@@ -332,7 +337,7 @@ def _poisoned(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _skips_bad_step_then_trains(graph: tf.Graph) -> None:
+def _skips_bad_step_then_trains(graph: tf.Graph):
     """A bad step changes no global variable; 20 good steps lower the loss, with no NaN."""
     result = rewrite_training_graph(graph, loss="loss", train_op="train", target="fp16")
     xb, yb = _good_batch()
@@ -349,62 +354,19 @@ def _skips_bad_step_then_trains(graph: tf.Graph) -> None:
         losses = [session.run([result.train_op, "loss:0"], {"x:0": xb, "y:0": yb})[1]
                   for _ in range(20)]
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
-
-
-def _classifier_head(features, labels, name: str = "head"):
-    w = tf.compat.v1.get_variable(name, [int(features.shape[-1]), 10])
-    logits = tf.matmul(features, w)
-    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=labels, logits=logits), name="loss")
+    return result
 
 
 def test_integer_fill_inside_a_gradient_is_not_a_seed():
-    # reduce_sum over a non-batch axis with a dynamic batch: Sum_grad holds an int32 Fill(shape, 1)
-    graph = tf.Graph()
-    with graph.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 64], name="x")
-        y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
-        w = tf.compat.v1.get_variable("w", [64, 40])
-        features = tf.reduce_sum(tf.reshape(tf.matmul(x, w), [-1, 10, 4]), axis=2)
-        _classifier_head(features, y)
-        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(graph.get_tensor_by_name(
-            "loss:0"), name="train")
-    _skips_bad_step_then_trains(graph)
+    _skips_bad_step_then_trains(integer_fill_graph())
 
 
 @pytest.mark.parametrize("resource", [False, True])
 def test_sparse_gradients_with_adam(resource):
-    graph = tf.Graph()
-    with graph.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 64], name="x")
-        y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
-        tokens = tf.cast(tf.round(x * 16.0), tf.int32) + tf.range(64) * 17
-        table = tf.compat.v1.get_variable("table", [64 * 17, 16], use_resource=resource)
-        # x picks the rows, so an inf goes in through a multiplier instead
-        poison = tf.compat.v1.placeholder_with_default(1.0, [], name="poison")
-        embedded = tf.reduce_mean(tf.nn.embedding_lookup(table, tokens), axis=1) * poison
-        loss = _classifier_head(embedded, y)
-        tf.compat.v1.train.AdamOptimizer(0.01).minimize(loss, name="train")
-    _skips_bad_step_then_trains(graph)
+    _skips_bad_step_then_trains(sparse_embedding_graph(resource))
 
 
 def test_batch_norm_moving_averages_are_gated():
-    # the TF1 pattern: the train op is built under control_dependencies(UPDATE_OPS)
-    graph = tf.Graph()
-    with graph.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 64], name="x")
-        y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
-        hidden = tf.matmul(x, tf.compat.v1.get_variable("w", [64, 32]))
-        mean, variance = tf.nn.moments(hidden, [0])
-        zeros = tf.compat.v1.zeros_initializer()
-        moving_mean = tf.compat.v1.get_variable("moving_mean", [32], initializer=zeros,
-                                                trainable=False, use_resource=False)
-        moving_variance = tf.compat.v1.get_variable("moving_variance", [32], initializer=zeros,
-                                                    trainable=False, use_resource=True)
-        updates = [tf.compat.v1.assign(moving_mean, 0.9 * moving_mean + 0.1 * mean),
-                   moving_variance.assign_sub(0.1 * (moving_variance - variance))]
-        normed = tf.nn.batch_normalization(hidden, mean, variance, None, None, 1e-3)
-        loss = _classifier_head(tf.nn.relu(normed), y)
-        with tf.control_dependencies(updates):
-            tf.compat.v1.train.MomentumOptimizer(0.05, 0.9).minimize(loss, name="train")
-    _skips_bad_step_then_trains(graph)
+    result = _skips_bad_step_then_trains(batch_norm_graph())
+    assert result.report.training["updates_moved_after_backward_pass"] == [
+        "Assign", "AssignSubVariableOp"]

@@ -15,6 +15,7 @@ from ...accuracy.runner import ModelRunner
 from ...errors import AmpError
 from ...options import Options, TrainingOptions
 from ...report import CheckResult, Report
+from ...training import LossScaleRule
 from ...validation import Validation, load_inputs
 from ..base import Format
 from . import _tensorflow  # noqa: F401  (sorts first of this package: TensorFlow, quietly)
@@ -33,7 +34,6 @@ from .convert import (
 from .files import is_saved_model_dir, read_graphdef, read_meta_graph, read_saved_model
 from .lists import default_backend
 from .rules import TF_RULES
-from .training.loss_scale import LossScaleConfig
 from .training.rewrite import TrainingRewrite, convert_training_file, rewrite_training_graph
 from .validate import compare_graphdefs, compare_saved_models
 
@@ -109,6 +109,6 @@ def _cpu_only(device: str) -> None:
 FORMAT = TfFormat()
 
 __all__ = ["FORMAT", "TfFormat", "convert_graphdef", "convert_saved_model", "convert_tf_file",
-           "rewrite_training_graph", "TrainingRewrite", "LossScaleConfig", "check_tf_graph",
+           "rewrite_training_graph", "TrainingRewrite", "LossScaleRule", "check_tf_graph",
            "compare_graphdefs", "compare_saved_models", "read_graphdef", "read_meta_graph",
            "read_saved_model"]

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import meta_graph_pb2
-from tensorflow.python.framework import op_def_registry
 
 from ...cost import model_cost
 from ...errors import AmpError
@@ -34,9 +33,9 @@ from ...validation import (
 from .convert import meta_graph_fetches
 from .files import is_saved_model_dir, read_saved_model
 from .lists import default_backend, load_tf_lists
-from .load import default_fetches
+from .load import default_fetches, parse_graph_input
+from .optimizers import EPSILON, HYPERPARAMETER, LEARNING_RATE, write_args
 from .rules import TF_RULES
-from .training.plan import const_value, is_optimizer_op, is_update_op, split_ref
 from .training.rewrite import as_meta_graph
 from .validate import ConvertedGraphFailed, compare_graphdefs, compare_saved_models
 
@@ -65,11 +64,28 @@ def _in_dtype(value: float, target: str) -> np.ndarray:
             np.float32)
 
 
+#: The inputs of an optimizer update that `check` traces to their constants.
+_CHECKED_ROLES = frozenset({LEARNING_RATE, EPSILON, HYPERPARAMETER})
+
+
+def _const_value(nd) -> np.ndarray | None:
+    """The value of a Const node (None for a malformed one)."""
+    try:
+        return tf.make_ndarray(nd.attr["value"].tensor)
+    except Exception:  # a malformed constant: TF's own import check reports it
+        return None
+
+
+def _producer(ref: str) -> str:
+    """The node a NodeDef input names ("^n", "n", "n:1" -> "n")."""
+    return parse_graph_input(ref.lstrip("^"))[0]
+
+
 def _trace_constant(nodes: dict, ref: str) -> tuple[np.ndarray | None, str | None, str]:
     """Follow `ref` back through Identity/Cast to a Const: (value, first low-precision type on
     the way or None, the Const's name)."""
     low = None
-    name = split_ref(ref)[0]
+    name = _producer(ref)
     for _ in range(64):
         nd = nodes.get(name)
         if nd is None:
@@ -77,12 +93,12 @@ def _trace_constant(nodes: dict, ref: str) -> tuple[np.ndarray | None, str | Non
         if nd.op == "Const":
             dtype = nd.attr["dtype"].type
             low = low or _LOW_TF_DTYPES.get(dtype)
-            return const_value(nd), low, name
+            return _const_value(nd), low, name
         if nd.op not in _PASS_THROUGH or not nd.input:
             return None, None, name
         if nd.op == "Cast":
             low = low or _LOW_TF_DTYPES.get(nd.attr["DstT"].type)
-        name = split_ref(nd.input[0])[0]
+        name = _producer(nd.input[0])
     return None, None, name
 
 
@@ -213,38 +229,37 @@ def _compare(reference: Path, path: Path, ref_metas: list[meta_graph_pb2.MetaGra
 
 def _check_optimizer(meta: meta_graph_pb2.MetaGraphDef, target: str, result: CheckResult
                      ) -> None:
-    """Optimizer updates in low precision and optimizer constants that do not survive it."""
+    """Optimizer updates in low precision and optimizer constants that do not survive it: the
+    inputs the optimizer tables (`optimizers.py`) call learning rate, epsilon or another
+    hyperparameter, traced to their constants."""
     nodes = {nd.name: nd for nd in meta.graph_def.node}
     for nd in meta.graph_def.node:
-        if not is_update_op(nd.op):
+        args = write_args(nd.op)
+        if args is None or not args.is_optimizer_update:
             continue
-        op_def = op_def_registry.get(nd.op)
         dtype = nd.attr["T"].type if "T" in nd.attr else nd.attr["dtype"].type
-        if dtype in _LOW_TF_DTYPES and is_optimizer_op(nd.op):
+        if dtype in _LOW_TF_DTYPES:
             result.problems.append({
                 "kind": "low_precision_update", "node": nd.name, "op": nd.op,
                 "message": f"{nd.name} ({nd.op}) updates its variable in "
                            f"{_LOW_TF_DTYPES[dtype]}: optimizer updates need fp32 master "
                            f"weights"})
-        if op_def is None or not is_optimizer_op(nd.op):
-            continue
         data_inputs = [ref for ref in nd.input if not ref.startswith("^")]
-        for arg, ref in zip(op_def.input_arg, data_inputs):
-            if arg.is_ref or arg.name in ("var", "accum", "m", "v", "ms", "mom", "mg", "grad",
-                                          "indices", "linear", "accum_update"):
+        for (arg, role), ref in zip(args.args, data_inputs):
+            if role not in _CHECKED_ROLES:
                 continue
             value, low, const = _trace_constant(nodes, ref)
             if value is None or value.dtype.kind != "f" or value.size != 1:
                 continue
             v = float(np.asarray(value, np.float32).reshape(()))
-            where = f"{nd.name} input {arg.name!r} (constant {const}, {v:g})"
+            where = f"{nd.name} input {arg!r} (constant {const}, {v:g})"
             if low is not None:
                 stored = float(_in_dtype(v, low).reshape(()))
                 if v != 0 and stored == 0:
                     kind, detail = "optimizer_constant_underflow", f"underflows to 0 in {low}"
                 elif math.isfinite(v) and not math.isfinite(stored):
                     kind, detail = "optimizer_constant_overflow", f"overflows to inf in {low}"
-                elif v == 0 and arg.name == "epsilon":
+                elif v == 0 and role == EPSILON:
                     kind, detail = "optimizer_constant_underflow", f"is 0 in {low}"
                 else:
                     continue

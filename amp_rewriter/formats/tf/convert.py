@@ -33,6 +33,7 @@ from ...options import Options
 from ...passes import PassContext, Pin, StoredRange, run_pipeline
 from ...precision_map import PrecisionMap
 from ...report import NodeEntries, Report, build_report
+from ...training.passes import TrainingContext
 from ..base import cyclic_gc_paused
 from .emit import emit_function, emit_graphdef
 from .files import (
@@ -61,12 +62,15 @@ _CHECKPOINT_OPS = frozenset({"SaveV2", "RestoreV2", "MergeV2Checkpoints", "Save"
 
 def _run(ir_model: Model, lists: OpLists, options: Options, graph_name: str,
          pipeline: str = "tf", pins: Mapping[str, Pin] | None = None,
-         stored: Mapping[str, StoredRange] | None = None) -> Report:
+         stored: Mapping[str, StoredRange] | None = None,
+         training: TrainingContext | None = None) -> Report:
     original = list(ir_model.graph.nodes)
     ctx = PassContext(ir_model, lists, options, TF_RULES, pins=dict(pins or {}),
-                      stored_ranges=dict(stored or {}))
+                      stored_ranges=dict(stored or {}), training=training)
     results = run_pipeline(ctx, pipeline)
-    return build_report(ctx, original, results, lambda node: graph_name)
+    # the nodes a training front end's passes added are reported with the model's own
+    added = training.added if training is not None else []
+    return build_report(ctx, original + added, results, lambda node: graph_name)
 
 
 def _resolved(options: Options) -> tuple[Options, OpLists]:
@@ -124,10 +128,12 @@ def convert_graph_def(graph_def: graph_pb2.GraphDef, options: Options,
 
 
 def convert_graph_def_ir(graph_def: graph_pb2.GraphDef, options: Options,
-                         pipeline: str = "tf", pins: Mapping[str, Pin] | None = None
+                         pipeline: str = "tf", pins: Mapping[str, Pin] | None = None,
+                         plan_training: Callable[[Model], TrainingContext] | None = None
                          ) -> tuple[graph_pb2.GraphDef, Report, tuple[Model, ValueNames]]:
     """`convert_graph_def`, also returning the IR the passes left and the values' names before
-    them (for the accuracy tools)."""
+    them (for the accuracy tools). `plan_training` is a training front end: it reads the loaded
+    IR and returns the training context the `pipeline`'s training passes work on."""
     if options.keep_fp32_weights:
         raise AmpError("--keep-fp32-weights is for SavedModels (their variables): a GraphDef's "
                        "constants convert with the nodes that read them, range-checked")
@@ -140,7 +146,8 @@ def convert_graph_def_ir(graph_def: graph_pb2.GraphDef, options: Options,
     with cyclic_gc_paused():
         ir_model = load_graphdef(copy, fetches, keep_fetch_nodes=options.keep_io_types)
         names = ValueNames(ir_model)
-        report = _run(ir_model, lists, options, "main", pipeline, pins)
+        training = plan_training(ir_model) if plan_training is not None else None
+        report = _run(ir_model, lists, options, "main", pipeline, pins, training=training)
         converted = emit_graphdef(ir_model)
     report.summary["outputs"] = fetches
     report.warnings = _warnings(options, report, ir_model.handle.unknown_ops)

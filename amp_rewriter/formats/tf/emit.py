@@ -1,29 +1,38 @@
 """IR -> TensorFlow GraphDef / FunctionDef.
 
-Every loaded node keeps its NodeDef; only its data inputs (rewired to casts or converted
-constants) and its type attributes change. A type attribute is written from the dtype the IR now
-gives the values bound to it, so retargeted casts (`DstT`), casts whose source changed (`SrcT`)
-and painted groups all follow one rule. Control inputs are written back as they were. New nodes:
-Cast (`SrcT`, `DstT`, `Truncate=false`, on the producer's device) and Const (converted constants,
-on the device of the constant they replace).
+Every loaded node keeps its NodeDef; its data and control inputs are written from the IR's edges
+and its type attributes from the dtypes the IR now gives the values bound to them, so
+retargeted casts (`DstT`), casts whose source changed (`SrcT`) and painted groups all follow one
+rule. A function's control outputs (`control_ret`) come from the graph's `control_outputs`.
+
+A node a pass added is written from its OpDef: its op, data and control inputs, the type
+attributes its inputs' and outputs' dtypes bind (`T`, `dtype`, `N`, list(type) attributes),
+the other attributes from `Node.attrs` converted by the OpDef's attribute types (int, float,
+bool, string, shape, tensor, type, func and their lists), the OpDef's defaults for the rest; a
+cast goes on its producer's device. New constants (initializers a pass made) become Const
+nodes, a converted one on the device and behind the control inputs of the Const it replaces.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from tensorflow.core.framework import (
+    attr_value_pb2,
     function_pb2,
     graph_pb2,
     node_def_pb2,
+    op_def_pb2,
     tensor_pb2,
     tensor_shape_pb2,
 )
 
 from ...ir import Graph, IRError, LazyTensor, Model, Node, Value, present, unique_name
 from ...ir.dtypes import NUMPY_DTYPES
-from .load import TfGraphSource, dtype_enum
+from .load import OpDefs, Port, TfGraphSource, dtype_enum, expand_ports
 
 _INVALID = re.compile(r"[^A-Za-z0-9_./>-]")
 
@@ -79,53 +88,101 @@ class _Namer:
         return unique_name(base, self.taken)
 
 
+def _shape_attr(shape: Sequence[int | None] | None) -> tensor_shape_pb2.TensorShapeProto:
+    """A shape attribute: None is an unknown rank, a None dimension an unknown size."""
+    if shape is None:
+        return tensor_shape_pb2.TensorShapeProto(unknown_rank=True)
+    return tensor_shape_pb2.TensorShapeProto(dim=[
+        tensor_shape_pb2.TensorShapeProto.Dim(size=-1 if d is None else int(d)) for d in shape])
+
+
+def _tensor_attr(value: Any) -> tensor_pb2.TensorProto:
+    if isinstance(value, LazyTensor):
+        return tensor_proto(value)
+    array = np.asarray(value)
+    return tensor_proto(LazyTensor(array.dtype.name, tuple(array.shape), lambda: array))
+
+
+#: OpDef attribute type -> how a Python value of `Node.attrs` is written into an AttrValue.
+_ATTR_WRITERS: dict[str, Callable[[attr_value_pb2.AttrValue, Any], None]] = {
+    "int": lambda a, v: setattr(a, "i", int(v)),
+    "float": lambda a, v: setattr(a, "f", float(v)),
+    "bool": lambda a, v: setattr(a, "b", bool(v)),
+    "string": lambda a, v: setattr(a, "s", v if isinstance(v, bytes) else str(v).encode()),
+    "type": lambda a, v: setattr(a, "type", dtype_enum(v)),
+    "shape": lambda a, v: a.shape.CopyFrom(_shape_attr(v)),
+    "tensor": lambda a, v: a.tensor.CopyFrom(_tensor_attr(v)),
+    "func": lambda a, v: setattr(a.func, "name", str(v)),
+    "list(int)": lambda a, v: a.list.i.extend(int(x) for x in v),
+    "list(float)": lambda a, v: a.list.f.extend(float(x) for x in v),
+    "list(bool)": lambda a, v: a.list.b.extend(bool(x) for x in v),
+    "list(string)": lambda a, v: a.list.s.extend(
+        x if isinstance(x, bytes) else str(x).encode() for x in v),
+    "list(type)": lambda a, v: a.list.type.extend(dtype_enum(x) for x in v),
+    "list(shape)": lambda a, v: a.list.shape.extend(_shape_attr(x) for x in v),
+}
+
+#: The IR's own attribute of its cast op (the target dtype): TF writes it as `DstT`, the dtype
+#: of the cast's output.
+_IR_CAST_ATTRS = frozenset({"to"})
+
+
+def _arg_counts(node: Node, op_def: op_def_pb2.OpDef, args, total: int) -> list[int]:
+    """How many of `total` slots each OpDef arg takes: one for a plain arg, the length of a
+    list(type) attribute given in `Node.attrs`, and the rest for the one variadic arg left."""
+    counts: list[int | None] = []
+    for arg in args:
+        if arg.number_attr and arg.number_attr in node.attrs:
+            counts.append(int(node.attrs[arg.number_attr]))
+        elif arg.type_list_attr and arg.type_list_attr in node.attrs:
+            counts.append(len(node.attrs[arg.type_list_attr]))
+        elif arg.number_attr or arg.type_list_attr:
+            counts.append(None)
+        else:
+            counts.append(1)
+    open_args = [i for i, c in enumerate(counts) if c is None]
+    if len(open_args) > 1:
+        raise IRError(f"{node.name} ({node.op_type}): give the counts of its variadic args as "
+                      f"attributes")
+    if open_args:
+        counts[open_args[0]] = total - sum(c for c in counts if c is not None)
+    if sum(c or 0 for c in counts) != total or any((c or 0) < 0 for c in counts):
+        raise IRError(f"{node.name} ({node.op_type}): {total} slot(s) do not fit its OpDef")
+    return [c or 0 for c in counts]
+
+
+def _bind_types(node: Node, op_def: op_def_pb2.OpDef, args, values: Sequence[Value | None],
+                types: dict[str, Any], numbers: dict[str, int]) -> None:
+    """Record the type and number attributes that `args` bind, from the IR dtypes of `values`
+    (a node's inputs or outputs in slot order)."""
+    slot = 0
+    for arg, count in zip(args, _arg_counts(node, op_def, args, len(values))):
+        dtypes_here = [_dtype(present(v)) for v in values[slot:slot + count]]
+        slot += count
+        if arg.number_attr:
+            numbers.setdefault(arg.number_attr, count)
+        if arg.type_list_attr:
+            types.setdefault(arg.type_list_attr, dtypes_here)
+        elif arg.type_attr and dtypes_here:
+            types.setdefault(arg.type_attr, dtypes_here[0])
+
+
 class _Emitter:
     def __init__(self, model: Model):
         self.model = model
         self.source: TfGraphSource = model.handle
         self.graph: Graph = model.graph
         self.function = self.source.kind == "function"
+        proto = self.source.proto
+        self.opdefs = OpDefs(None if self.function else proto.library)
+        self.live = {id(node) for node in self.graph.nodes}
         kept = {node.name for node in self.graph.nodes if node.handle is not None}
         self.namer = _Namer(kept | set(self.source.arg_values))
         self.node_names: dict[int, str] = {}
         self.const_names: dict[int, str] = {}
         self.devices: dict[str, str] = {}  # original constant name -> its device
-        self.removed = self._removed_nodes()
-
-    def _removed_nodes(self) -> dict[str, list[str]]:
-        """Original nodes a pass removed (folded casts, replaced constants) -> the nodes a control
-        edge on them now waits for instead: the nodes they themselves read."""
-        kept = {node.name for node in self.graph.nodes if node.handle is not None}
-        proto = self.source.proto
-        originals = {nd.name: nd for nd in (proto.node_def if self.function else proto.node)}
-        removed: dict[str, list[str]] = {}
-        for name in self.source.nodes:
-            if name in kept:
-                continue
-            nd = originals.get(name)
-            readers = [ref[1:] if ref.startswith("^") else ref.split(":")[0]
-                       for ref in (nd.input if nd is not None else ())]
-            removed[name] = [r for r in readers if r not in self.source.arg_values]
-        return removed
-
-    def control_inputs(self, names: list[str]) -> list[str]:
-        """Control inputs with removed nodes replaced by what they waited for (deduplicated)."""
-        result: list[str] = []
-        stack = list(reversed(names))
-        seen: set[str] = set()
-        while stack:
-            name = stack.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            if name in self.removed:
-                if name in self.const_names_by_name:
-                    result.append(name)  # a converted constant took the name over
-                else:
-                    stack.extend(reversed(self.removed[name]))
-            else:
-                result.append(name)
-        return result
+        #: Output ports of the nodes a pass added (how a function body names their outputs).
+        self.added_ports: dict[int, list[Port]] = {}
 
     def node_name(self, node: Node) -> str:
         name = self.node_names.get(id(node))
@@ -145,11 +202,29 @@ class _Emitter:
         name = self.node_name(producer)
         slot = value.producer_slot
         if self.function:
-            if producer.handle is None:  # a Cast of ours
-                return f"{name}:y:0"
-            port = self.source.nodes[producer.name].outputs[slot]
+            if producer.handle is None:
+                port = self.added_ports[id(producer)][slot]
+            else:
+                port = self.source.nodes[producer.name].outputs[slot]
             return f"{name}:{port.arg}:{port.index}"
         return name if slot == 0 else f"{name}:{slot}"
+
+    def waits(self, nodes: Sequence[Node]) -> list[str]:
+        """Control inputs (`^name`) for `nodes`: a removed node (only a replaced constant's
+        own list can still name one) stands for what it waited for."""
+        refs: list[str] = []
+        seen: set[int] = set()
+        stack = list(reversed(nodes))
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if id(node) in self.live:
+                refs.append(f"^{self.node_name(node)}")
+            else:
+                stack.extend(reversed(node.predecessors()))
+        return refs
 
     # -- nodes --------------------------------------------------------------------------------
     def patch(self, node: Node) -> node_def_pb2.NodeDef:
@@ -158,8 +233,7 @@ class _Emitter:
         nd.CopyFrom(original)
         del nd.input[:]
         nd.input.extend(self.ref(present(v)) for v in node.inputs)
-        info = self.source.nodes[node.name]
-        nd.input.extend(f"^{c}" for c in self.control_inputs(info.controls))
+        nd.input.extend(self.waits(node.control_inputs))
         for group in node.type_groups:
             if group.fixed:
                 continue
@@ -177,14 +251,41 @@ class _Emitter:
                 nd.attr[attr].type = enum
         return nd
 
-    def cast(self, node: Node) -> node_def_pb2.NodeDef:
-        source = present(node.inputs[0])
-        nd = node_def_pb2.NodeDef(name=self.node_name(node), op="Cast", input=[self.ref(source)])
-        nd.attr["SrcT"].type = dtype_enum(_dtype(source))
-        nd.attr["DstT"].type = dtype_enum(node.attrs["to"])
-        nd.attr["Truncate"].b = False
-        if source.producer is not None and source.producer.handle is not None:
-            nd.device = source.producer.handle.device
+    def added(self, node: Node) -> node_def_pb2.NodeDef:
+        """The NodeDef of a node a pass added, written from its OpDef (see the module doc)."""
+        op_def = self.opdefs.get(node.op_type)
+        if op_def is None:
+            raise IRError(f"{node.name}: TensorFlow has no op {node.op_type!r}")
+        nd = node_def_pb2.NodeDef(name=self.node_name(node), op=node.op_type)
+        nd.input.extend(self.ref(present(v)) for v in node.inputs)
+        nd.input.extend(self.waits(node.control_inputs))
+        types: dict[str, Any] = {}
+        numbers: dict[str, int] = {}
+        _bind_types(node, op_def, op_def.input_arg, node.inputs, types, numbers)
+        _bind_types(node, op_def, op_def.output_arg, node.outputs, types, numbers)
+        known = {attr.name for attr in op_def.attr}
+        unknown = set(node.attrs) - known - (_IR_CAST_ATTRS if node.op_type == "Cast" else set())
+        if unknown:
+            raise IRError(f"{node.name} ({node.op_type}): no attribute {sorted(unknown)[0]!r} "
+                          f"in its OpDef")
+        for attr in op_def.attr:
+            value = nd.attr[attr.name]
+            if attr.name in node.attrs:
+                _ATTR_WRITERS[attr.type](value, node.attrs[attr.name])
+            elif attr.name in types:
+                _ATTR_WRITERS[attr.type](value, types[attr.name])
+            elif attr.name in numbers:
+                value.i = numbers[attr.name]
+            elif attr.HasField("default_value"):
+                value.CopyFrom(attr.default_value)
+            else:
+                raise IRError(f"{node.name} ({node.op_type}): attribute {attr.name!r} is "
+                              f"neither given nor bound by a dtype")
+        if node.op_type == "Cast":
+            source = present(node.inputs[0])
+            if source.producer is not None and source.producer.handle is not None:
+                nd.device = source.producer.handle.device
+        self.added_ports[id(node)] = expand_ports(nd, op_def, op_def.output_arg)
         return nd
 
     def constant(self, value: Value) -> node_def_pb2.NodeDef:
@@ -197,9 +298,7 @@ class _Emitter:
         if origin is not None and origin.producer is not None:
             # The original Const's control inputs place it (e.g. inside a while-loop frame, or
             # after an Assert): the converted copy needs the same ones.
-            info = self.source.nodes.get(origin.producer.name)
-            if info is not None:
-                nd.input.extend(f"^{c}" for c in self.control_inputs(info.controls))
+            nd.input.extend(self.waits(origin.producer.control_inputs))
             nd.device = origin.producer.handle.device if origin.producer.handle else nd.device
         return nd
 
@@ -213,11 +312,10 @@ class _Emitter:
         for name, value in self.graph.initializers.items():
             if value.const is not None and value.const.handle is None:
                 self.const_names[id(value)] = self.namer.name(name)
-        self.const_names_by_name = set(self.const_names.values())
         out = [self.constant(v) for v in self.graph.initializers.values()
                if id(v) in self.const_names]
         for node in self.graph.nodes:
-            out.append(self.patch(node) if node.handle is not None else self.cast(node))
+            out.append(self.patch(node) if node.handle is not None else self.added(node))
         return out
 
 
@@ -245,11 +343,13 @@ def emit_function(model: Model) -> function_pb2.FunctionDef:
     out.node_def.extend(emitter.nodes())
     for name, value in zip(source.ret_names, model.graph.outputs):
         out.ret[name] = emitter.ref(value)
-    for key, node_name in list(out.control_ret.items()):
-        if node_name in emitter.removed:
-            replacement = emitter.control_inputs([node_name])
-            if replacement:
-                out.control_ret[key] = replacement[0]
-            else:
-                del out.control_ret[key]
+    control_outputs = {key: emitter.node_name(node)
+                       for key, node in model.graph.control_outputs.items()}
+    for key in [key for key in out.control_ret if key not in control_outputs]:
+        del out.control_ret[key]
+    for key, name in control_outputs.items():
+        if out.control_ret.get(key) != name:
+            out.control_ret[key] = name
+        if key not in out.signature.control_output:
+            out.signature.control_output.append(key)
     return out

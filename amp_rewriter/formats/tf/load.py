@@ -4,8 +4,9 @@ A node's type groups come from its OpDef: one group per `type` attribute (`T`, `
 per element of a `list(type)` attribute (`T[0]`, `T[1]`, ... for IdentityN), with every port bound
 to that attribute in the group (a `number_attr` input such as AddN's N inputs shares one group).
 Ports of a fixed dtype (Shape's `out_type` is an attr, but `bool` predicates, `resource` handles
-are not) have no group. Ops with no OpDef are fp32 barriers. Only data edges become IR edges;
-control edges stay on the NodeDef (the IR node's handle) and the emitter writes them back.
+are not) have no group. Ops with no OpDef are fp32 barriers. Data edges and control edges
+(`^name` inputs) both become IR edges, and a function's control outputs (`control_ret`) the
+graph's `control_outputs`; the emitter writes them back from the IR.
 
 TF1 graphs are not sorted and their while loops are cycles (NextIteration -> Merge): nodes are
 ordered topologically with those back edges left out.
@@ -20,7 +21,6 @@ Grappler's TF-specific rules that are plain data live here as marks the passes r
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -30,6 +30,7 @@ from tensorflow.python.framework import dtypes, op_def_registry, tensor_util
 
 from ...errors import AmpError
 from ...ir import FLOAT32, Graph, LazyTensor, Model, Node, TypeGroup, Value, decisions, present
+from ...ir.core import first_unplaced, stable_topological_order
 from .rules import BACK_EDGE_OPS, BATCH_NORM_V2, FIXED_TYPE_ATTRS, REF_VARIABLE_OPS
 
 
@@ -143,11 +144,10 @@ class Port:
 
 @dataclass
 class TfNodeInfo:
-    """What the emitter needs about one loaded node beyond its NodeDef."""
+    """What the emitter needs about one loaded node beyond its NodeDef: its expanded ports."""
 
     inputs: list[Port]
     outputs: list[Port]
-    controls: list[str]  # control-input node names, in the original order
 
 
 @dataclass
@@ -326,6 +326,13 @@ class TfLoader:
                                f"({producer.op_type}) has {len(producer.outputs)} output(s)")
         return present(producer.outputs[index])
 
+    def _control_node(self, name: str, consumer: str) -> Node:
+        """The node a control input `^name` (or a control output) names."""
+        node = self.nodes.get(name)
+        if node is None:
+            raise AmpError(f"{self.label}: {consumer}: control input {name!r} names no node")
+        return node
+
     def _producer_name(self, ref: str) -> str:
         if self.source.kind == "function":
             return ref.split(":")[0]
@@ -350,21 +357,12 @@ class TfLoader:
                     continue  # a loop's back edge
                 indegree[i] += 1
                 consumers[j].append(i)
-        ready = [i for i, d in enumerate(indegree) if d == 0]
-        heapq.heapify(ready)
-        order: list[node_def_pb2.NodeDef] = []
-        while ready:
-            i = heapq.heappop(ready)
-            order.append(self.node_defs[i])
-            for j in consumers[i]:
-                indegree[j] -= 1
-                if indegree[j] == 0:
-                    heapq.heappush(ready, j)
+        order = stable_topological_order(consumers, indegree)
         if len(order) != len(self.node_defs):
-            stuck = next(nd.name for i, nd in enumerate(self.node_defs) if indegree[i] > 0)
+            stuck = self.node_defs[first_unplaced(order, len(self.node_defs))].name
             raise AmpError(f"{self.label}: the graph has a cycle that is not a while loop's "
                            f"NextIteration -> Merge edge (at node {stuck!r})")
-        return order
+        return [self.node_defs[i] for i in order]
 
     # -- nodes ----------------------------------------------------------------------------
     def _add_output(self, node: Node, port: Port) -> None:
@@ -398,8 +396,8 @@ class TfLoader:
         node.order = order
         self.model.used_names.add(nd.name)
         op_def = self.opdefs.get(nd.op)
-        data, controls = self._split_inputs(nd)
-        info = TfNodeInfo([], [], controls)
+        data, _controls = self._split_inputs(nd)
+        info = TfNodeInfo([], [])
         self.source.nodes[nd.name] = info
         if op_def is None:
             node.has_schema = False
@@ -425,9 +423,12 @@ class TfLoader:
     def _wire_and_group(self, node: Node) -> None:
         nd: node_def_pb2.NodeDef = node.handle
         info = self.source.nodes[node.name]
-        data, _ = self._split_inputs(nd)
+        data, controls = self._split_inputs(nd)
         for ref in data:
             node.add_input(self._resolve(ref, nd.name))
+        if controls:
+            node.add_control_inputs(self._control_node(name, f"node {nd.name!r}")
+                                    for name in controls)
         node.input_group = [None] * len(node.inputs)
         if not node.has_schema:
             return
@@ -567,4 +568,6 @@ def load_function(fdef: function_pb2.FunctionDef,
         ref = fdef.ret[arg.name]
         graph.add_output(loader._resolve(ref, f"return value {arg.name}"))
         loader.source.ret_names.append(arg.name)
+    for key, name in fdef.control_ret.items():
+        graph.set_control_output(key, loader._control_node(name, f"control output {key!r}"))
     return model

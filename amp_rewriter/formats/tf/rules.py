@@ -61,6 +61,7 @@ TF_RULES = FormatRules(
                "ExpandDims": (0,), "Squeeze": (0,), "Transpose": (0,), "Tile": (0,),
                "BroadcastTo": (0,), "GatherV2": (0,), "Gather": (0,), "StridedSlice": (0,),
                "Slice": (0,)},
-    # No saturate_op: the TF emitter writes only the casts a pass adds, so the attention-mask
-    # rule is off for TF graphs (their masks keep the constant-range rule).
+    # No saturate_op yet (the emitter writes any op a pass adds, ClipByValue included, but the
+    # rule is not measured on TF graphs): the attention-mask rule is off for TF graphs, whose
+    # masks keep the constant-range rule.
 )

@@ -5,7 +5,7 @@ structure (an RMS norm's statistics, a rotary angle) by nodes of their own."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -43,15 +43,28 @@ def new_node(model: Model, graph: Graph, name: str, op: str, inputs: list[Value 
     and `output_name` (None: the node's name + "_out") are bases made unique in the model, in
     that order."""
     node = Node(model.unique_name(name), op, "", graph)
+    output = Value(model.unique_name(output_name or f"{node.name}_out"), graph, dtype, shape)
+    return fill_node(node, inputs, [output], op_class=op_class, reason=reason, order=order,
+                     kind=kind, attrs=attrs)
+
+
+def fill_node(node: Node, inputs: Sequence[Value | None], outputs: Sequence[Value], *,
+              op_class: str, reason: str, order: int, kind: str = "",
+              attrs: Mapping[str, Any] | None = None, waits: Iterable[Node] = ()) -> Node:
+    """Give a node a pass made its inputs, outputs (registered in the node's graph), control
+    inputs (`waits`), attributes, and the class and reason the report shows for it; it has no
+    type groups, so the painting leaves it as it is."""
+    assert node.graph is not None
     node.op_class, node.class_kind, node.class_reason = op_class, kind, reason
     for attr, value in (attrs or {}).items():
         node.set_attr(attr, value)
     for value in inputs:
         node.add_input(value)
-    output = Value(model.unique_name(output_name or f"{node.name}_out"), graph, dtype, shape)
-    graph.add_value(output)
-    node.add_output(output)
-    node.input_group, node.output_group = [None] * len(inputs), [None]
+    for output in outputs:
+        node.graph.add_value(output)
+        node.add_output(output)
+    node.add_control_inputs(waits)
+    node.input_group, node.output_group = [None] * len(node.inputs), [None] * len(outputs)
     node.order = order
     return node
 

@@ -1,49 +1,37 @@
-"""Reading a TF1 training graph: the train op's update ops, the gradient seeds tf.gradients made,
-the gradient tensors that leave the backward pass (the frontier), and the optimizer path between
-them and the updates (aggregation over towers, clipping, learning rates, slots)."""
+"""The TF1 front end's reading of a training graph: a `TrainingPlan` over the IR of a GraphDef.
+
+TF1 graphs say what they are through names and collections, and this is where those heuristics
+live: tf.gradients' seeds are `Fill(shape, 1)` right under a `gradients/` scope (`gradients_1/`,
+`tower_0/gradients/`, ...); the gradient of op X sits under `.../X_grad/`; the frontier is
+every value made inside a gradient scope that a node outside reads; the writes are the train
+op's ancestors that the optimizer tables (`formats/tf/optimizers.py`) know; writes the backward
+pass waits for through control edges (batch norm's `control_dependencies(UPDATE_OPS)`) are
+moved after it; `NoOp`s whose control inputs run `*/Assign` initializers are the initializer
+groups the scaler's state joins.
+"""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
-import tensorflow as tf
-from tensorflow.core.framework import graph_pb2, node_def_pb2
 
 from ....errors import AmpError
-from ..load import parse_graph_input
+from ....ir import FLOAT_DTYPES, Model, Node, Value, present
+from ....training.plan import GradientExit, GradientSeed, TrainingPlan, VariableWrite
+from ..optimizers import COUNTING_OPS, GRADIENT, VARIABLE, write_args
 
 #: tf.gradients' name scopes: `gradients/`, `gradients_1/`, `tower_0/gradients/`, ...
 GRADIENT_SCOPE = re.compile(r"(?:^|/)gradients(?:_\d+)?/")
-#: Ops that write a variable (the update ops when they feed the train op).
-_WRITE_PREFIXES = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply", "Scatter",
-                   "ResourceScatter")
-_WRITE_OPS = frozenset({"Assign", "AssignAdd", "AssignSub", "AssignVariableOp",
-                        "AssignAddVariableOp", "AssignSubVariableOp"})
 #: Ops that combine gradients (towers, replicas, shared weights): checked after they run.
 AGGREGATION_OPS = frozenset({"AddN", "AccumulateNV2", "Add", "AddV2", "CollectiveReduce",
                              "CollectiveReduceV2", "CollectiveReduceV3", "NcclAllReduce",
                              "CollectiveAllReduceV2"})
-
-
-def is_update_op(op: str) -> bool:
-    """Whether `op` writes a variable (optimizer Apply ops, assigns, scatters)."""
-    return op in _WRITE_OPS or op.startswith(_WRITE_PREFIXES)
-
-
-def is_optimizer_op(op: str) -> bool:
-    """Whether `op` is an optimizer's update kernel (Apply*, ResourceApply*, ...)."""
-    return op.startswith(("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply"))
-
-
-def split_ref(ref: str) -> tuple[str, int, bool]:
-    """NodeDef input -> (node, port, is_control)."""
-    if ref.startswith("^"):
-        return ref[1:], -1, True
-    node, port = parse_graph_input(ref)
-    return node, port, False
+#: Sums tf.gradients makes of the gradients of a value read more than once.
+_GRADIENT_SUM_OPS = frozenset({"AddN", "AccumulateNV2"})
+#: Initializer ops whose `*/Assign` nodes a NoOp groups into an init op.
+_INITIALIZER_OPS = frozenset({"Assign", "AssignVariableOp"})
 
 
 def node_name(name_or_object) -> str:
@@ -54,215 +42,222 @@ def node_name(name_or_object) -> str:
     return name.lstrip("^").partition(":")[0]
 
 
-class GraphIndex:
-    """Producers, consumers and ancestor walks over a GraphDef (iterative: graphs are big)."""
-
-    def __init__(self, graph_def: graph_pb2.GraphDef):
-        self.nodes = {nd.name: nd for nd in graph_def.node}
-        self.consumers: dict[str, list[tuple[str, int, int]]] = {}  # node -> (consumer, slot, port)
-        self.control_consumers: dict[str, list[str]] = {}
-        for nd in graph_def.node:
-            for slot, ref in enumerate(nd.input):
-                producer, port, control = split_ref(ref)
-                if control:
-                    self.control_consumers.setdefault(producer, []).append(nd.name)
-                else:
-                    self.consumers.setdefault(producer, []).append((nd.name, slot, port))
-
-    def ancestors(self, roots: Iterable[str], data_only: bool = False,
-                  ignored_controls: set[str] | frozenset[str] = frozenset()) -> set[str]:
-        """`roots` and everything they wait for (control edges from `ignored_controls` aside)."""
-        seen: set[str] = set()
-        stack = [r for r in roots if r in self.nodes]
-        while stack:
-            name = stack.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            for ref in self.nodes[name].input:
-                producer, _port, control = split_ref(ref)
-                if control and (data_only or producer in ignored_controls):
-                    continue
-                if producer in self.nodes and producer not in seen:
-                    stack.append(producer)
-        return seen
-
-    def descendants(self, roots: Iterable[str]) -> set[str]:
-        """Everything that runs after `roots` (data and control edges)."""
-        seen: set[str] = set()
-        stack = list(roots)
-        while stack:
-            name = stack.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            stack.extend(c for c, _s, _p in self.consumers.get(name, []) if c not in seen)
-            stack.extend(c for c in self.control_consumers.get(name, []) if c not in seen)
-        return seen
+def _walk(roots: Iterable[Node], neighbours: Callable[[Node], Iterable[Node]]) -> set[Node]:
+    """`roots` and every node reached from them through `neighbours` (iterative: graphs are
+    big)."""
+    seen: dict[int, Node] = {}
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if id(node) not in seen:
+            seen[id(node)] = node
+            stack.extend(neighbours(node))
+    return set(seen.values())
 
 
-def const_value(nd: node_def_pb2.NodeDef) -> np.ndarray | None:
-    """The value of a Const node (None for other ops and malformed constants)."""
-    if nd.op != "Const":
-        return None
+def _before(roots: Iterable[Node], data_only: bool = False,
+            ignored: frozenset[int] = frozenset()) -> set[Node]:
+    """`roots` and everything they wait for (control edges from `ignored` nodes aside)."""
+    def waited(node: Node) -> Iterator[Node]:
+        yield from (v.producer for v in node.inputs if v is not None and v.producer is not None)
+        if not data_only:
+            yield from (n for n in node.control_inputs if id(n) not in ignored)
+    return _walk(roots, waited)
+
+
+def _after(roots: Iterable[Node]) -> set[Node]:
+    """`roots` and everything that runs after them (data and control edges)."""
+    def waiting(node: Node) -> Iterator[Node]:
+        yield from (c for v in node.outputs if v is not None for c, _slot in v.uses)
+        yield from node.control_users
+    return _walk(roots, waiting)
+
+
+def _is_one(value: Value | None) -> bool:
+    """Whether `value` is a constant holding the single number 1."""
+    if value is None or value.const is None:
+        return False
     try:
-        return tf.make_ndarray(nd.attr["value"].tensor)
+        data = np.asarray(value.const.numpy())
     except Exception:  # a malformed constant: not a seed
-        return None
+        return False
+    return data.size == 1 and float(data.reshape(())) == 1.0
 
 
-@dataclass
-class TrainingPlan:
-    """The parts of a training graph the rewrite works on (all node names)."""
-
-    loss: str
-    train_op: str
-    seeds: list[str]
-    scopes: list[str]
-    #: gradient tensors leaving the gradient scopes -> the nodes outside that read them
-    frontier: dict[tuple[str, int], list[str]]
-    update_ops: list[str]
-    optimizer_path: set[str]
-    aggregations: list[str]
-    gradient_aggregations: list[str]
-    converted_region: set[str]
-    losses_differentiated: list[str] = field(default_factory=list)
-    #: control edges moved from the passes to the train op: writer -> nodes that waited for it
-    deferred: dict[str, list[str]] = field(default_factory=dict)
-    #: NoOps that run variable initializers (the scaler's initializers join them)
-    initializer_groups: list[str] = field(default_factory=list)
-    #: the loss is neither a tensor the gradients are taken of nor computed from one
-    loss_unrelated: bool = False
-
-
-def plan_training_graph(graph_def: graph_pb2.GraphDef, loss: str | None, train_op: str
-                        ) -> TrainingPlan:
-    """Find the train op's update ops, the gradient seeds and frontier, and the optimizer path.
-
-    Raises AmpError when a name is unknown or the graph has no gradients or no update ops.
-    """
-    index = GraphIndex(graph_def)
-    nodes = index.nodes
-    if train_op not in nodes:
-        raise AmpError(f"train op {train_op!r}: no such node in the graph")
-    if loss is not None and loss not in nodes:
-        raise AmpError(f"loss {loss!r}: no such node in the graph")
-    closure = index.ancestors([train_op])
-    update_ops = sorted(n for n in closure if is_update_op(nodes[n].op))
-
+def _seeds(closure: list[Node]) -> tuple[list[GradientSeed], list[str]]:
+    """tf.gradients' seeds among the train op's ancestors, and their gradient scopes."""
     seeds, scopes = [], []
-    for name in sorted(closure):
-        nd = nodes[name]
-        matches = list(GRADIENT_SCOPE.finditer(name))
+    for node in closure:
+        matches = list(GRADIENT_SCOPE.finditer(node.name))
         match = matches[-1] if matches else None  # the innermost gradients scope
         # the seed sits right in the gradients scope (`gradients/grad_ys_0`, `gradients/Fill`);
         # Fill(shape, 1) inside an op's `*_grad/` scope is part of that op's gradient
-        if nd.op != "Fill" or match is None or len(nd.input) < 2 or "/" in name[match.end():] \
-                or not tf.as_dtype(nd.attr["T"].type).is_floating:
+        if node.op_type != "Fill" or match is None or len(node.inputs) < 2 \
+                or "/" in node.name[match.end():] or not node.outputs \
+                or present(node.outputs[0]).dtype not in FLOAT_DTYPES \
+                or not _is_one(node.inputs[1]):
             continue
-        value_node = nodes.get(split_ref(nd.input[1])[0])
-        value = const_value(value_node) if value_node is not None else None
-        if value is not None and value.size == 1 and float(value.reshape(())) == 1.0:
-            seeds.append(name)
-            if name[:match.end()] not in scopes:
-                scopes.append(name[:match.end()])
+        seeds.append(GradientSeed(node, 1))
+        if node.name[:match.end()] not in scopes:
+            scopes.append(node.name[:match.end()])
+    return seeds, scopes
+
+
+def _differentiated(seeds: list[GradientSeed], scopes: list[str],
+                    nodes: dict[str, Node]) -> list[Node]:
+    """What the gradients are taken of: the op whose `X_grad/` scope reads a seed."""
+    found: list[Node] = []
+    for seed in seeds:
+        scope = next(s for s in scopes if seed.node.name.startswith(s))
+        for consumer, _slot in present(seed.node.outputs[0]).uses:
+            rest = consumer.name[len(scope):] if consumer.name.startswith(scope) else ""
+            if "_grad/" in rest:
+                target = nodes.get(rest.rsplit("_grad/", 1)[0])
+                if target is not None and target not in found:
+                    found.append(target)
+    return found
+
+
+def _write(node: Node) -> VariableWrite | None:
+    """The variable write `node` is, from the optimizer tables (None when it writes none)."""
+    args = write_args(node.op_type)
+    if args is None:
+        return None
+    kind = args.kind
+    value = node.inputs[-1] if node.inputs else None
+    if node.op_type in COUNTING_OPS and value is not None and value.dtype is not None \
+            and value.dtype.startswith(("int", "uint")):
+        kind = "step_counter"
+    return VariableWrite(node, kind, args.slot(VARIABLE), args.slots(GRADIENT))
+
+
+def find_training_plan(model: Model, loss: str | None, train_op: str) -> TrainingPlan:
+    """The plan of the TF1 training step that `train_op` runs (see the module docstring).
+
+    Raises AmpError when a name is unknown or the graph has no gradients or no variable writes.
+    """
+    graph = model.graph
+    nodes = {node.name: node for node in graph.nodes}
+    step = nodes.get(train_op)
+    if step is None:
+        raise AmpError(f"train op {train_op!r}: no such node in the graph")
+    if loss is not None and loss not in nodes:
+        raise AmpError(f"loss {loss!r}: no such node in the graph")
+    closure = sorted(_before([step]), key=lambda n: n.name)
+    seeds, scopes = _seeds(closure)
     if not seeds:
         raise AmpError(f"no gradients found in the ancestors of train op {train_op!r} "
                        f"(tf.gradients seeds its gradients with Fill(shape, 1) under a "
                        f"'gradients/' scope): not a training graph?")
-    in_scope = {n for n in nodes if any(n.startswith(s) for s in scopes)}
+    in_scope = {id(n) for n in graph.nodes if any(n.name.startswith(s) for s in scopes)}
+    differentiated = _differentiated(seeds, scopes, nodes)
+    loss_node = nodes[loss] if loss is not None else _default_loss(differentiated, in_scope)
 
-    differentiated = []
-    for seed in seeds:
-        scope = next(s for s in scopes if seed.startswith(s))
-        for consumer, _slot, _port in index.consumers.get(seed, []):
-            rest = consumer[len(scope):] if consumer.startswith(scope) else ""
-            if "_grad/" in rest:
-                target = rest.rsplit("_grad/", 1)[0]
-                if target in nodes and target not in differentiated:
-                    differentiated.append(target)
-    if loss is None:
-        if len(differentiated) != 1:
-            raise AmpError(f"give the loss (--loss NAME): gradients are taken of "
-                           f"{', '.join(differentiated) or 'an unrecognised tensor'}")
-        loss = differentiated[0]
-        # tf.identity(loss, name="loss") has no gradient op of its own: name the Identity
-        while True:
-            readers = [c for c, _s, _p in index.consumers.get(loss, []) if c not in in_scope]
-            if len(readers) != 1 or nodes[readers[0]].op != "Identity":
-                break
-            loss = readers[0]
-
-    frontier: dict[tuple[str, int], list[str]] = {}
-    for name in sorted(closure - in_scope):
-        for ref in nodes[name].input:
-            producer, port, control = split_ref(ref)
-            if not control and producer in in_scope:
-                readers = frontier.setdefault((producer, port), [])
-                if name not in readers:
-                    readers.append(name)
-    if not frontier:
-        raise AmpError(f"no gradient reaches an update of train op {train_op!r}: not a training "
-                       f"graph?")
-    roots = [p for p, _ in frontier] + [loss]
-    deferred = _deferred_updates(index, roots, in_scope, set(update_ops))
-    forward_and_backward = index.ancestors(roots, ignored_controls=set(deferred))
-    gated = [n for n in update_ops if n not in forward_and_backward]
-    if not any(is_update_op(nodes[n].op) for n in gated):
+    # gradients leaving the scopes, each with every slot of a reader outside that reads it
+    readers: dict[int, GradientExit] = {}
+    for node in closure:
+        if id(node) in in_scope:
+            continue
+        for slot, value in enumerate(node.inputs):
+            if value is not None and value.producer is not None \
+                    and id(value.producer) in in_scope:
+                readers.setdefault(id(value), GradientExit(value, [])).readers.append(
+                    (node, slot))
+    if not readers:
+        raise AmpError(f"no gradient reaches an update of train op {train_op!r}: not a "
+                       f"training graph?")
+    exits = sorted(readers.values(), key=lambda e: (_producer(e.value).name,
+                                                    e.value.producer_slot))
+    writes = [w for w in map(_write, closure) if w is not None]
+    roots = [_producer(e.value) for e in exits] + [loss_node]
+    deferred = _deferred_writes(roots, in_scope, [w.node for w in writes])
+    compute = _before(roots, ignored=frozenset(id(writer) for writer, _ in deferred))
+    gated = [w for w in writes if w.node not in compute]
+    if not gated:
         raise AmpError(f"train op {train_op!r} updates no variable (no Apply*/Assign* op in its "
                        f"ancestors): not a training graph?")
-    optimizer_path = closure - forward_and_backward
-    after_frontier = index.descendants(n for readers in frontier.values() for n in readers)
-    # what runs after an update (sparse Adam's `v + epsilon`, ...) must not feed the flag that
-    # gates the updates
-    after_updates = index.descendants(gated)
-    aggregations = sorted(n for n in (optimizer_path & after_frontier) - after_updates
-                          if nodes[n].op in AGGREGATION_OPS)
-    gradient_aggregations = []
-    for producer, _port in frontier:
-        name = producer
-        while nodes[name].op == "Identity" and nodes[name].input:
-            name = split_ref(nodes[name].input[0])[0]
-        if nodes[name].op in ("AddN", "AccumulateNV2") and name in in_scope \
-                and name not in gradient_aggregations:
-            gradient_aggregations.append(name)
-    loss_unrelated = bool(differentiated) and loss not in index.descendants(differentiated)
-    return TrainingPlan(loss, train_op, seeds, scopes, frontier, gated, optimizer_path,
-                        aggregations, sorted(gradient_aggregations), forward_and_backward,
-                        differentiated, deferred, initializer_groups(index, closure),
-                        loss_unrelated)
+    optimizer_path = [n for n in closure if n not in compute]
+    after_frontier = _after(reader for e in exits for reader, _ in e.readers)
+    # what runs after a write (sparse Adam's `v + epsilon`, ...) must not feed the flag that
+    # gates the writes
+    after_writes = _after(w.node for w in gated)
+    aggregations = [value for node in optimizer_path
+                    if node in after_frontier and node not in after_writes
+                    and node.op_type in AGGREGATION_OPS
+                    for value in node.outputs if value is not None
+                    and value.dtype in FLOAT_DTYPES]
+    loss_value = present(loss_node.outputs[0]) if loss_node.outputs else None
+    if loss_value is None:
+        raise AmpError(f"loss {loss_node.name!r} ({loss_node.op_type}) has no output")
+    return TrainingPlan(
+        loss=loss_value, step=step, seeds=seeds,
+        frontier=[e for e in exits if e.value.dtype in FLOAT_DTYPES],
+        aggregations=aggregations, writes=gated,
+        compute=[n for n in graph.nodes if n in compute], optimizer_path=optimizer_path,
+        gradient_sums=_gradient_sums(exits, in_scope), differentiated=differentiated,
+        deferred=deferred, initializers=_initializer_groups(graph.nodes, set(closure)),
+        loss_unrelated=bool(differentiated) and loss_node not in _after(differentiated))
 
 
-def _deferred_updates(index: GraphIndex, roots: list[str], in_scope: set[str],
-                      update_ops: set[str]) -> dict[str, list[str]]:
-    """Variable writes the passes wait for only through control edges -> the nodes that wait.
+def _producer(value: Value) -> Node:
+    """The node that makes `value` (a gradient: always made by a node)."""
+    if value.producer is None:
+        raise AmpError(f"{value.name}: a gradient no node makes")
+    return value.producer
+
+
+def _default_loss(differentiated: list[Node], in_scope: set[int]) -> Node:
+    """The one tensor the gradients are taken of, or the Identity that names it."""
+    if len(differentiated) != 1:
+        raise AmpError(f"give the loss (--loss NAME): gradients are taken of "
+                       f"{', '.join(n.name for n in differentiated) or 'an unrecognised tensor'}")
+    loss = differentiated[0]
+    # tf.identity(loss, name="loss") has no gradient op of its own: name the Identity
+    while loss.outputs:
+        readers = [c for c, _s in present(loss.outputs[0]).uses if id(c) not in in_scope]
+        if len(readers) != 1 or readers[0].op_type != "Identity":
+            break
+        loss = readers[0]
+    return loss
+
+
+def _deferred_writes(roots: list[Node], in_scope: set[int], writes: list[Node]
+                     ) -> list[tuple[Node, Node]]:
+    """(write, waiter): variable writes the passes wait for only through control edges.
 
     TF1 batch norm's `with tf.control_dependencies(UPDATE_OPS): train = opt.minimize(loss)`
     makes the moving-average assigns control inputs of the gradient ops. Nothing in the passes
     reads what they write, so the rewrite moves those control edges to the train op: the writes
     then run after the all-finite flag and are gated like every other update.
     """
-    everything = index.ancestors(roots)
-    control_only = everything - index.ancestors(roots, data_only=True) - in_scope
-    writers = control_only & index.descendants(update_ops)  # writes, or waits for one
-    waiting: dict[str, list[str]] = {}
-    for name in sorted(everything - writers):
-        for ref in index.nodes[name].input:
-            producer, _port, control = split_ref(ref)
-            if control and producer in writers:
-                waiting.setdefault(producer, []).append(name)
-    return waiting
+    everything = _before(roots)
+    data = _before(roots, data_only=True)
+    control_only = {n for n in everything - data if id(n) not in in_scope}
+    writers = control_only & _after(writes)  # writes, or waits for one
+    deferred = []
+    for node in sorted(everything - writers, key=lambda n: n.name):
+        for waited in node.control_inputs:
+            if waited in writers:
+                deferred.append((waited, node))
+    return sorted(deferred, key=lambda pair: pair[0].name)
 
 
-def initializer_groups(index: GraphIndex, train_closure: set[str]) -> list[str]:
+def _gradient_sums(exits: list[GradientExit], in_scope: set[int]) -> list[Node]:
+    """The sums that add up the gradients of a variable read more than once (in scope)."""
+    sums: list[Node] = []
+    for exit_ in exits:
+        node = exit_.value.producer
+        while node is not None and node.op_type == "Identity" and node.inputs \
+                and node.inputs[0] is not None and node.inputs[0].producer is not None:
+            node = node.inputs[0].producer
+        if node is not None and node.op_type in _GRADIENT_SUM_OPS and id(node) in in_scope \
+                and node not in sums:
+            sums.append(node)
+    return sorted(sums, key=lambda n: n.name)
+
+
+def _initializer_groups(nodes: list[Node], train_closure: set[Node]) -> list[Node]:
     """NoOps that run variable initializers (`init` from global_variables_initializer, ...)."""
-    nodes = index.nodes
-    groups = []
-    for nd in nodes.values():
-        if nd.op != "NoOp" or nd.name in train_closure:
-            continue
-        controls = [ref[1:] for ref in nd.input if ref.startswith("^")]
-        if any(c in nodes and nodes[c].op in ("Assign", "AssignVariableOp")
-               and c.endswith("/Assign") for c in controls):
-            groups.append(nd.name)
-    return groups
+    return [node for node in nodes if node.op_type == "NoOp" and node not in train_closure
+            and any(c.op_type in _INITIALIZER_OPS and c.name.endswith("/Assign")
+                    for c in node.control_inputs)]

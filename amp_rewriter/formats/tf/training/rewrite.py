@@ -4,42 +4,40 @@ dynamic loss-scaling subgraph inside the graph.
     result = rewrite_training_graph(graph, loss="loss", train_op="train", target="fp16")
     with tf.compat.v1.Session(graph=result.graph) as session: ...
 
-What the rewrite does, in order:
+TF1 is the training core's first front end (`amp_rewriter/training`):
 
-1. Finds the parts of the graph: the train op's ancestors, the variable writes among them (the
-   update ops), the gradient seeds tf.gradients made (`Fill(shape, 1)` under a `gradients/`
-   scope), the gradient tensors that leave those scopes (the *frontier*), and the optimizer path
-   between them and the updates (aggregation over towers, clipping, learning rates, slots).
-2. Builds the loss-scaling subgraph (`amp_loss_scale/`): a scale variable and a good-step
-   counter (local variables, read through an "initialized yet?" switch so any initializer
-   works), the seeds multiplied by the scale, every frontier gradient multiplied by 1/scale in
-   fp32, one all-finite flag over the unscaled gradients and every aggregation of them, each
-   update op's inputs passed through Switch(flag) so that a bad step writes nothing, and the
-   scale/counter update attached to the train op.
-3. Converts the forward and backward passes with the inference op lists and passes; everything
-   else (optimizer path, initializers, saver, the loss-scaling subgraph) is pinned to fp32 with
-   its reason, so weights, slots, optimizer constants and the update stay fp32."""
+1. the MetaGraph's GraphDef is loaded into the IR (control edges included);
+2. `find_training_plan` (plan.py) reads the TF1 graph into a `TrainingPlan` over IR values:
+   the train op's variable writes, tf.gradients' seeds, the frontier where gradients leave the
+   backward pass, their aggregation, the optimizer path;
+3. the `tf-training` pipeline runs the training passes (the loss scaler, built by
+   `TfTrainingOps`, ops.py) and then the inference passes on the forward and backward passes;
+4. the IR is emitted back into the MetaGraph, whose collections, saver and signatures stay as
+   they were; the scaler's variables join its `local_variables` collection.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import graph_pb2, variable_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
+from tensorflow.python.framework import meta_graph as tf_meta_graph
 
 from ....errors import AmpError
-from ....options import Options, TrainingOptions, split_kwargs
-from ....passes import Pin
+from ....ir import Model, Value
+from ....options import Options, TrainingOptions
 from ....report import Report
+from ....training.passes import TrainingContext
 from .. import convert as tf_convert
 from .. import files
-from .loss_scale import LossScaleConfig, Rewires, build_loss_scaling
-from .plan import TrainingPlan, node_name, plan_training_graph
+from .ops import TfTrainingOps, TfVariableNodes
+from .plan import find_training_plan, node_name
 
 
 @dataclass
@@ -100,27 +98,6 @@ def _collection_train_op(meta: meta_graph_pb2.MetaGraphDef) -> str:
     return names[0]
 
 
-def _pins(plan: TrainingPlan, original: set[str], graph_def: graph_pb2.GraphDef
-          ) -> dict[str, str]:
-    pins = {}
-    for nd in graph_def.node:
-        name = nd.name
-        if name == plan.loss or name in plan.losses_differentiated:
-            pins[name] = "the loss stays fp32"
-        elif name not in original:
-            pins[name] = "loss-scaling subgraph: fp32 by design"
-        elif name in plan.gradient_aggregations:
-            pins[name] = ("adds up the gradients of a variable used more than once: gradients "
-                          "return to fp32 before aggregation")
-        elif name in plan.optimizer_path:
-            pins[name] = ("optimizer and update path: fp32 master weights, optimizer slots and "
-                          "constants, gradients after they leave the backward pass")
-        elif name not in plan.converted_region:
-            pins[name] = ("outside the forward and backward passes (initializers, saver, "
-                          "summaries): left in fp32")
-    return pins
-
-
 def _loss_port(loss) -> int:
     """The output index the caller named ("loss:1" -> 1; a node name or None -> 0)."""
     name = getattr(loss, "name", loss)
@@ -128,6 +105,34 @@ def _loss_port(loss) -> int:
         port = name.rpartition(":")[2]
         return int(port) if port.isdigit() else 0
     return 0
+
+
+def _tensor_name(value: Value) -> str:
+    """The TF tensor name of a value the training passes made (`node:port`)."""
+    producer = value.producer
+    return f"{producer.name}:{value.producer_slot}" if producer is not None else f"{value.name}:0"
+
+
+def _add_local_variables(meta: meta_graph_pb2.MetaGraphDef, ops: TfTrainingOps) -> None:
+    """List the scaler's variables in `local_variables`, as tf.compat.v1 lists a local resource
+    variable: a default Saver neither saves nor needs them, local_variables_initializer() runs
+    their initializers, import_meta_graph makes them variables again."""
+    names = {nd.name for nd in meta.graph_def.node}
+    for state in ops.variables:
+        nodes: TfVariableNodes = state.handle
+        listed = (nodes.handle.name, nodes.initializer.name, nodes.snapshot.name,
+                  nodes.initial_value.name)
+        missing = [name for name in listed if name not in names]
+        if missing:
+            raise AmpError(f"internal: the scaler's node {missing[0]!r} was written under "
+                           f"another name")
+        definition = variable_pb2.VariableDef(
+            variable_name=f"{nodes.handle.name}:0", initializer_name=nodes.initializer.name,
+            snapshot_name=f"{nodes.snapshot.name}:0",
+            initial_value_name=f"{nodes.initial_value.name}:0", is_resource=True,
+            trainable=False)
+        meta.collection_def[tf.compat.v1.GraphKeys.LOCAL_VARIABLES].bytes_list.value.append(
+            definition.SerializeToString())
 
 
 def rewrite_training_meta_graph(source: Any, options: Options, training: TrainingOptions
@@ -138,80 +143,95 @@ def rewrite_training_meta_graph(source: Any, options: Options, training: Trainin
     if not options.keep_io_types:
         raise AmpError("--no-keep-io-types does not apply with --training: the loss and "
                        "placeholders keep their dtypes")
-    scaler = LossScaleConfig.parse(training.loss_scale, options.target,
-                                   initial=training.initial_scale,
-                                   growth_interval=training.growth_interval,
-                                   growth_factor=training.growth_factor,
-                                   backoff_factor=training.backoff_factor,
-                                   min_scale=training.min_scale, hysteresis=training.hysteresis)
+    rule = training.loss_scale_rule(options.target)
     meta = as_meta_graph(source)
     loss, train_op = training.loss, training.train_op
     train_op_name = node_name(train_op) if train_op is not None else _collection_train_op(meta)
-    plan = plan_training_graph(meta.graph_def, node_name(loss) if loss is not None else None,
-                               train_op_name)
-    original = {nd.name for nd in meta.graph_def.node}
+    loss_name = node_name(loss) if loss is not None else None
+    names_in_graph = {nd.name for nd in meta.graph_def.node}
+    for what, name in (("train op", train_op_name), ("loss", loss_name)):
+        if name is not None and name not in names_in_graph:
+            raise AmpError(f"{what} {name!r}: no such node in the graph")
+    contexts: list[TrainingContext] = []
 
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
-    rewires = Rewires()
-    for writer, waiting in plan.deferred.items():
-        for name in waiting:
-            rewires.drop_control(name, writer)
-        rewires.add_control(plan.train_op, writer)
-    scaler_names = None
-    if scaler.mode != "none":
-        scaler_names = build_loss_scaling(graph, plan, scaler, rewires)
-        for group in plan.initializer_groups:
-            for initializer in scaler_names.initializers:
-                rewires.add_control(group, initializer)
-    with graph.as_default():
-        exported = tf.compat.v1.train.export_meta_graph(
-            graph=graph, saver_def=meta.saver_def if meta.HasField("saver_def") else None)
-    for key, signature in meta.signature_def.items():
-        exported.signature_def[key].CopyFrom(signature)
-    rewires.apply(exported.graph_def)
+    def plan_training(model: Model) -> TrainingContext:
+        plan = find_training_plan(model, loss_name, train_op_name)
+        if not any(value is plan.loss for value in model.graph.outputs):
+            model.graph.add_output(plan.loss)  # a loss found in the graph is fetched too
+        problems = plan.problems()
+        if problems:
+            raise AmpError(f"internal: the training plan is unsound: {problems[0]}")
+        contexts.append(TrainingContext(plan, rule, TfTrainingOps(model)))
+        return contexts[-1]
 
-    fetches = [plan.loss, plan.train_op] + tf_convert.meta_graph_fetches(exported)
-    if scaler_names is not None:
-        fetches += [scaler_names.scale_value, scaler_names.all_finite]
-        fetches += [scaler_names.good_steps_value] if scaler_names.good_steps_value else []
-    fetches = list(dict.fromkeys(fetches))
-    converted, report = tf_convert.convert_graph_def(
-        exported.graph_def, dataclasses.replace(options, outputs=fetches),
-        pipeline="tf-training",
-        pins={name: Pin(reason) for name, reason in _pins(plan, original,
-                                                          exported.graph_def).items()})
+    fetches = list(dict.fromkeys(([loss_name] if loss_name else []) + [train_op_name]
+                                 + tf_convert.meta_graph_fetches(meta)))
+    converted, report, _ = tf_convert.convert_graph_def_ir(
+        meta.graph_def, dataclasses.replace(options, outputs=fetches), "tf-training",
+        plan_training=plan_training)
+    context = contexts[0]
+    plan, ops = context.plan, context.ops
+    assert isinstance(ops, TfTrainingOps)
     if report.summary["low_precision_nodes"] == 0:
         raise AmpError(f"nothing in the forward or backward pass can run in {options.target}: "
                        f"the graph has no float32 compute ops (MatMul, Conv2D, ...) to convert")
-    exported.graph_def.CopyFrom(converted)
+    out = meta_graph_pb2.MetaGraphDef()
+    out.CopyFrom(meta)
+    out.graph_def.CopyFrom(converted)
+    if out.HasField("meta_info_def"):
+        out.meta_info_def.stripped_op_list.CopyFrom(
+            tf_meta_graph.stripped_op_list_for_graph(converted))
+    _add_local_variables(out, ops)
+    loss_node = plan.loss.producer.name if plan.loss.producer is not None else plan.loss.name
     if plan.loss_unrelated:
-        report.warnings.append(f"loss {plan.loss!r} is neither the tensor the gradients are taken "
-                               f"of ({', '.join(plan.losses_differentiated)}) nor computed from it")
+        report.warnings.append(
+            f"loss {loss_node!r} is neither the tensor the gradients are taken of "
+            f"({', '.join(n.name for n in plan.differentiated)}) nor computed from it")
+    names = _names(context, loss_node, _loss_port(training.loss))
+    report.training = {**names, **_training_summary(context, report)}
+    return out, names, report
 
-    loss_port = _loss_port(training.loss)
-    names: dict[str, str | None] = {"loss": f"{plan.loss}:{loss_port}",
-                                    "train_op": plan.train_op}
-    if scaler_names is not None:
-        names.update(loss_scale=scaler_names.scale_value,
-                     loss_scale_variable=scaler_names.scale_variable,
-                     good_steps=scaler_names.good_steps_value,
-                     good_steps_variable=scaler_names.good_steps_variable,
-                     bad_steps_variable=scaler_names.bad_steps_variable,
-                     all_finite=scaler_names.all_finite)
-    report.training = {
-        **names,
-        "loss_scale_rule": asdict(scaler),
-        "gradient_seeds_scaled": plan.seeds if scaler_names else [],
-        "gradients_unscaled": sum(1 for _ in plan.frontier) if scaler_names else 0,
-        "update_ops_gated": plan.update_ops if scaler_names else [],
-        "updates_moved_after_backward_pass": sorted(plan.deferred),
-        "finite_checks": (len(plan.frontier) + len(plan.aggregations)) if scaler_names else 0,
+
+def _names(context: TrainingContext, loss_node: str, loss_port: int) -> dict[str, str | None]:
+    """What a training script fetches: the loss, the train op, the scaler's tensors and
+    variables (None where the rule has none)."""
+    names: dict[str, str | None] = {"loss": f"{loss_node}:{loss_port}",
+                                    "train_op": context.plan.step.name}
+    if not context.rule.scales:
+        return names
+
+    def variable(state) -> str | None:
+        return state.handle.handle.name if state is not None else None
+
+    assert context.scale is not None and context.all_finite is not None
+    names.update(
+        loss_scale=_tensor_name(context.scale),
+        loss_scale_variable=variable(context.scale_state),
+        good_steps=_tensor_name(context.good_steps.value) if context.good_steps else None,
+        good_steps_variable=variable(context.good_steps),
+        bad_steps_variable=variable(context.bad_steps),
+        all_finite=_tensor_name(context.all_finite))
+    return names
+
+
+def _training_summary(context: TrainingContext, report: Report) -> dict[str, Any]:
+    """The report's account of the training rewrite: the rule and what each pass touched."""
+    plan, scales = context.plan, context.rule.scales
+    optimizer_path = {node.name for node in plan.optimizer_path}
+    kinds: dict[str, int] = {}
+    for write in plan.writes:
+        kinds[write.kind] = kinds.get(write.kind, 0) + 1
+    return {
+        "loss_scale_rule": context.rule.as_dict(),
+        "gradient_seeds_scaled": [seed.node.name for seed in plan.seeds] if scales else [],
+        "gradients_unscaled": len(context.unscaled),
+        "update_ops_gated": [write.node.name for write in plan.writes] if scales else [],
+        "variable_writes": dict(sorted(kinds.items())),
+        "updates_moved_after_backward_pass": sorted({w.name for w, _ in plan.deferred}),
+        "finite_checks": len(context.unscaled) + len(plan.aggregations) if scales else 0,
         "nodes_pinned_fp32": sum(1 for n in report.nodes
-                                 if n.get("class") == "fp32" and n["name"] in plan.optimizer_path),
+                                 if n.get("class") == "fp32" and n["name"] in optimizer_path),
     }
-    return exported, names, report
 
 
 def rewrite_training_graph(
@@ -238,9 +258,8 @@ def rewrite_training_graph(
         saver of the input restored), the names of the loss, train op, scale and counter, and
         the conversion report (with a `training` section).
     """
-    training, rest = split_kwargs(TrainingOptions, {**options, "loss": loss,
-                                                    "train_op": train_op,
-                                                    "loss_scale": loss_scale})
+    training, rest = TrainingOptions.from_kwargs({**options, "loss": loss, "train_op": train_op,
+                                                  "loss_scale": loss_scale})
     meta, names, report = rewrite_training_meta_graph(
         graph_or_graph_def_or_meta_graph, Options(target=target, backend=backend, **rest),
         training)

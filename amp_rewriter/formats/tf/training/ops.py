@@ -1,0 +1,180 @@
+"""`TfTrainingOps`: how TensorFlow graphs spell the training passes' nodes (the format side of
+`training.ops.TrainingOps`).
+
+Arithmetic is one TF op each (Mul, AddV2, Reciprocal, Maximum, GreaterEqual, LogicalAnd,
+LogicalOr, LogicalNot, SelectV2, IsFinite); the all-finite flag is All over IsFinite of each
+value (flattened), packed and reduced once more.
+
+A state variable is a resource variable (VarHandleOp, initialized by AssignVariableOp from its
+initial value) read lazily: before its initializer has run it reads as its initial value, so the
+scaler works whichever initializer a TF1 script runs (global, local, none) and after a restore
+that did not know it. The read branches on VarIsInitializedOp with a pivot per branch, as TF1's
+cond does: Switch(flag, flag) feeds two Identity pivots, the ReadVariableOp waits for one and a
+copy of the initial value for the other, and Merge takes whichever ran.
+
+The gate is the same pivot on the all-finite flag: Identity(Switch(flag, flag):1). On a bad step
+the Switch's true output is dead, so is the pivot, and so is every node that waits for it by a
+control edge: TensorFlow's executor does not run a node with a dead input, data or control. A
+gated write keeps its inputs as they were: the Switch carries a bool, never a variable, so the
+form holds for reference variables (no RefSwitch), resource variables and inside TF2 function
+bodies (no Switch on a resource handle, which a function's arguments cannot take through v1
+control flow: `If` itself is lowered to Switch/Merge on its predicate exactly so). What waits
+for a gated write (TF1's train op) is skipped on a bad step too: a session that runs it as a
+target does not mind; a function that must return a live value joins the branches with Merge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ....ir import FP32, Model, Node, Value, decisions, present
+from ....passes.rewrite.building import array_constant, fill_node
+from ....training.ops import SCALER_REASON, PendingNodes, StateVariable
+from ..load import value_name
+
+#: Where the loss-scaling nodes live (names of the scaler's variables: `amp_loss_scale/scale`).
+SCOPE = "amp_loss_scale"
+
+
+@dataclass
+class TfVariableNodes:
+    """The nodes a TF1 MetaGraph lists for one of the scaler's variables (a VariableDef)."""
+
+    handle: Node
+    initializer: Node
+    snapshot: Node
+    initial_value: Value
+
+
+class TfTrainingOps(PendingNodes):
+    """`TrainingOps` for a TF graph or function body (see the module docstring)."""
+
+    def __init__(self, model: Model, scope: str = SCOPE):
+        super().__init__(model.graph)
+        self.model, self.scope = model, scope
+        self.variables: list[StateVariable] = []
+
+    # -- building -------------------------------------------------------------------------
+    def _node(self, op: str, inputs: list[Value], dtypes: list[str], name: str, *,
+              waits: list[Node] | None = None, attrs: dict[str, object] | None = None) -> Node:
+        node = Node(self.model.unique_name(f"{self.scope}/{name}"), op, "", self.graph)
+        outputs = []
+        for slot, dtype in enumerate(dtypes):
+            output = Value(value_name(node.name, slot), self.graph, dtype)
+            self.model.used_names.add(output.name)
+            outputs.append(output)
+        fill_node(node, inputs, outputs, op_class=FP32, reason=SCALER_REASON,
+                  kind=decisions.PIN, order=len(self.graph.nodes), attrs=attrs,
+                  waits=waits or ())
+        node.pin_reason, node.pin_kind = SCALER_REASON, decisions.PIN
+        self.pending.append(node)
+        return node
+
+    def _value(self, op: str, inputs: list[Value], dtype: str, name: str, *,
+               waits: list[Node] | None = None, **attrs: object) -> Value:
+        return present(self._node(op, inputs, [dtype], name, waits=waits, attrs=attrs)
+                       .outputs[0])
+
+    # -- values ---------------------------------------------------------------------------
+    def constant(self, value: np.ndarray, name: str) -> Value:
+        return array_constant(self.model, self.graph, f"{self.scope}/{name}", np.asarray(value))
+
+    def cast(self, value: Value, dtype: str, name: str) -> Value:
+        if value.dtype == dtype:
+            return value
+        return self._value("Cast", [value], dtype, name, to=dtype)
+
+    def multiply(self, a: Value, b: Value, name: str) -> Value:
+        return self._value("Mul", [a, b], present_dtype(a), name)
+
+    def add(self, a: Value, b: Value, name: str) -> Value:
+        return self._value("AddV2", [a, b], present_dtype(a), name)
+
+    def reciprocal(self, a: Value, name: str) -> Value:
+        return self._value("Reciprocal", [a], present_dtype(a), name)
+
+    def maximum(self, a: Value, b: Value, name: str) -> Value:
+        return self._value("Maximum", [a, b], present_dtype(a), name)
+
+    def at_least(self, a: Value, b: Value, name: str) -> Value:
+        return self._value("GreaterEqual", [a, b], "bool", name)
+
+    def both(self, a: Value, b: Value, name: str) -> Value:
+        return self._value("LogicalAnd", [a, b], "bool", name)
+
+    def either(self, a: Value, b: Value, name: str) -> Value:
+        return self._value("LogicalOr", [a, b], "bool", name)
+
+    def negate(self, a: Value, name: str) -> Value:
+        return self._value("LogicalNot", [a], "bool", name)
+
+    def select(self, condition: Value, if_true: Value, if_false: Value, name: str) -> Value:
+        return self._value("SelectV2", [condition, if_true, if_false], present_dtype(if_true),
+                           name)
+
+    def is_finite(self, a: Value, name: str) -> Value:
+        return self._value("IsFinite", [a], "bool", name)
+
+    def all_finite(self, values: list[Value], name: str) -> Value:
+        if not values:
+            return self.constant(np.asarray(True), name)
+        flatten = self.constant(np.asarray([-1], np.int32), f"{name}/flat_shape")
+        first_axis = self.constant(np.asarray([0], np.int32), f"{name}/axis")
+        flags = []
+        for value in values:
+            finite = self.is_finite(value, f"{name}/is_finite")
+            flat = self._value("Reshape", [finite, flatten], "bool", f"{name}/flat")
+            flags.append(self._value("All", [flat, first_axis], "bool", f"{name}/finite"))
+        if len(flags) == 1:
+            return flags[0]
+        packed = self._value("Pack", flags, "bool", f"{name}/flags", axis=0)
+        return self._value("All", [packed, first_axis], "bool", name)
+
+    # -- state, gate, group ---------------------------------------------------------------
+    def state_variable(self, name: str, initial: np.ndarray) -> StateVariable:
+        dtype = initial.dtype.name
+        handle = self._node("VarHandleOp", [], ["resource"], name,
+                            attrs={"dtype": dtype, "shape": (), "container": ""})
+        handle.set_attr("shared_name", handle.name)
+        initial_value = self.constant(initial, f"{name}/Initializer/initial_value")
+        resource = present(handle.outputs[0])
+        initializer = self._node("AssignVariableOp", [resource, initial_value], [],
+                                 f"{name}/Assign")
+        snapshot = self._node("ReadVariableOp", [resource], [dtype], f"{name}/Read/ReadVariableOp")
+        read = f"{name}_read"
+        is_set = self._value("VarIsInitializedOp", [resource], "bool", f"{read}/is_initialized")
+        switch = self._node("Switch", [is_set, is_set], ["bool", "bool"], f"{read}/switch")
+        unset = self._node("Identity", [present(switch.outputs[0])], ["bool"], f"{read}/unset")
+        set_ = self._node("Identity", [present(switch.outputs[1])], ["bool"], f"{read}/set")
+        stored = self._value("ReadVariableOp", [resource], dtype, f"{read}/stored", waits=[set_])
+        fallback = self._value("Identity", [initial_value], dtype, f"{read}/fallback",
+                               waits=[unset])
+        merge = self._node("Merge", [fallback, stored], [dtype, "int32"], f"{read}/merge")
+        value = self._value("Identity", [present(merge.outputs[0])], dtype, f"{read}/value")
+        variable = StateVariable(name, value, initializer, initial,
+                                 TfVariableNodes(handle, initializer, snapshot, initial_value))
+        self.variables.append(variable)
+        return variable
+
+    def assign(self, variable: StateVariable, value: Value, name: str) -> Node:
+        handle: TfVariableNodes = variable.handle
+        write = self._node("AssignVariableOp", [present(handle.handle.outputs[0]), value], [],
+                           name)
+        variable.writes.append(write)
+        return write
+
+    def gate(self, flag: Value, name: str) -> Node:
+        switch = self._node("Switch", [flag, flag], ["bool", "bool"], f"{name}/switch")
+        return self._node("Identity", [present(switch.outputs[1])], ["bool"], name)
+
+    def group(self, nodes: list[Node], name: str) -> Node:
+        return self._node("NoOp", [], [], name, waits=nodes)
+
+
+def present_dtype(value: Value) -> str:
+    """The dtype of a value the training passes read (they read only typed values)."""
+    if value.dtype is None:
+        raise ValueError(f"{value.name}: no dtype")
+    return value.dtype

@@ -1,0 +1,274 @@
+"""The training passes: fp32 master weights and in-graph loss scaling on a `TrainingPlan`.
+
+They run before the precision passes (pipeline `tf-training`), each with one job, in order:
+
+- `pin_training_path` keeps the loss, the optimizer path and what lies outside the forward and
+  backward passes fp32, with the plan's reason for each;
+- `move_waited_writes` makes the step wait for variable writes the backward pass waited for by
+  control edges (so they can wait for the all-finite flag in turn);
+- `create_loss_scale_state` makes the scaler's state (scale and counters, joining the graph's
+  initializers), or the constant scale of a fixed rule;
+- `scale_gradient_seeds` multiplies each seed by the scale (the same as scaling the loss);
+- `unscale_gradients` multiplies each gradient by 1/scale in fp32 where it leaves the backward
+  pass, before any aggregation, clipping or optimizer reads it;
+- `check_gradients_finite` computes one all-finite flag over the unscaled gradients and every
+  aggregation of them;
+- `gate_variable_writes` makes every variable write wait for the format's gate on that flag;
+- `update_loss_scale` writes the rule's next state (`LossScaleRule.step`, node for node) and
+  makes the step wait for it.
+
+With the rule's mode "none" only the first two do anything (no scale, no check, no gate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..ir import FLOAT32, Node, Value, decisions
+from ..passes.base import PassContext, register_pass
+from .ops import StateVariable, TrainingOps
+from .plan import TrainingPlan
+from .rule import LossScaleRule
+
+LOSS_REASON = "the loss stays fp32"
+GRADIENT_SUM_REASON = ("adds up the gradients of a variable used more than once: gradients "
+                       "return to fp32 before aggregation")
+OPTIMIZER_REASON = ("optimizer and update path: fp32 master weights, optimizer slots and "
+                    "constants, gradients after they leave the backward pass")
+OUTSIDE_REASON = ("outside the forward and backward passes (initializers, saver, summaries): "
+                  "left in fp32")
+
+
+@dataclass
+class TrainingContext:
+    """A front end's plan, the loss-scale rule and the format's ops, and what the training
+    passes made (for the front end's report and names)."""
+
+    plan: TrainingPlan
+    rule: LossScaleRule
+    ops: TrainingOps
+    #: The scale a step uses (a state variable's value, or a constant for a fixed rule).
+    scale: Value | None = None
+    scale_state: StateVariable | None = None
+    good_steps: StateVariable | None = None
+    bad_steps: StateVariable | None = None
+    unscaled: list[Value] = field(default_factory=list)
+    all_finite: Value | None = None
+    gate: Node | None = None
+    #: What the step waits for to update the scaler's state.
+    update: Node | None = None
+    #: Every node the training passes added, in the order they were made.
+    added: list[Node] = field(default_factory=list)
+
+    def states(self) -> list[StateVariable]:
+        """The scaler's state variables (none for a fixed or absent scale)."""
+        return [s for s in (self.scale_state, self.good_steps, self.bad_steps) if s is not None]
+
+
+def training_of(ctx: PassContext) -> TrainingContext:
+    """The training context a front end put on `ctx` (a training pass needs one)."""
+    if ctx.training is None:
+        raise ValueError("a training pass runs without a training plan (the front end puts a "
+                         "TrainingContext on the PassContext)")
+    return ctx.training
+
+
+def _commit(training: TrainingContext) -> int:
+    added = training.ops.commit()
+    training.added.extend(added)
+    return len(added)
+
+
+@register_pass("pin_training_path")
+def pin_training_path(ctx: PassContext) -> tuple[int, list[str]]:
+    """Pin the loss, the optimizer path and what lies outside the forward and backward passes
+    fp32, each with the plan's reason (a user's --keep-node and a loader's pins come first)."""
+    plan = training_of(ctx).plan
+    reasons: dict[int, str] = {}
+    loss_nodes = [*plan.differentiated] + ([plan.loss.producer] if plan.loss.producer else [])
+    for nodes, reason in ((loss_nodes, LOSS_REASON), (plan.gradient_sums, GRADIENT_SUM_REASON),
+                          (plan.optimizer_path, OPTIMIZER_REASON)):
+        for node in nodes:
+            reasons.setdefault(id(node), reason)
+    compute = {id(node) for node in plan.compute}
+    pinned = 0
+    for node in ctx.model.graph.nodes:
+        reason = reasons.get(id(node)) or (OUTSIDE_REASON if id(node) not in compute else "")
+        if reason and not node.pin_reason:
+            node.pin_reason, node.pin_kind, node.pin_barrier = reason, decisions.PIN, True
+            pinned += 1
+    return pinned, []
+
+
+@register_pass("move_waited_writes")
+def move_waited_writes(ctx: PassContext) -> tuple[int, list[str]]:
+    """Variable writes the forward or backward pass waits for by control edges (TF1's
+    UPDATE_OPS) are waited for by the step instead, so they can wait for the all-finite flag."""
+    plan = training_of(ctx).plan
+    for writer, waiter in plan.deferred:
+        waiter.remove_control_input(writer)
+        plan.step.add_control_input(writer)
+    if plan.deferred:
+        ctx.model.graph.sort_nodes()
+    moved = sorted({writer.name for writer, _ in plan.deferred})
+    return len(moved), [f"moved after the backward pass: {', '.join(moved)}"] if moved else []
+
+
+@register_pass("create_loss_scale_state")
+def create_loss_scale_state(ctx: PassContext) -> tuple[int, list[str]]:
+    """Make the scaler's state: the scale and its good-step counter (and a bad-step counter
+    for hysteresis) as variables whose initializers join the graph's, or a constant scale."""
+    training = training_of(ctx)
+    rule, ops = training.rule, training.ops
+    if not rule.scales:
+        return 0, ["no loss scale"]
+    initial = np.float32(rule.initial_scale)
+    if not rule.dynamic:
+        training.scale = ops.constant(np.asarray(initial), "scale")
+        return _commit(training), [f"fixed scale {rule.initial_scale:g}"]
+    training.scale_state = ops.state_variable("scale", np.asarray(initial))
+    training.good_steps = ops.state_variable("good_steps", np.asarray(0, np.int32))
+    if rule.counts_bad_steps:
+        training.bad_steps = ops.state_variable("bad_steps", np.asarray(0, np.int32))
+    training.scale = training.scale_state.value
+    for group in training.plan.initializers:
+        group.add_control_inputs(state.initializer for state in training.states())
+    changed = _commit(training)
+    ctx.model.graph.sort_nodes()
+    return changed, [f"state: {', '.join(s.name for s in training.states())}"]
+
+
+def _scale(training: TrainingContext) -> Value:
+    if training.scale is None:
+        raise ValueError("the scale is made by create_loss_scale_state, which runs first")
+    return training.scale
+
+
+@register_pass("scale_gradient_seeds")
+def scale_gradient_seeds(ctx: PassContext) -> tuple[int, list[str]]:
+    """Multiply each gradient seed by the loss scale (the same as scaling the loss)."""
+    training = training_of(ctx)
+    if not training.rule.scales:
+        return 0, []
+    ops, scale = training.ops, _scale(training)
+    for seed in training.plan.seeds:
+        ctx.focus = seed.node
+        one = seed.value
+        scaled = ops.multiply(one, ops.cast(scale, _dtype(one), "scale_seeds/scale"),
+                              "scale_seeds/scaled")
+        seed.node.set_input(seed.slot, scaled)
+    _commit(training)
+    return len(training.plan.seeds), []
+
+
+@register_pass("unscale_gradients")
+def unscale_gradients(ctx: PassContext) -> tuple[int, list[str]]:
+    """Multiply each gradient by 1/scale in fp32 where it leaves the backward pass: every
+    reader outside it (aggregation, clipping, the optimizer) reads the unscaled gradient."""
+    training = training_of(ctx)
+    if not training.rule.scales:
+        return 0, []
+    ops = training.ops
+    inverse = ops.reciprocal(_scale(training), "unscale/inverse_scale")
+    for exit_ in training.plan.frontier:
+        gradient = exit_.value
+        ctx.focus = gradient.producer
+        unscaled = ops.multiply(gradient, ops.cast(inverse, _dtype(gradient), "unscale/inverse"),
+                                "unscale/unscaled")
+        for reader, slot in exit_.readers:
+            reader.set_input(slot, unscaled)
+        training.unscaled.append(unscaled)
+    _commit(training)
+    return len(training.unscaled), []
+
+
+@register_pass("check_gradients_finite")
+def check_gradients_finite(ctx: PassContext) -> tuple[int, list[str]]:
+    """One all-finite flag over every unscaled gradient and every aggregation of them (towers,
+    replicas): a non-finite gradient anywhere makes the whole step bad."""
+    training = training_of(ctx)
+    if not training.rule.scales:
+        return 0, []
+    checked = training.unscaled + training.plan.aggregations
+    training.all_finite = training.ops.all_finite(checked, "check/all_finite")
+    _commit(training)
+    return len(checked), []
+
+
+@register_pass("gate_variable_writes")
+def gate_variable_writes(ctx: PassContext) -> tuple[int, list[str]]:
+    """Make every variable write (optimizer updates, slots, assigns, scatters, step counters)
+    wait for the gate on the all-finite flag: a bad step writes nothing but the scaler's state."""
+    training = training_of(ctx)
+    if not training.rule.scales or training.all_finite is None:
+        return 0, []
+    training.gate = training.ops.gate(training.all_finite, "gate/apply")
+    _commit(training)
+    for write in training.plan.writes:
+        write.node.add_control_input(training.gate)
+    ctx.model.graph.sort_nodes()
+    return len(training.plan.writes), []
+
+
+@register_pass("update_loss_scale")
+def update_loss_scale(ctx: PassContext) -> tuple[int, list[str]]:
+    """Write the rule's next scale and counters (`LossScaleRule.step`, op for op) and make the
+    step wait for it; a fixed scale only makes the step wait for the flag."""
+    training = training_of(ctx)
+    rule, ops, plan = training.rule, training.ops, training.plan
+    if not rule.scales or training.all_finite is None:
+        return 0, []
+    finite = training.all_finite
+    if not rule.dynamic:
+        if finite.producer is not None:
+            plan.step.add_control_input(finite.producer)
+        return 0, []
+    assert training.scale_state is not None and training.good_steps is not None
+    scale, good = training.scale_state.value, training.good_steps.value
+
+    def number(value: float | int, dtype: type, name: str) -> Value:
+        return ops.constant(np.asarray(value, dtype), f"update/{name}")
+
+    zero, one = number(0, np.int32, "zero"), number(1, np.int32, "one")
+    good_next = ops.add(good, one, "update/good_next")
+    grow = ops.both(finite, ops.at_least(good_next, number(rule.growth_interval, np.int32,
+                                                           "growth_interval"),
+                                         "update/at_interval"), "update/grow")
+    grown = ops.multiply(scale, number(rule.growth_factor, np.float32, "growth_factor"),
+                         "update/grown")
+    grow_to_finite = ops.both(grow, ops.is_finite(grown, "update/grown_finite"),
+                              "update/grow_to_finite")
+    scale_if_good = ops.select(grow_to_finite, grown, scale, "update/scale_if_good")
+    backed_off = ops.maximum(
+        ops.multiply(scale, number(rule.backoff_factor, np.float32, "backoff_factor"),
+                     "update/backoff"),
+        number(rule.min_scale, np.float32, "min_scale"), "update/backed_off")
+    bad_step = ops.negate(finite, "update/bad_step")
+    writes: list[Node] = []
+    if training.bad_steps is None:
+        back_off = bad_step
+    else:
+        bad_next = ops.add(training.bad_steps.value, one, "update/bad_next")
+        back_off = ops.both(bad_step, ops.at_least(bad_next, number(rule.hysteresis, np.int32,
+                                                                    "hysteresis"),
+                                                   "update/at_hysteresis"), "update/back_off")
+        new_bad = ops.select(ops.either(finite, back_off, "update/bad_reset"), zero, bad_next,
+                             "update/new_bad_steps")
+        writes.append(ops.assign(training.bad_steps, new_bad, "update/assign_bad_steps"))
+    scale_if_bad = ops.select(back_off, backed_off, scale, "update/scale_if_bad")
+    new_scale = ops.select(finite, scale_if_good, scale_if_bad, "update/new_scale")
+    counting = ops.both(finite, ops.negate(grow, "update/no_growth"), "update/counting")
+    new_good = ops.select(counting, good_next, zero, "update/new_good_steps")
+    writes.append(ops.assign(training.scale_state, new_scale, "update/assign_scale"))
+    writes.append(ops.assign(training.good_steps, new_good, "update/assign_good_steps"))
+    training.update = ops.group(writes, "update/update")
+    changed = _commit(training)
+    plan.step.add_control_input(training.update)
+    ctx.model.graph.sort_nodes()
+    return changed, []
+
+
+def _dtype(value: Value) -> str:
+    return value.dtype or FLOAT32
