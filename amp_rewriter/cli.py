@@ -23,7 +23,15 @@ from .cost import summary_line
 from .errors import AmpError, CheckFailed, ConvertedModelFailed
 from .fileio import OutputTransaction, check_input_path, write_atomically
 from .ir import short_name
-from .options import AutoOptions, Options, TrainingOptions, cli_flags, cli_given, from_cli
+from .options import (
+    AutoOptions,
+    Options,
+    TrainingOptions,
+    cli_flags,
+    cli_given,
+    files_read,
+    from_cli,
+)
 from .report import Report, to_json
 from .validation import default_rtol, load_inputs
 
@@ -141,14 +149,9 @@ def _input_entry(path: Path, what: str = "input") -> tuple[Path, str]:
 
 
 def _extra_inputs(args: argparse.Namespace) -> list[tuple[Path, str]]:
-    """The files a run reads besides its model(s): --inputs and --config."""
-    files = []
-    given = getattr(args, "inputs", None) or []
-    for path in [given] if isinstance(given, str) else given:
-        files.append((Path(path), "the --inputs file"))
-    if getattr(args, "config", None):
-        files.append((Path(args.config), "the --config file"))
-    return files
+    """The files a run reads besides its model(s): --inputs, --config and a --metric file."""
+    return files_read(getattr(args, "config", None), getattr(args, "inputs", None),
+                      getattr(args, "metric", None))
 
 
 @contextlib.contextmanager
@@ -194,7 +197,7 @@ def _convert(args: argparse.Namespace) -> int:
         raise AmpError("--device only makes sense with --validate")
     _check_rtol(args.rtol)
     check_input_path(args.input)
-    input_path, output_path = Path(args.input), Path(args.output)
+    input_path = Path(args.input)
     fmt = formats.for_path(input_path)
     training_given = cli_given(args, TrainingOptions)
     training = None
@@ -214,9 +217,8 @@ def _convert(args: argparse.Namespace) -> int:
     # when the whole run succeeded (validation included): a failed run changes nothing.
     with OutputTransaction([_input_entry(input_path), *_extra_inputs(args)],
                            lambda: fmt.input_files(input_path)) as outputs:
-        staged = outputs.stage(output_path, "output", fmt.output_kind(input_path),
-                               replace_dir=fmt.replaceable_output_dir)
-        staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
+        staged = fmt.stage_output(outputs, args.output, input_path, options)
+        staged_report = outputs.stage(args.report, "--report") if args.report else None
         with _warnings_as_lines(library_warnings):
             report = fmt.convert_file(input_path, staged, options, training)
         report.warnings.extend(library_warnings)
@@ -265,16 +267,15 @@ def _run_auto(args: argparse.Namespace, auto: AutoOptions) -> int:
     if cli_given(args, TrainingOptions):
         raise AmpError("training options do not combine with --auto")
     check_input_path(args.input)
-    input_path, output_path = Path(args.input), Path(args.output)
+    input_path = Path(args.input)
     fmt = formats.for_path(input_path)
     options = from_cli(args, Options)
     say = None if args.quiet else (lambda line: print(line, flush=True))
     # Staged like a plain conversion: the model and the report appear together or not at all.
     with OutputTransaction([_input_entry(input_path), *_extra_inputs(args)],
                            lambda: fmt.input_files(input_path)) as outputs:
-        staged = outputs.stage(output_path, "output", fmt.output_kind(input_path),
-                               replace_dir=fmt.replaceable_output_dir)
-        staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
+        staged = fmt.stage_output(outputs, args.output, input_path, options)
+        staged_report = outputs.stage(args.report, "--report") if args.report else None
         runner = fmt.accuracy_runner(input_path, options)
         report, result = run_auto(runner, staged, args.inputs, auto, options.target, say)
         if staged_report is not None:
@@ -303,21 +304,27 @@ def _run_diagnose(args: argparse.Namespace) -> int:
     from .accuracy import run_diagnose
     from .accuracy.diagnose import diagnose_text, to_json
 
-    fmt = formats.for_path(args.model)
+    check_input_path(args.model)
+    model = Path(args.model)
+    fmt = formats.for_path(model)
     options = from_cli(args, Options)
     auto = AutoOptions(**cli_given(args, AutoOptions))
     if args.top < 1:
         raise AmpError(f"--top must be >= 1, got {args.top}")
-    if args.json and Path(args.json).resolve() == Path(args.model).resolve():
-        raise AmpError("--json must not be the model path")
-    runner = fmt.accuracy_runner(Path(args.model), options)
-    resolved = runner.options if hasattr(runner, "options") else options
-    report, warnings = run_diagnose(runner, args.inputs, auto, options.target,
-                                    resolved.backend or "")
+    # --json is an output like any other: checked against everything the run reads before the
+    # run starts, and written whole or not at all.
+    with OutputTransaction([_input_entry(model), *_extra_inputs(args)],
+                           lambda: fmt.input_files(model)) as outputs:
+        staged_json = outputs.stage(args.json, "--json") if args.json else None
+        runner = fmt.accuracy_runner(model, options)
+        resolved = runner.options if hasattr(runner, "options") else options
+        report, warnings = run_diagnose(runner, args.inputs, auto, options.target,
+                                        resolved.backend or "")
+        if staged_json is not None:
+            write_atomically(staged_json, to_json(report).encode())
+        outputs.commit()
     for warning in warnings:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
-    if args.json:
-        write_atomically(args.json, to_json(report).encode())
     print(diagnose_text(report, args.top))
     return 0
 
@@ -410,7 +417,7 @@ def _run_check(args: argparse.Namespace) -> int:
         return files
 
     with OutputTransaction(reads, every_file_read) as outputs:
-        staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
+        staged_report = outputs.stage(args.report, "--report") if args.report else None
         result = fmt.check(model, args.target, args.backend, reference, args.rtol, args.inputs,
                            args.device)
         for note in result.notes:

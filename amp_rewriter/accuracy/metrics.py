@@ -29,18 +29,20 @@ that ``np.allclose(out, ref, rtol, atol)`` accepts.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
+import numbers
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import AmpError
+from ..errors import AmpError, first_line
+from ..options import metric_source_file
 
 Outputs = Mapping[str, np.ndarray]
 MetricFunction = Callable[[Outputs, Outputs], float]
@@ -104,20 +106,14 @@ class Metric:
     max_error: float
 
     def evaluate(self, reference_outputs: Outputs, outputs: Outputs) -> float:
-        """The metric on one batch; a user function that raises is a one-line error."""
-        try:
-            value = self.function(reference_outputs, outputs)
-        except AmpError:
-            raise
-        except Exception as exc:  # the user's code: say where, without a traceback
-            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise AmpError(f"--metric {self.name} raised {type(exc).__name__}: {detail}") \
-                from None
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise AmpError(f"--metric {self.name} returned {type(value).__name__}, expected a "
-                           f"number (lower is better)") from None
+        """The metric on one batch. A user function runs guarded: it gets read-only arrays
+        (the reference outputs serve every trial), and an exception, a `sys.exit`, or a value
+        that is not a finite real number is a one-line error naming the metric."""
+        if self.name in BUILT_IN:
+            return float(self.function(reference_outputs, outputs))
+        with _guarded(f"--metric {self.name}"):
+            value = self.function(_read_only(reference_outputs), _read_only(outputs))
+        return _checked_value(value, self.name)
 
     def passes(self, value: float) -> bool:
         """Whether a metric value holds (NaN never does)."""
@@ -141,10 +137,11 @@ def load_metric(spec: str, max_error: float) -> Metric:
 
 
 def _import(module_name: str, spec: str) -> Any:
-    """A module by dotted name (current folder first) or by file path."""
-    try:
-        if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
-            path = Path(module_name)
+    """A module by dotted name (current folder first) or by file path; its import runs guarded
+    (an exception or a `sys.exit` at import time is a one-line error)."""
+    with _guarded(f"--metric {spec!r}: importing {module_name}"):
+        path = metric_source_file(spec)
+        if path is not None:
             if not path.is_file():
                 raise AmpError(f"--metric {spec!r}: no such file {module_name}")
             loader_spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -156,9 +153,60 @@ def _import(module_name: str, spec: str) -> Any:
         if "" not in sys.path and "." not in sys.path:
             sys.path.insert(0, "")  # a module next to the user, as `python -m` would find it
         return importlib.import_module(module_name)
+
+
+#: The largest metric value taken as a measurement; past it a value means the metric is broken
+#: (the built-in ones stay below 2 unless an output overflows, which they report as inf).
+ABSURD_METRIC_VALUE = 1e300
+
+
+@contextlib.contextmanager
+def _guarded(what: str) -> Iterator[None]:
+    """Run the user's code: what it raises, `SystemExit` included (a `sys.exit` in a metric must
+    not end the tool with the metric's status), becomes an AmpError saying that `what` failed.
+    Ctrl-C stays an interruption."""
+    try:
+        yield
     except AmpError:
         raise
-    except Exception as exc:  # the user's module failed to import
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise AmpError(f"--metric {spec!r}: cannot import {module_name} ({type(exc).__name__}: "
-                       f"{detail})") from None
+    except (Exception, SystemExit) as exc:  # noqa: BLE001  (the user's code: anything)
+        if isinstance(exc, SystemExit):
+            detail = f"called sys.exit({exc.code!r})"
+        else:
+            message = first_line(exc) if str(exc).strip() else ""
+            detail = f"raised {type(exc).__name__}" + (f": {message}" if message else "")
+        raise AmpError(f"{what} {detail}") from None
+
+
+def _read_only(outputs: Outputs) -> dict[str, np.ndarray]:
+    """Views of the arrays that the user's function cannot write through."""
+    views = {}
+    for name, array in outputs.items():
+        view = np.asarray(array).view()
+        view.flags.writeable = False
+        views[name] = view
+    return views
+
+
+def _checked_value(value: object, name: str) -> float:
+    """A metric's result as a float: a real number (or a one-element array of one), finite and
+    not absurdly large; NaN or inf cannot rank two candidates, and 10**400 is no error size."""
+    if isinstance(value, np.ndarray) and value.size == 1:
+        value = value.reshape(-1)[0]
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        raise AmpError(f"--metric {name} returned {type(value).__name__}, expected a number "
+                       f"(lower is better)")
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range
+        number = math.inf
+    if not math.isfinite(number) or abs(number) > ABSURD_METRIC_VALUE:
+        raise AmpError(f"--metric {name} returned {_shown(value)}: a metric must give a finite "
+                       f"number (lower is better; for a conversion that fails, return a large "
+                       f"one rather than inf or NaN)")
+    return number
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"

@@ -31,6 +31,7 @@ from .background_check import BackgroundCheck
 from .emit import (
     EXTERNAL_DATA_THRESHOLD,
     Emission,
+    data_files,
     deferred_bytes,
     has_external_data,
     save_onnx,
@@ -504,11 +505,12 @@ def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                  **options: Any) -> tuple[onnx.ModelProto, Report]:
     """Convert a model file and write the result (and its external data) atomically: all of it
     or, on failure, nothing; the input is never touched."""
-    input_path, output_path = Path(input_path), Path(output_path)
+    input_path, parsed = Path(input_path), Options(**options)
     with OutputTransaction([(input_path, "the input model")],
                            lambda: input_files(input_path)) as outputs:
-        staged = outputs.stage(output_path, "output")
-        result = convert_model_file(input_path, staged, Options(**options))
+        staged = outputs.stage(output_path, "output", companions=data_files(
+            os.path.basename(output_path), parsed.external_data))
+        result = convert_model_file(input_path, staged, parsed)
         outputs.commit()
     return result
 

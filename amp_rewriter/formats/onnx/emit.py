@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,7 +23,7 @@ import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
 from ...errors import AmpError
-from ...fileio import default_file_mode, open_input, pread_exact
+from ...fileio import Companions, default_file_mode, open_input, pread_exact
 from ...ir import (
     Graph,
     IRError,
@@ -532,6 +533,22 @@ def deferred_bytes(deferred: dict[str, LazyTensor] | None) -> int:
     return sum(tensor.nbytes for tensor in (deferred or {}).values())
 
 
+def data_file_name(model_name: str, layout: str, index: int = 0) -> str:
+    """The name of an output's data file beside the model `model_name`: `<name>.data` for the
+    `single` layout, `<name>.<index>.data` for the `index`-th tensor with `per-tensor`."""
+    return f"{model_name}.data" if layout == "single" else f"{model_name}.{index}.data"
+
+
+def data_files(model_name: str, layout: str | None) -> Companions | None:
+    """The data files `save_onnx` may write beside the model `model_name` with `layout` (None,
+    the default, may write `single`'s), named for the output transaction, which checks them
+    before anything is written; None for `inline`."""
+    if layout == "inline":
+        return None
+    index = r"\.\d+" if layout == "per-tensor" else ""
+    return Companions(re.compile(re.escape(model_name) + index + r"\.data"), "external data")
+
+
 def save_onnx(model: onnx.ModelProto, path: str | os.PathLike,
               source_dir: str | os.PathLike | None = None, external: bool | None = None, *,
               layout: str | None = None, threshold: int = EXTERNAL_DATA_THRESHOLD,
@@ -786,8 +803,7 @@ class _DataFiles:
         """(location, offset) where `tensor`'s data starts."""
         if self.fd is None or self.layout == "per-tensor":
             self._close()
-            self.location = (f"{self.name}.data" if self.layout == "single"
-                             else f"{self.name}.{self.count}.data")
+            self.location = data_file_name(self.name, self.layout, self.count)
             path = self.folder / self.location
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
                               default_file_mode())
