@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import onnx
-from onnx import external_data_helper
 
 from ... import progress
 from ...errors import AmpError, first_line
@@ -39,6 +38,7 @@ from .emit import (
 from .load import (
     PROTOBUF_LIMIT,
     all_tensors,
+    load_external_data,
     load_onnx,
     op_in_opset,
     read_model_file,
@@ -102,7 +102,7 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
                             ) as (fused_path, summary):
             model, report = convert_model(fused_path, options_after(options), pins=pins)
             if has_external_data(model):  # the caller gets a model that outlives the folder
-                external_data_helper.load_external_data_for_model(model, str(fused_path.parent))
+                load_external_data(model, fused_path.parent)
         report.optimizer = summary
         return model, report
     # A ModelProto is not copied: the conversion only reads it (emission writes what changed

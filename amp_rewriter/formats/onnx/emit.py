@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import external_data_helper, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from ...errors import AmpError
 from ...fileio import Companions, default_file_mode, open_input, pread_exact
@@ -53,6 +53,7 @@ from .load import (
     attribute_tensors,
     elem_type_code,
     external_range,
+    inline_external_data,
     walk_graph_protos,
 )
 
@@ -650,9 +651,7 @@ def _load_inline(tensor: onnx.TensorProto, base: Path | None,
     if base is None:
         raise AmpError(f"tensor {tensor.name!r} has external data, but the model was not given "
                        f"as a file path")
-    external_data_helper.load_external_data_for_tensor(tensor, str(base))
-    tensor.data_location = onnx.TensorProto.DEFAULT
-    del tensor.external_data[:]
+    inline_external_data(tensor, base)
 
 
 def _goes_external(nbytes: int, threshold: int) -> bool:

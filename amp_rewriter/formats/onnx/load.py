@@ -10,11 +10,13 @@ depends on them.
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import mmap
 import os
 import stat
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import external_data_helper, numpy_helper
+from onnx import numpy_helper
 
 from ...errors import AmpError
 from ...fileio import non_regular_kind, open_input, pread_exact, read_input_bytes
@@ -292,11 +294,66 @@ def load_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
                if t.data_location == onnx.TensorProto.EXTERNAL]
     for tensor in tensors:
         check_tensor_data(tensor, base_dir)
+    for tensor in tensors:
+        inline_external_data(tensor, base_dir)
+
+
+@contextlib.contextmanager
+def _external_file(tensor: onnx.TensorProto, base_dir: Path
+                   ) -> Iterator[tuple[int, int, int, str]]:
+    """(descriptor, offset, length, label) of an external tensor's bytes, opened by the checked
+    reader every input file goes through: a regular file inside the model's folder (links
+    inside it included; onnx's own reader refuses those, with its own error types), its range
+    within the size the file has."""
+    path, offset, length = external_range(tensor, base_dir)
+    label = f"tensor {readable(tensor.name)!r}: external data file {path.name!r}"
+    fd, size = open_input(path, label)
     try:
-        external_data_helper.load_external_data_for_model(model, str(base_dir))
-    except Exception as exc:  # onnx raises several types for data that does not fit its file
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise AmpError(f"cannot read the model's external data: {detail}") from None
+        if offset + length > size:
+            raise AmpError(f"{label}: ends before offset {offset + length} (was it changed "
+                           f"during the run?)")
+        yield fd, offset, length, label
+    finally:
+        os.close(fd)
+
+
+def read_external_bytes(tensor: onnx.TensorProto, base_dir: Path) -> bytes:
+    """The bytes of an external tensor (see `_external_file`)."""
+    with _external_file(tensor, base_dir) as (fd, offset, length, label):
+        return pread_exact(fd, length, offset, label)
+
+
+def inline_external_data(tensor: onnx.TensorProto, base_dir: Path) -> None:
+    """Put an external tensor's bytes into its `raw_data`, as onnx's loader does."""
+    _warn_unknown_external_keys(tensor)
+    tensor.raw_data = read_external_bytes(tensor, base_dir)
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    del tensor.external_data[:]
+
+
+#: The external-data keys onnx defines; others are ignored, with a warning as onnx gives one.
+_EXTERNAL_KEYS = frozenset({"location", "offset", "length", "checksum", "basepath"})
+
+
+def _warn_unknown_external_keys(tensor: onnx.TensorProto) -> None:
+    unknown = sorted({e.key[:40] for e in tensor.external_data if e.key not in _EXTERNAL_KEYS})
+    if unknown:
+        more = f" and {len(unknown) - 4} more" if len(unknown) > 4 else ""
+        warnings.warn(f"Ignoring unknown external data key(s) {unknown[:4]}{more} for tensor "
+                      f"{readable(tensor.name)!r}", stacklevel=2)
+
+
+def _external_array(tensor: onnx.TensorProto, base_dir: Path) -> np.ndarray:
+    """An external tensor's values, read by `read_external_bytes`."""
+    raw_dtype = _RAW_NUMPY_DTYPES.get(tensor.data_type)
+    if raw_dtype is not None:
+        _warn_unknown_external_keys(tensor)
+        data = read_external_bytes(tensor, base_dir)
+        return np.frombuffer(data, dtype=raw_dtype).reshape(tuple(tensor.dims))
+    copy = onnx.TensorProto()
+    copy.CopyFrom(tensor)  # a header: the data is not in the proto
+    inline_external_data(copy, base_dir)
+    return numpy_helper.to_array(copy)
 
 
 def external_range(tensor: onnx.TensorProto, base_dir: Path) -> tuple[Path, int, int]:
@@ -313,13 +370,7 @@ def external_range(tensor: onnx.TensorProto, base_dir: Path) -> tuple[Path, int,
 def _chunk_reader(tensor: onnx.TensorProto, base_dir: Path) -> ChunkReader:
     """Reads an external float32 tensor a chunk (`tensors.CHUNK_BYTES`) at a time."""
     def read() -> Iterator[np.ndarray]:
-        path, offset, length = external_range(tensor, base_dir)
-        label = f"tensor {readable(tensor.name)!r}: external data file {path.name!r}"
-        fd, size = open_input(path, label)
-        try:
-            if offset + length > size:
-                raise AmpError(f"{label}: ends before offset {offset + length} (was it changed "
-                               f"during the run?)")
+        with _external_file(tensor, base_dir) as (fd, offset, length, label):
             step = max(4, tensors.CHUNK_BYTES // 4 * 4)
             for start in range(0, length, step):
                 count = min(step, length - start)
@@ -327,8 +378,6 @@ def _chunk_reader(tensor: onnx.TensorProto, base_dir: Path) -> ChunkReader:
                     yield _mapped_floats(fd, offset + start, count)
                 else:  # no POSIX mmap flags (Windows): read a copy
                     yield np.frombuffer(pread_exact(fd, count, offset + start, label), "<f4")
-        finally:
-            os.close(fd)
     return read
 
 
@@ -367,7 +416,10 @@ class _TensorLoad:
     def __call__(self) -> np.ndarray:
         tensor = self.tensor
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            return numpy_helper.to_array(tensor, str(self.base_dir) if self.base_dir else "")
+            if self.base_dir is None:
+                raise AmpError(f"tensor {readable(tensor.name)!r} has external data, but the "
+                               f"model was not given as a file path")
+            return _external_array(tensor, self.base_dir)
         raw_dtype = _RAW_NUMPY_DTYPES.get(tensor.data_type)
         if raw_dtype is not None and tensor.HasField("raw_data"):
             # What onnx's to_array does for these, without its general dispatch (a million-node
