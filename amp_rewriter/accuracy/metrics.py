@@ -111,7 +111,7 @@ class Metric:
         that is not a finite real number is a one-line error naming the metric."""
         if self.name in BUILT_IN:
             return float(self.function(reference_outputs, outputs))
-        with _guarded(f"--metric {self.name}"):
+        with _guarded(lambda detail: f"--metric {self.name} failed ({detail})"):
             value = self.function(_read_only(reference_outputs), _read_only(outputs))
         return _checked_value(value, self.name)
 
@@ -139,7 +139,7 @@ def load_metric(spec: str, max_error: float) -> Metric:
 def _import(module_name: str, spec: str) -> Any:
     """A module by dotted name (current folder first) or by file path; its import runs guarded
     (an exception or a `sys.exit` at import time is a one-line error)."""
-    with _guarded(f"--metric {spec!r}: importing {module_name}"):
+    with _guarded(lambda detail: f"--metric {spec!r}: cannot import {module_name} ({detail})"):
         path = metric_source_file(spec)
         if path is not None:
             if not path.is_file():
@@ -161,21 +161,21 @@ ABSURD_METRIC_VALUE = 1e300
 
 
 @contextlib.contextmanager
-def _guarded(what: str) -> Iterator[None]:
+def _guarded(message: Callable[[str], str]) -> Iterator[None]:
     """Run the user's code: what it raises, `SystemExit` included (a `sys.exit` in a metric must
-    not end the tool with the metric's status), becomes an AmpError saying that `what` failed.
-    Ctrl-C stays an interruption."""
+    not end the tool with the metric's status), becomes an AmpError whose text is `message` of
+    what happened. Ctrl-C stays an interruption."""
     try:
         yield
     except AmpError:
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001  (the user's code: anything)
         if isinstance(exc, SystemExit):
-            detail = f"called sys.exit({exc.code!r})"
+            detail = f"it called sys.exit({exc.code!r})"
         else:
-            message = first_line(exc) if str(exc).strip() else ""
-            detail = f"raised {type(exc).__name__}" + (f": {message}" if message else "")
-        raise AmpError(f"{what} {detail}") from None
+            text = first_line(exc) if str(exc).strip() else ""
+            detail = type(exc).__name__ + (f": {text}" if text else "")
+        raise AmpError(message(detail)) from None
 
 
 def _read_only(outputs: Outputs) -> dict[str, np.ndarray]:

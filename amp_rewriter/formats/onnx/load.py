@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import onnx
@@ -77,12 +77,16 @@ class _Formal:
     `isHomogeneous`) but mean the same.
     """
 
-    __slots__ = ("inputs", "outputs", "constraints", "has_containers", "since_version")
+    __slots__ = ("inputs", "outputs", "constraints", "has_containers", "since_version",
+                 "input_counts", "output_counts")
 
     def __init__(self, schema: Any):
         self.inputs = [_formal_param(p) for p in schema.inputs]
         self.outputs = [_formal_param(p) for p in schema.outputs]
         self.since_version = int(schema.since_version)
+        #: (fewest, most) inputs and outputs a node of this schema may have.
+        self.input_counts = (int(schema.min_input), int(schema.max_input))
+        self.output_counts = (int(schema.min_output), int(schema.max_output))
         self.constraints: dict[str, frozenset[str]] = {}
         for constraint in schema.type_constraints:
             allowed = {_type_str_dtype(t) for t in constraint.allowed_type_strs}
@@ -110,6 +114,17 @@ class _Formal:
                 type_str, homogeneous = "", True
             result.append((type_str, homogeneous))
         return result
+
+
+def _refuse_slot_counts(node: Node, formal: _Formal) -> NoReturn:
+    """The error for a node with fewer or more inputs or outputs than its schema allows."""
+    for what, count, (fewest, most) in (("input", len(node.inputs), formal.input_counts),
+                                        ("output", len(node.outputs), formal.output_counts)):
+        if not fewest <= count <= most:
+            takes = f"{fewest}" if fewest == most else f"{fewest} to {most}"
+            raise AmpError(f"node {node.name!r} ({node.op_type}) has {count} {what}s, its "
+                           f"schema takes {takes}")
+    raise AssertionError("the slot counts fit")
 
 
 @cache
@@ -802,6 +817,9 @@ class OnnxLoader:
             node.has_schema = False
             return
         inputs, outputs = node.inputs, node.outputs
+        if not (formal.input_counts[0] <= len(inputs) <= formal.input_counts[1]
+                and formal.output_counts[0] <= len(outputs) <= formal.output_counts[1]):
+            _refuse_slot_counts(node, formal)  # the passes index the slots a schema promises
         # Most nodes fill every slot they have: then the slot counts say which are present.
         shape_key: tuple = (node.op_type, node.domain, len(inputs), len(outputs))
         if None in inputs or None in outputs:

@@ -60,9 +60,9 @@ class LossScaleConfig:
             problems.append(f"mode must be dynamic, fixed or none, not {self.mode!r}")
         if not (math.isfinite(self.initial) and self.initial > 0):
             problems.append(f"the initial scale must be a finite number > 0, got {self.initial}")
-        if not (int(self.growth_interval) == self.growth_interval and self.growth_interval >= 1):
-            problems.append(f"the growth interval must be an integer >= 1, got "
-                            f"{self.growth_interval}")
+        if not _is_step_count(self.growth_interval):
+            problems.append(f"the growth interval must be an integer from 1 to {STEP_COUNT_MAX}, "
+                            f"got {self.growth_interval}")
         if not (math.isfinite(self.growth_factor) and self.growth_factor > 1):
             problems.append(f"the growth factor must be > 1, got {self.growth_factor}")
         if not 0 < self.backoff_factor < 1:
@@ -70,10 +70,22 @@ class LossScaleConfig:
         if not (math.isfinite(self.min_scale) and self.min_scale > 0):
             problems.append(f"the minimum scale must be a finite number > 0, got "
                             f"{self.min_scale}")
-        if not (int(self.hysteresis) == self.hysteresis and self.hysteresis >= 1):
-            problems.append(f"hysteresis must be an integer >= 1, got {self.hysteresis}")
+        if not _is_step_count(self.hysteresis):
+            problems.append(f"hysteresis must be an integer from 1 to {STEP_COUNT_MAX}, got "
+                            f"{self.hysteresis}")
         if problems:
             raise AmpError("loss scale: " + "; ".join(problems))
+
+
+#: The largest growth interval or hysteresis: the step counters they are compared with are int32.
+STEP_COUNT_MAX = 2**31 - 1
+
+
+def _is_step_count(value: object) -> bool:
+    """Whether `value` is a whole number of steps an int32 counter can reach (1e23 or inf is
+    not: TensorFlow could not even make the constant)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value == int(value) and 1 <= value <= STEP_COUNT_MAX)
 
 
 class Rewires:

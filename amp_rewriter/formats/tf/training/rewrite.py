@@ -38,6 +38,7 @@ from ....passes import Pin
 from ....report import Report
 from .. import convert as tf_convert
 from .. import files
+from .._tensorflow import imported_graph
 from .loss_scale import LossScaleConfig, Rewires, build_loss_scaling
 from .plan import TrainingPlan, node_name, plan_training_graph
 
@@ -151,9 +152,7 @@ def rewrite_training_meta_graph(source: Any, options: Options, training: Trainin
                                train_op_name)
     original = {nd.name for nd in meta.graph_def.node}
 
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
+    graph = imported_graph(meta, "the training graph")
     rewires = Rewires()
     for writer, waiting in plan.deferred.items():
         for name in waiting:
@@ -244,9 +243,7 @@ def rewrite_training_graph(
     meta, names, report = rewrite_training_meta_graph(
         graph_or_graph_def_or_meta_graph, Options(target=target, backend=backend, **rest),
         training)
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
+    graph = imported_graph(meta, "the rewritten training graph")
     return TrainingRewrite(graph=graph, meta_graph_def=meta, report=report,
                            loss=names["loss"], train_op=names["train_op"],
                            loss_scale=names.get("loss_scale"), good_steps=names.get("good_steps"),
