@@ -38,6 +38,7 @@ from ...ir import (
 )
 from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES
 from ...options import EXTERNAL_LAYOUTS
+from . import ort_registry
 from .encoding import (
     GRAPH_NODE,
     MODEL_GRAPH,
@@ -742,9 +743,8 @@ def _fp16_chunk(chunk: np.ndarray, clamp: bool,
 def _ort_fp16_cast() -> Callable[[np.ndarray], np.ndarray] | None:
     """onnxruntime's Cast to float16 on one thread, as a function of a flat float32 array;
     None without onnxruntime."""
-    try:
-        import onnxruntime as ort
-    except ImportError:
+    ort = ort_registry.onnxruntime()
+    if ort is None:
         return None
     graph = helper.make_graph(
         [helper.make_node("Cast", ["x"], ["y"], to=onnx.TensorProto.FLOAT16)], "cast",
@@ -752,7 +752,7 @@ def _ort_fp16_cast() -> Callable[[np.ndarray], np.ndarray] | None:
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT16, ["n"])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 7
-    options = ort.SessionOptions()
+    options = ort_registry.session_options()
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
     session = ort.InferenceSession(model.SerializeToString(), options,

@@ -43,6 +43,8 @@ def options_after(options: Options) -> Options:
 
 def _optimizer_module() -> Any:
     try:
+        if ort_registry.onnxruntime() is None:  # imported quietly first (see there)
+            raise ImportError("onnxruntime")
         with ort_registry.quiet():
             from onnxruntime.transformers import optimizer
     except ImportError:

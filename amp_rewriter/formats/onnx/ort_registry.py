@@ -21,6 +21,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from functools import cache
 from typing import Any
 
+from ...errors import AmpError
+from ...quiet import native_stderr_silenced
+
 #: onnxruntime's provider name for its CPU kernels.
 CPU_PROVIDER = "CPUExecutionProvider"
 
@@ -28,12 +31,49 @@ CPU_PROVIDER = "CPUExecutionProvider"
 ORT_DOMAINS = ("com.microsoft", "com.microsoft.nchwc", "com.ms.internal.nhwc")
 
 
-def _bindings() -> Any | None:
-    """onnxruntime's C++ bindings module, or None when onnxruntime is not installed."""
+#: onnxruntime's log severity for its own lines: 4, fatal only. Its warnings (on every import
+#: where HOME is not writable: it cannot persist a telemetry device id) and its error lines (a
+#: kernel that fails, before the exception that says so) are not ours to print.
+_LOG_FATAL_ONLY = 4
+
+
+@cache
+def onnxruntime() -> Any | None:
+    """onnxruntime, imported once and quietly (what its C++ side writes on importing goes to
+    /dev/null, and its logger prints nothing below fatal), or None when it is not installed.
+    Every use of onnxruntime goes through here, so no run prints its log lines."""
     try:
-        from onnxruntime.capi import onnxruntime_pybind11_state as bindings
+        with native_stderr_silenced():
+            import onnxruntime as ort
     except ImportError:
         return None
+    ort.set_default_logger_severity(_LOG_FATAL_ONLY)
+    return ort
+
+
+def required() -> Any:
+    """`onnxruntime()` where a run cannot do without it: AmpError when it is not installed."""
+    ort = onnxruntime()
+    if ort is None:
+        raise AmpError("running ONNX models needs onnxruntime (pip install 'amp-rewriter[cpu]' "
+                       "or '[gpu]')")
+    return ort
+
+
+def session_options() -> Any:
+    """onnxruntime SessionOptions whose session logs nothing below fatal: a model that fails to
+    load or run raises, and the caller says so in one line."""
+    options = required().SessionOptions()
+    options.log_severity_level = _LOG_FATAL_ONLY
+    return options
+
+
+def _bindings() -> Any | None:
+    """onnxruntime's C++ bindings module, or None when onnxruntime is not installed."""
+    if onnxruntime() is None:
+        return None
+    from onnxruntime.capi import onnxruntime_pybind11_state as bindings
+
     return bindings
 
 
@@ -119,11 +159,8 @@ def cpu_kernel_for(op_type: str, domain: str, since_version: int,
 
 def version() -> str | None:
     """The installed onnxruntime's version string, or None."""
-    if _bindings() is None:
-        return None
-    import onnxruntime
-
-    return str(onnxruntime.__version__)
+    ort = onnxruntime()
+    return None if ort is None else str(ort.__version__)
 
 
 @contextlib.contextmanager

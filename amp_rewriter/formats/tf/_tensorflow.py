@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any
 
 from ...errors import AmpError, first_line
+from ...quiet import native_stderr_silenced
 
 
 def import_tensorflow() -> None:
@@ -20,21 +20,12 @@ def import_tensorflow() -> None:
     # 3: TensorFlow's own error lines too (e.g. "failed call to cuInit" on GPU-less machines);
     # failures reach the user as one AmpError line instead.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    if os.environ.get("AMP_REWRITER_DEBUG"):
-        import tensorflow  # noqa: F401
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
     try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            import tensorflow  # noqa: F401,F811
+        with native_stderr_silenced():
+            import tensorflow  # noqa: F401
     except ImportError as exc:
         raise AmpError(f"TensorFlow models need TensorFlow ({exc}); install it with "
                        f"pip install -e '.[tensorflow]'") from None
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
     # TensorFlow's Python log lines ("WARNING:tensorflow:..." when a SavedModel with reference
     # variables loads, absl's traceback for an unreadable fingerprint.pb it then ignores) are
     # not ours to print: what fails reaches the user as one AmpError line.
