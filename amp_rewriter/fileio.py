@@ -360,6 +360,11 @@ def _kind_of(path: Path) -> str | None:
         return "link" if os.path.islink(path) else None
     except OSError as exc:
         raise AmpError(f"{path}: cannot inspect it ({exc.strerror})") from None
+    return _mode_kind(mode)
+
+
+def _mode_kind(mode: int) -> str:
+    """"file", "dir" or "other" for a file mode."""
     if stat.S_ISREG(mode):
         return "file"
     if stat.S_ISDIR(mode):
@@ -487,6 +492,15 @@ class OutputTransaction:
         if not parent.is_dir():
             raise AmpError(f"{destination}: output folder {parent} does not exist")
         found = _kind_of(destination)
+        self._check_kind(destination, label, found, kind, replace_dir)
+        return found
+
+    @staticmethod
+    def _check_kind(destination: Path, label: str, found: str | None, kind: str,
+                    replace_dir: Callable[[Path], bool] | None) -> None:
+        """Refuse to replace `found` (what `_kind_of` says is at `destination`) by an entry of
+        `kind`: a device, FIFO or socket, a directory by a file or the other way round, a
+        non-empty directory that `replace_dir` does not accept."""
         if found == "other":
             raise AmpError(f"{label} {destination} is not a regular file (a device, FIFO or "
                            f"socket): refusing to replace it")
@@ -499,7 +513,6 @@ class OutputTransaction:
                 replace_dir is not None and replace_dir(destination)):
             raise AmpError(f"{label} {destination}: exists and is neither empty nor a model "
                            f"directory; refusing to replace it")
-        return found
 
     def _check_against_inputs(self, destination: Path, label: str, entry: str, target: str,
                               found: str | None, kind: str) -> None:
@@ -570,38 +583,41 @@ class OutputTransaction:
 
     def commit(self) -> None:
         """Move every staged entry into place; if one move fails, undo the others. Each entry
-        is checked first, in time linear in their number."""
+        is checked first, each with one `lstat` and lookups: linear in their number."""
         if self._done:
             raise RuntimeError("the transaction is over")
-        moves: list[tuple[Path, Path, Path]] = []  # (staged, destination, backup folder)
+        moves: list[tuple[str, str, str]] = []  # (staged, destination, backup folder)
         placed: dict[str, str] = {}  # resolved entry -> what is moved there
+        directories = [stage for stage in self._stages if stage.companions is None
+                       and os.path.isdir(stage.folder / stage.destination.name)]
         for stage in self._stages:
-            entries = sorted(os.listdir(stage.folder))
+            with os.scandir(stage.folder) as listing:
+                entries = sorted((e.name, e.is_dir(follow_symlinks=False)) for e in listing)
             # Created after listing, so its random name cannot be one of the entries.
-            backups = Path(tempfile.mkdtemp(dir=stage.folder, prefix=".old-"))
-            folder = os.path.dirname(stage.entry)
-            for name in entries:
-                source, destination = stage.folder / name, stage.destination.parent / name
-                entry = os.path.join(folder, name)
-                what = (stage.label if destination == stage.destination
-                        else f"{stage.label}'s {name}")
+            backups = tempfile.mkdtemp(dir=stage.folder, prefix=".old-")
+            # Strings, not Paths: a per-tensor layout has thousands of entries.
+            staged_in, folder = os.fspath(stage.folder), os.path.dirname(stage.entry)
+            parent = os.fspath(stage.destination.parent)
+            for name, is_dir in entries:
+                destination, entry = os.path.join(parent, name), os.path.join(folder, name)
+                kind = "dir" if is_dir else "file"
+                companion = name != stage.destination.name
+                what = f"{stage.label}'s {name}" if companion else stage.label
                 if entry in placed:
                     raise AmpError(f"{what} {destination} is also written as {placed[entry]}: "
                                    f"give each output its own path")
                 placed[entry] = f"{what} {destination}"
-                if destination != stage.destination:  # a companion: checked again, each
-                    self._check_entry(destination, what, entry,
-                                      "dir" if source.is_dir() else "file")
+                if companion:  # checked again, each
+                    self._check_companion(destination, what, entry, kind, directories)
                 elif os.path.lexists(destination):  # what may have appeared since `stage`
-                    self._check_place(destination, what, "dir" if source.is_dir() else "file",
-                                      lambda _: True)
-                moves.append((source, destination, backups))
-        done: list[tuple[Path, Path | None]] = []
+                    self._check_place(stage.destination, what, kind, lambda _: True)
+                moves.append((os.path.join(staged_in, name), destination, backups))
+        done: list[tuple[str, str | None]] = []
         try:
             for source, destination, backups in moves:
                 backup = None
                 if os.path.lexists(destination):
-                    backup = backups / destination.name
+                    backup = os.path.join(backups, os.path.basename(destination))
                     os.replace(destination, backup)
                 done.append((destination, backup))
                 os.replace(source, destination)
@@ -615,19 +631,40 @@ class OutputTransaction:
         self._done = True
         self._remove_stages()
 
-    def _check_entry(self, destination: Path, what: str, entry: str, kind: str) -> None:
-        """A companion at commit: a place it may replace, no input, no other output's file."""
-        found = self._check_place(destination, what, kind, None)
-        target = os.path.realpath(entry) if found == "link" or os.path.islink(entry) else entry
-        self._check_against_inputs(destination, what, entry, target, found, kind)
-        for stage in self._stages:  # (the same entry twice is found by `commit`)
-            if stage.entry != entry and (stage.entry == target
-                                         or _claim(stage.entry, None, entry) == "inside"):
-                raise AmpError(f"{what} {destination} is also written as {stage.claims(entry)}"
-                               f": give each output its own path")
+    def _check_companion(self, destination: str, what: str, entry: str, kind: str,
+                         directories: list[_Stage]) -> None:
+        """A file a writer put beside its destination, at commit: what is there may be
+        replaced, it is no input and lies in no directory output. Its folder is its
+        destination's, checked at `stage`; one `lstat` says what is there (a link, rare, is
+        followed)."""
+        try:
+            info = os.lstat(destination)
+        except FileNotFoundError:
+            info = None
+        except OSError as exc:
+            raise AmpError(f"{destination}: cannot inspect it ({exc.strerror})") from None
+        if info is None:
+            found, target, inode = None, entry, None
+        elif stat.S_ISLNK(info.st_mode):
+            found, target = _kind_of(Path(destination)), os.path.realpath(entry)
+            inode = _inode(target)
+        else:
+            found, target = _mode_kind(info.st_mode), entry
+            inode = (info.st_dev, info.st_ino)
+        self._check_kind(Path(destination), what, found, kind, None)
+        inputs = self._all_inputs() if found is not None else self._inputs
+        what_input = inputs.same(entry, target, inode=inode)
+        if what_input is not None:
+            raise AmpError(f"{what} {destination} is {what_input}: refusing to overwrite it")
+        if target != entry:
+            self._check_against_inputs(Path(destination), what, entry, target, found, kind)
+        for stage in directories:
+            if _claim(stage.entry, None, target) in ("same", "inside"):
+                raise AmpError(f"{what} {destination} is also written as "
+                               f"{stage.claims(target)}: give each output its own path")
 
     @staticmethod
-    def _undo(done: list[tuple[Path, Path | None]]) -> None:
+    def _undo(done: list[tuple[str, str | None]]) -> None:
         """Put back what a failed commit moved: new entries out, old ones back in."""
         for destination, backup in reversed(done):
             if backup is None or os.path.lexists(backup):
@@ -653,8 +690,8 @@ class OutputTransaction:
             self.rollback()
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    elif os.path.lexists(path):
+        os.unlink(path)

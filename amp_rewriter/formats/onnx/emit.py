@@ -778,8 +778,9 @@ class _DataFiles:
 
     def __init__(self, model_path: Path, layout: str,
                  progress: Callable[[int], None] | None):
-        self.folder = model_path.parent
+        self.folder = os.fspath(model_path.parent)
         self.name = model_path.name
+        self.mode = default_file_mode()
         self.layout = layout
         self.progress = progress
         self.count = 0
@@ -803,9 +804,8 @@ class _DataFiles:
         if self.fd is None or self.layout == "per-tensor":
             self._close()
             self.location = data_file_name(self.name, self.layout, self.count)
-            path = self.folder / self.location
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                              default_file_mode())
+            self.fd = os.open(os.path.join(self.folder, self.location),
+                              os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, self.mode)
             self.offset = 0
         self.count += 1
         return self.location, self.offset
