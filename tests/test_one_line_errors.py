@@ -109,10 +109,10 @@ def fine(reference, outputs):
 @pytest.mark.parametrize("function, message", [
     ("exits", "failed (it called sys.exit(7))"),
     ("raises", "failed (ValueError: no good)"),
-    ("huge", "returned 10000000000000000000...00000000 (401 characters): a metric must give "
-             "a finite number"),
-    ("nan", "returned nan: a metric must give a finite number"),
-    ("inf", "returned inf: a metric must give a finite number"),
+    ("huge", "returned 10000000000000000000...00000000 (401 characters) on finite outputs: "
+             "a metric must give a finite number"),
+    ("nan", "returned nan on finite outputs: a metric must give a finite number"),
+    ("inf", "returned inf on finite outputs: a metric must give a finite number"),
     ("text", "returned str, expected a number"),
     ("nothing", "returned NoneType, expected a number"),
     ("writes", "failed (ValueError: assignment destination is read-only)"),
@@ -125,6 +125,28 @@ def test_a_misbehaving_metric_is_one_line_exit_2(tmp_path: Path, capsys, functio
     line = _refused(capsys, tmp_path, "convert", model, tmp_path / "out.onnx", "--auto",
                     "--max-error", "1", "--metric", spec, "--report", tmp_path / "r.json")
     assert line.startswith(f"amp-rewriter: error: --metric {spec} {message}"), line
+
+
+def test_a_metric_may_say_nan_of_outputs_that_overflowed() -> None:
+    """NaN (or inf) from a user metric is an error on finite outputs, but "fails" on outputs
+    that hold NaN or inf themselves: a candidate that overflowed (scripts/allclose_metric.py
+    says NaN there), which the search must be able to reject and go on."""
+    import math
+
+    from amp_rewriter.accuracy.metrics import Metric
+
+    def nan_when_nonfinite(reference, outputs):
+        return float(np.max(np.abs(outputs["y"] - reference["y"]))) \
+            if np.isfinite(outputs["y"]).all() else float("nan")
+
+    metric = Metric("file.py:nan_when_nonfinite", nan_when_nonfinite, 1.0)
+    reference = {"y": np.ones(4, np.float32)}
+    assert metric.evaluate(reference, {"y": np.ones(4, np.float32)}) == 0.0
+    overflowed = metric.evaluate(reference, {"y": np.array([1, np.inf, 1, 1], np.float16)})
+    assert overflowed == math.inf and not metric.passes(overflowed)
+    minus = Metric("file.py:minus_inf", lambda reference, outputs: -math.inf, 1.0)
+    with pytest.raises(Exception, match="returned -inf: a metric must give a finite number"):
+        minus.evaluate(reference, {"y": np.array([np.nan] * 4, np.float32)})
 
 
 def test_a_metric_module_that_exits_on_import_is_one_line(tmp_path: Path, capsys) -> None:

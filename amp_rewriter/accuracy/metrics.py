@@ -3,7 +3,11 @@
 A metric is a function ``f(reference_outputs, outputs) -> float``: both arguments map each model
 output's name to its array for one calibration batch (the fp32 model's, the converted model's);
 lower is better. It is called once per batch and the worst (largest) value counts: the
-conversion passes when it is ``<= --max-error``. A NaN result fails.
+conversion passes when it is ``<= --max-error``. A user function runs guarded (`Metric.evaluate`):
+it gets read-only arrays; an exception, a `sys.exit`, something that is no number, and NaN, inf
+or a value past 1e300 on outputs that are all finite are a one-line error naming the metric
+(exit 2); on outputs that hold NaN or inf (a candidate that overflowed), NaN or inf means the
+candidate fails.
 
 Built in:
 
@@ -108,12 +112,14 @@ class Metric:
     def evaluate(self, reference_outputs: Outputs, outputs: Outputs) -> float:
         """The metric on one batch. A user function runs guarded: it gets read-only arrays
         (the reference outputs serve every trial), and an exception, a `sys.exit`, or a value
-        that is not a finite real number is a one-line error naming the metric."""
+        that is no real number is a one-line error naming the metric; so is NaN, inf or a value
+        beyond 1e300, unless the outputs it judged hold NaN or inf themselves (a conversion that
+        overflowed: then it fails, as inf)."""
         if self.name in BUILT_IN:
             return float(self.function(reference_outputs, outputs))
         with _guarded(lambda detail: f"--metric {self.name} failed ({detail})"):
             value = self.function(_read_only(reference_outputs), _read_only(outputs))
-        return _checked_value(value, self.name)
+        return _checked_value(value, self.name, _any_nonfinite(outputs))
 
     def passes(self, value: float) -> bool:
         """Whether a metric value holds (NaN never does)."""
@@ -188,9 +194,11 @@ def _read_only(outputs: Outputs) -> dict[str, np.ndarray]:
     return views
 
 
-def _checked_value(value: object, name: str) -> float:
-    """A metric's result as a float: a real number (or a one-element array of one), finite and
-    not absurdly large; NaN or inf cannot rank two candidates, and 10**400 is no error size."""
+def _checked_value(value: object, name: str, outputs_nonfinite: bool) -> float:
+    """A metric's result as a float (see `Metric.evaluate`): a real number (or a one-element
+    array of one), finite and not absurdly large; NaN, +inf or a huge value count as "fails"
+    (inf) only where the outputs were not finite themselves, -inf never (it would pass
+    anything)."""
     if isinstance(value, np.ndarray) and value.size == 1:
         value = value.reshape(-1)[0]
     if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
@@ -199,12 +207,26 @@ def _checked_value(value: object, name: str) -> float:
     try:
         number = float(value)
     except OverflowError:  # an int past float's range
-        number = math.inf
-    if not math.isfinite(number) or abs(number) > ABSURD_METRIC_VALUE:
-        raise AmpError(f"--metric {name} returned {_shown(value)}: a metric must give a finite "
-                       f"number (lower is better; for a conversion that fails, return a large "
-                       f"one rather than inf or NaN)")
-    return number
+        number = math.inf if isinstance(value, numbers.Integral) and int(value) > 0 \
+            else -math.inf
+    if math.isfinite(number) and abs(number) <= ABSURD_METRIC_VALUE:
+        return number
+    if outputs_nonfinite and not number < 0:
+        return math.inf
+    where = "" if outputs_nonfinite else " on finite outputs"
+    raise AmpError(f"--metric {name} returned {_shown(value)}{where}: a metric must give a "
+                   f"finite number (lower is better; for a conversion that fails, a large one)")
+
+
+def _any_nonfinite(outputs: Outputs) -> bool:
+    """Whether some float output holds NaN or inf."""
+    for array in outputs.values():
+        data = np.asarray(array)
+        if data.dtype.name == "bfloat16":
+            data = data.astype(np.float32)
+        if np.issubdtype(data.dtype, np.floating) and not np.isfinite(data).all():
+            return True
+    return False
 
 
 def _shown(value: object) -> str:
