@@ -474,15 +474,17 @@ class OutputTransaction:
 
     @staticmethod
     def _check_name(raw: str, label: str, kind: str) -> None:
-        """A file destination must name a file: `out.onnx/` or `out/.` names a folder (Path
-        would quietly drop the slash and write `out.onnx`)."""
+        """A destination must name an entry of its own: a file destination `out.onnx/` or
+        `out/.` names a folder (Path would quietly drop the slash and write `out.onnx`), and
+        `.`, `..` or `/` name no entry a directory output could replace."""
         if "\0" in raw:
             raise AmpError(f"{label} {raw!r}: a path cannot hold a NUL byte")
-        if kind != "file":
-            return
-        name = os.path.basename(raw)
-        if raw.endswith(("/", os.sep)) or name in ("", ".", ".."):
-            raise AmpError(f"{label} {raw}: names a folder, expected an output file name")
+        if kind == "file":
+            if raw.endswith(("/", os.sep)) or os.path.basename(raw) in ("", ".", ".."):
+                raise AmpError(f"{label} {raw}: names a folder, expected an output file name")
+        elif os.path.basename(raw.rstrip("/" + os.sep)) in ("", ".", ".."):
+            raise AmpError(f"{label} {raw}: names no folder of its own; give the output "
+                           f"directory's name")
 
     def _check_place(self, destination: Path, label: str, kind: str,
                      replace_dir: Callable[[Path], bool] | None) -> str | None:
@@ -513,6 +515,11 @@ class OutputTransaction:
                 replace_dir is not None and replace_dir(destination)):
             raise AmpError(f"{label} {destination}: exists and is neither empty nor a model "
                            f"directory; refusing to replace it")
+        if found == "dir" and kind == "dir":
+            here, target = os.path.realpath(os.getcwd()), os.path.realpath(destination)
+            if here == target or here.startswith(target.rstrip(os.sep) + os.sep):
+                raise AmpError(f"{label} {destination}: is (or holds) the current folder; "
+                               f"refusing to replace it")
 
     def _check_against_inputs(self, destination: Path, label: str, entry: str, target: str,
                               found: str | None, kind: str) -> None:
@@ -552,8 +559,10 @@ class OutputTransaction:
             return
         for name in names:
             path = destination.parent / name
-            self._check_against_inputs(path, f"{label} {destination}'s {companions.what}",
-                                       *_resolved_entry(path), _kind_of(path), "file")
+            what = f"{label} {destination}'s {companions.what}"
+            found = _kind_of(path)
+            self._check_kind(path, what, found, "file", None)  # a folder, a FIFO there
+            self._check_against_inputs(path, what, *_resolved_entry(path), found, "file")
 
     # -- staging and committing ---------------------------------------------------------------
     def stage(self, destination: str | os.PathLike, label: str = "output", kind: str = "file",
@@ -573,8 +582,9 @@ class OutputTransaction:
         if companions is not None:
             self._check_companions(destination, label, entry, companions)
         sweep_abandoned(destination.parent)
-        try:
-            folder = Path(tempfile.mkdtemp(dir=destination.parent, prefix=owned_prefix()))
+        try:  # absolute: a commit must not depend on the current folder
+            folder = Path(os.path.abspath(tempfile.mkdtemp(dir=destination.parent,
+                                                           prefix=owned_prefix())))
         except OSError as exc:
             raise AmpError(f"{destination}: cannot write in {destination.parent} "
                            f"({exc.strerror})") from None
@@ -597,9 +607,9 @@ class OutputTransaction:
             backups = tempfile.mkdtemp(dir=stage.folder, prefix=".old-")
             # Strings, not Paths: a per-tensor layout has thousands of entries.
             staged_in, folder = os.fspath(stage.folder), os.path.dirname(stage.entry)
-            parent = os.fspath(stage.destination.parent)
             for name, is_dir in entries:
-                destination, entry = os.path.join(parent, name), os.path.join(folder, name)
+                # Moved by its resolved, absolute entry: the same place, whatever moves.
+                destination = entry = os.path.join(folder, name)
                 kind = "dir" if is_dir else "file"
                 companion = name != stage.destination.name
                 what = f"{stage.label}'s {name}" if companion else stage.label

@@ -251,12 +251,18 @@ def files_read(config: str | os.PathLike | None = None,
     files = []
     given = [] if inputs is None else [inputs] if isinstance(inputs, (str, os.PathLike)) \
         else list(inputs)
-    files += [(Path(path), "the --inputs file") for path in given]
+    files += [(Path(path), "the --inputs folder" if os.path.isdir(path) else "the --inputs file")
+              for path in given]
     if config is not None:
         files.append((Path(config), "the --config file"))
     metric_file = metric_source_file(metric or "")
     if metric_file is not None:
         files.append((metric_file, "the --metric file"))
+    elif metric and ":" in metric:  # a module by name: where the current folder would hold it
+        parts = Path(*metric.rpartition(":")[0].split("."))
+        files += [(candidate, "the --metric module") for candidate in
+                  (parts.with_name(parts.name + ".py"), parts / "__init__.py")
+                  if parts.name and candidate.exists()]
     return files
 
 

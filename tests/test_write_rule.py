@@ -266,3 +266,44 @@ def test_an_output_or_report_naming_a_folder_is_refused(chain: Path, tmp_path: P
     message = _refused(capsys, tmp_path, "convert", chain, tmp_path / "out.onnx", "--report",
                        f"{tmp_path}/report.json{suffix}")
     assert "names a folder" in message
+
+
+# -- what the fuzzer's new families and review found beside the items --------------------------
+
+def test_a_directory_output_may_not_be_dot_or_hold_the_current_folder(tmp_path: Path, capsys,
+                                                                      monkeypatch) -> None:
+    """`convert sm .` was an unexpected FileExistsError; `convert sm ../here` from inside
+    `here` moved the current folder away mid-commit and lost it."""
+    from amp_rewriter.fileio import OutputTransaction
+
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "keep.txt").write_text("mine\n")
+    monkeypatch.chdir(here)
+    for name in (".", "./", "..", "/"):
+        with OutputTransaction() as outputs, pytest.raises(amp_rewriter.AmpError,
+                                                           match="names no folder of its own"):
+            outputs.stage(name, "output", "dir", replace_dir=lambda _: True)
+    for name in ("../here", str(here), "../../" + tmp_path.name):
+        with OutputTransaction() as outputs, pytest.raises(amp_rewriter.AmpError,
+                                                           match="holds\\) the current folder"):
+            outputs.stage(name, "output", "dir", replace_dir=lambda _: True)
+    assert (here / "keep.txt").read_text() == "mine\n"
+
+
+def test_a_folder_where_the_output_writes_its_data_is_refused_at_stage(chain: Path,
+                                                                        tmp_path: Path,
+                                                                        capsys) -> None:
+    (tmp_path / "out.onnx.data").mkdir()
+    message = _refused(capsys, tmp_path, "convert", chain, tmp_path / "out.onnx")
+    assert "external data" in message and "is a directory" in message
+
+
+def test_a_metric_module_found_by_name_is_an_input_too(chain: Path, tmp_path: Path, capsys,
+                                                       monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_metric.py").write_text("def zero(reference, outputs):\n    return 0.0\n")
+    message = _refused(capsys, tmp_path, "convert", chain, tmp_path / "out.onnx", "--auto",
+                       "--max-error", "1", "--metric", "my_metric:zero", "--report",
+                       "my_metric.py")
+    assert "is the --metric module: refusing to overwrite it" in message
