@@ -6,8 +6,9 @@ commit comparing every data file with every other).
     python scripts/bench_external_layouts.py                  # 10,000 tensors, 3 rounds
     python scripts/bench_external_layouts.py --tensors 3000 --rounds 5
 
-The model is a chain of Add nodes, each adding its own [32, 32] float32 weight (4 KiB; 2 KiB
-in fp16, so every converted weight goes external under the default threshold). Both layouts
+The model is models/many_weights.py: a chain of Add nodes, each adding its own [32, 32] float32
+weight (4 KiB; 2 KiB in fp16, so every converted weight goes external under the default
+threshold). Both layouts
 convert the same file through the CLI's `main` in this process, interleaved (single, then
 per-tensor, then per-tensor, then single, ...) after one warm-up run of each, so drift in the
 machine's load falls on both alike; each run writes into a fresh, empty folder of its own. The
@@ -29,34 +30,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from amp_rewriter import cli  # noqa: E402
+from models.many_weights import build_model  # noqa: E402
 
 LAYOUTS = ("single", "per-tensor")
-
-
-def build_model(tensors: int, side: int = 32) -> onnx.ModelProto:
-    """x + w0 + w1 + ... with `tensors` distinct [side, side] float32 weights."""
-    rng = np.random.default_rng(0)
-    nodes, weights, previous = [], [], "x"
-    for index in range(tensors):
-        name = f"w{index}"
-        weights.append(numpy_helper.from_array(
-            rng.standard_normal((side, side)).astype(np.float32), name))
-        output = "y" if index == tensors - 1 else f"h{index}"
-        nodes.append(helper.make_node("Add", [previous, name], [output], name=f"add{index}"))
-        previous = output
-    graph = helper.make_graph(
-        nodes, "many_weights", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [side, side])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [side, side])], weights)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
 
 
 def convert_once(source: Path, folder: Path, layout: str) -> float:

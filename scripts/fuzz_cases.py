@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import onnx
-import onnx.numpy_helper
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
@@ -45,7 +44,7 @@ def build_seeds(seed_dir: Path) -> None:
     from google.protobuf import text_format
 
     from amp_rewriter.formats.onnx.validate import random_inputs
-    from models import BUILDERS, tf_graphs, tf_saved_models
+    from models import BUILDERS, many_weights, tf_graphs, tf_saved_models
 
     onnx_dir = seed_dir / "onnx"
     onnx_dir.mkdir(parents=True, exist_ok=True)
@@ -65,7 +64,7 @@ def build_seeds(seed_dir: Path) -> None:
     model.graph.node[0].name = LONG_NAME
     (onnx_dir / "long_name.onnx").write_bytes(model.SerializeToString())
     # many small weights: inline, and with one external data file per tensor
-    many = many_weights_model(MANY_TENSORS)
+    many = many_weights.build_model(MANY_TENSORS, MANY_SIDE)
     (onnx_dir / "many.onnx").write_bytes(many.SerializeToString())
     (onnx_dir / "many_ext").mkdir(exist_ok=True)
     onnx.save_model(many, str(onnx_dir / "many_ext" / "model.onnx"), save_as_external_data=True,
@@ -101,24 +100,6 @@ def build_seeds(seed_dir: Path) -> None:
 #: fp16, so each goes to its own file with --external-data per-tensor.
 MANY_TENSORS = 300
 MANY_SIDE = 32
-
-
-def many_weights_model(count: int, side: int = MANY_SIDE) -> onnx.ModelProto:
-    """x + w0 + w1 + ... : `count` distinct float32 weights of [side, side]."""
-    rng = np.random.default_rng(count)
-    nodes, weights, previous = [], [], "x"
-    for index in range(count):
-        weights.append(onnx.numpy_helper.from_array(
-            rng.standard_normal((side, side)).astype(np.float32), f"w{index}"))
-        output = "y" if index == count - 1 else f"h{index}"
-        nodes.append(helper.make_node("Add", [previous, f"w{index}"], [output], name=f"add{index}"))
-        previous = output
-    graph = helper.make_graph(
-        nodes, "many", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [side, side])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [side, side])], weights)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
 
 
 def _placeholder_shape(path: Path):

@@ -20,7 +20,7 @@ import pytest
 from conftest import one_error_line
 from conftest import run_in_process as run
 from onnx import TensorProto, helper, numpy_helper
-from test_outputs import snapshot
+from test_outputs import _refused, snapshot
 
 import amp_rewriter
 
@@ -59,15 +59,6 @@ def _save_external(model: onnx.ModelProto, path: Path) -> Path:
 def chain(tmp_path: Path) -> Path:
     """Two weights in model/m.onnx.data."""
     return _save_external(_matmul_chain(2), tmp_path / "model" / "m.onnx")
-
-
-def _refused(capsys, folder: Path, *args) -> str:
-    """Run; assert exit 2, one line, and nothing under `folder` changed."""
-    before = snapshot(folder)
-    code, _, err = run(capsys, *args)
-    assert code == 2, err
-    assert snapshot(folder) == before
-    return one_error_line(err)
 
 
 def _computes_the_chain(path: Path, count: int = 2) -> None:
