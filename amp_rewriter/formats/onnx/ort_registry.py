@@ -31,23 +31,24 @@ CPU_PROVIDER = "CPUExecutionProvider"
 ORT_DOMAINS = ("com.microsoft", "com.microsoft.nchwc", "com.ms.internal.nhwc")
 
 
-#: onnxruntime's log severity for its own lines: 4, fatal only. Its warnings (on every import
-#: where HOME is not writable: it cannot persist a telemetry device id) and its error lines (a
-#: kernel that fails, before the exception that says so) are not ours to print.
+#: The log severity of our onnxruntime sessions: 4, fatal only. A kernel that fails logs its
+#: coloured "[E:onnxruntime ...] ExecuteKernel" line before the exception that says so, which
+#: is ours to print, in one line.
 _LOG_FATAL_ONLY = 4
 
 
 @cache
 def onnxruntime() -> Any | None:
-    """onnxruntime, imported once and quietly (what its C++ side writes on importing goes to
-    /dev/null, and its logger prints nothing below fatal), or None when it is not installed.
-    Every use of onnxruntime goes through here, so no run prints its log lines."""
+    """onnxruntime, imported once and quietly, or None when it is not installed: what its C++
+    side writes while it starts goes to /dev/null (where HOME is not writable, a warning on every
+    run that it cannot persist a telemetry device id). Its default logger is left as it is (a
+    program using the API keeps its own settings); our sessions log through
+    `session_options`. Every use of onnxruntime here goes through this function."""
     try:
         with native_stderr_silenced():
             import onnxruntime as ort
     except ImportError:
         return None
-    ort.set_default_logger_severity(_LOG_FATAL_ONLY)
     return ort
 
 
