@@ -596,7 +596,8 @@ class OutputTransaction:
         is checked first, each with one `lstat` and lookups: linear in their number."""
         if self._done:
             raise RuntimeError("the transaction is over")
-        moves: list[tuple[str, str, str]] = []  # (staged, destination, backup folder)
+        # (staged, destination, backup folder, whether something is there to back up)
+        moves: list[tuple[str, str, str, bool]] = []
         placed: dict[str, str] = {}  # resolved entry -> what is moved there
         directories = [stage for stage in self._stages if stage.companions is None
                        and os.path.isdir(stage.folder / stage.destination.name)]
@@ -618,15 +619,17 @@ class OutputTransaction:
                                    f"give each output its own path")
                 placed[entry] = f"{what} {destination}"
                 if companion:  # checked again, each
-                    self._check_companion(destination, what, entry, kind, directories)
-                elif os.path.lexists(destination):  # what may have appeared since `stage`
-                    self._check_place(stage.destination, what, kind, lambda _: True)
-                moves.append((os.path.join(staged_in, name), destination, backups))
+                    there = self._check_companion(destination, what, entry, kind, directories)
+                else:
+                    there = os.path.lexists(destination)
+                    if there:  # what may have appeared since `stage`
+                        self._check_place(stage.destination, what, kind, lambda _: True)
+                moves.append((os.path.join(staged_in, name), destination, backups, there))
         done: list[tuple[str, str | None]] = []
         try:
-            for source, destination, backups in moves:
+            for source, destination, backups, there in moves:
                 backup = None
-                if os.path.lexists(destination):
+                if there:
                     backup = os.path.join(backups, os.path.basename(destination))
                     os.replace(destination, backup)
                 done.append((destination, backup))
@@ -642,11 +645,11 @@ class OutputTransaction:
         self._remove_stages()
 
     def _check_companion(self, destination: str, what: str, entry: str, kind: str,
-                         directories: list[_Stage]) -> None:
+                         directories: list[_Stage]) -> bool:
         """A file a writer put beside its destination, at commit: what is there may be
         replaced, it is no input and lies in no directory output. Its folder is its
         destination's, checked at `stage`; one `lstat` says what is there (a link, rare, is
-        followed)."""
+        followed). Returns whether something is there now."""
         try:
             info = os.lstat(destination)
         except FileNotFoundError:
@@ -672,6 +675,7 @@ class OutputTransaction:
             if _claim(stage.entry, None, target) in ("same", "inside"):
                 raise AmpError(f"{what} {destination} is also written as "
                                f"{stage.claims(target)}: give each output its own path")
+        return info is not None
 
     @staticmethod
     def _undo(done: list[tuple[str, str | None]]) -> None:
