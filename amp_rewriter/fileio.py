@@ -321,7 +321,10 @@ class _PathIndex:
         self.folders: dict[str, str] = {}
 
     def add(self, path: Path, what: str) -> None:
-        resolved = os.path.realpath(path)
+        try:
+            resolved = os.path.realpath(path)
+        except ValueError:  # a NUL in the path (the API): nothing there to overwrite
+            return
         self.by_path.setdefault(resolved, what)
         inode = _inode(resolved)
         if inode is not None:
