@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 import os
 import re
@@ -12,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from .arrays import read_npz
 from .errors import AmpError
-from .fileio import read_input_bytes
 from .ir import LOW_PRECISION_DTYPES, LazyTensor
 from .ir.dtypes import NUMPY_DTYPES
 from .report import CheckRule
@@ -124,15 +123,11 @@ def default_rtol(target: str) -> float:
 
 
 def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Inputs from an .npz file, keyed by input name."""
+    """Inputs from an .npz file, keyed by input name (read by `arrays.read_npz`: a regular file,
+    its arrays no bigger than the file can hold)."""
     if not os.path.exists(path):
         raise AmpError(f"{path}: inputs file not found")
-    raw = read_input_bytes(path, "expected an .npz file of inputs", "inputs file")
-    try:
-        with np.load(io.BytesIO(raw)) as data:
-            return {k: data[k] for k in data.files}
-    except Exception as exc:  # numpy raises several types for a bad file
-        raise AmpError(f"{path}: not an .npz file of inputs ({type(exc).__name__})") from None
+    return read_npz(path, "inputs file")
 
 
 # -- `check`: low-precision constants against the fp32 model's ---------------------------------

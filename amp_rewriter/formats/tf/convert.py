@@ -35,6 +35,7 @@ from ...precision_map import PrecisionMap
 from ...report import NodeEntries, Report, build_report
 from ...training.passes import TrainingContext
 from ..base import cyclic_gc_paused
+from ._tensorflow import imported_graph
 from .emit import emit_function, emit_graphdef
 from .files import (
     is_saved_model_dir,
@@ -189,12 +190,7 @@ def convert_meta_graph_file(input_path: Path, output_path: Path, options: Option
 
 def check_graphdef(graph_def: graph_pb2.GraphDef) -> None:
     """Import into a fresh tf.Graph (checks every op, input dtype and attr); AmpError if not."""
-    try:
-        with tf.Graph().as_default():
-            tf.compat.v1.import_graph_def(graph_def, name="")
-    except Exception as exc:  # TF raises ValueError / InvalidArgumentError
-        raise AmpError(f"the converted graph does not import into TensorFlow: "
-                       f"{first_line(exc)}") from None
+    imported_graph(graph_def, "the converted graph")
 
 
 def _convertible(fdef) -> bool:

@@ -36,6 +36,7 @@ from ....report import Report
 from ....training.passes import TrainingContext
 from .. import convert as tf_convert
 from .. import files
+from .._tensorflow import imported_graph
 from .ops import TfTrainingOps, TfVariableNodes
 from .plan import find_training_plan, node_name
 
@@ -263,9 +264,7 @@ def rewrite_training_graph(
     meta, names, report = rewrite_training_meta_graph(
         graph_or_graph_def_or_meta_graph, Options(target=target, backend=backend, **rest),
         training)
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
+    graph = imported_graph(meta, "the rewritten training graph")
     return TrainingRewrite(graph=graph, meta_graph_def=meta, report=report,
                            loss=names["loss"], train_op=names["train_op"],
                            loss_scale=names.get("loss_scale"), good_steps=names.get("good_steps"),
