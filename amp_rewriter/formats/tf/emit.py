@@ -32,6 +32,7 @@ from tensorflow.core.framework import (
 
 from ...ir import Graph, IRError, LazyTensor, Model, Node, Value, present, unique_name
 from ...ir.dtypes import NUMPY_DTYPES
+from ...ir.rounding import NEAREST, ROUNDING_ATTR, rounding_of
 from .load import OpDefs, Port, TfGraphSource, dtype_enum, expand_ports
 
 _INVALID = re.compile(r"[^A-Za-z0-9_./>-]")
@@ -122,9 +123,10 @@ _ATTR_WRITERS: dict[str, Callable[[attr_value_pb2.AttrValue, Any], None]] = {
     "list(shape)": lambda a, v: a.list.shape.extend(_shape_attr(x) for x in v),
 }
 
-#: The IR's own attribute of its cast op (the target dtype): TF writes it as `DstT`, the dtype
-#: of the cast's output.
-_IR_CAST_ATTRS = frozenset({"to"})
+#: The IR's own attributes of its cast op: the target dtype (TF writes it as `DstT`, the dtype
+#: of the cast's output) and the rounding mode (a stochastic cast is lowered before it is
+#: written: formats/tf/rounding.py).
+_IR_CAST_ATTRS = frozenset({"to", ROUNDING_ATTR})
 
 
 def _arg_counts(node: Node, op_def: op_def_pb2.OpDef, args, total: int) -> list[int]:
@@ -256,6 +258,9 @@ class _Emitter:
         op_def = self.opdefs.get(node.op_type)
         if op_def is None:
             raise IRError(f"{node.name}: TensorFlow has no op {node.op_type!r}")
+        if node.op_type == "Cast" and rounding_of(node.attrs) != NEAREST:
+            raise IRError(f"{node.name}: a {rounding_of(node.attrs)} rounding Cast is written "
+                          f"only once lowered (formats/tf/rounding.py)")
         nd = node_def_pb2.NodeDef(name=self.node_name(node), op=node.op_type)
         nd.input.extend(self.ref(present(v)) for v in node.inputs)
         nd.input.extend(self.waits(node.control_inputs))
