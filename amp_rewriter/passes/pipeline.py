@@ -12,6 +12,7 @@ from collections.abc import Callable
 from ..errors import AmpError
 from ..ir import IRInvariantError, assert_sound, lint_enabled
 from ..training import passes as training_passes  # noqa: F401  (registers the training passes)
+from ..training import weights as weight_passes  # noqa: F401  (and those of 16-bit weights)
 from . import analysis, rewrite  # noqa: F401  (importing them registers their passes)
 from .base import REGISTRY, Pass, PassContext, PassResult
 
@@ -36,6 +37,8 @@ _TF_PASSES = [
 TRAINING_PASSES = [
     "pin_training_path",
     "move_waited_writes",
+    "update_weights_in_fp32",
+    "store_weights_in_low_precision",
     "create_loss_scale_state",
     "scale_gradient_seeds",
     "unscale_gradients",

@@ -28,9 +28,10 @@ import numpy as np
 
 from ..ir import FLOAT32, Node, Value, decisions
 from ..passes.base import PassContext, register_pass
-from .ops import StateVariable, TrainingOps
+from .ops import StateVariable, StoredVariable, TrainingOps
 from .plan import TrainingPlan
 from .rule import LossScaleRule
+from .update import UpdateOptions
 
 LOSS_REASON = "the loss stays fp32"
 GRADIENT_SUM_REASON = ("adds up the gradients of a variable used more than once: gradients "
@@ -49,6 +50,7 @@ class TrainingContext:
     plan: TrainingPlan
     rule: LossScaleRule
     ops: TrainingOps
+    update_options: UpdateOptions = field(default_factory=UpdateOptions)
     #: The scale a step uses (a state variable's value, or a constant for a fixed rule).
     scale: Value | None = None
     scale_state: StateVariable | None = None
@@ -61,6 +63,9 @@ class TrainingContext:
     update: Node | None = None
     #: Every node the training passes added, in the order they were made.
     added: list[Node] = field(default_factory=list)
+    #: The variables stored in 16 bits, and the step counter their random bits are keyed by.
+    stored: list[StoredVariable] = field(default_factory=list)
+    rounding_step: StateVariable | None = None
 
     def states(self) -> list[StateVariable]:
         """The scaler's state variables (none for a fixed or absent scale)."""
@@ -75,7 +80,9 @@ def training_of(ctx: PassContext) -> TrainingContext:
     return ctx.training
 
 
-def _commit(training: TrainingContext) -> int:
+def commit(training: TrainingContext) -> int:
+    """Put the nodes the format's ops made into the graph; returns how many (the training
+    passes' count of what they changed)."""
     added = training.ops.commit()
     training.added.extend(added)
     return len(added)
@@ -127,15 +134,16 @@ def create_loss_scale_state(ctx: PassContext) -> tuple[int, list[str]]:
     initial = np.float32(rule.initial_scale)
     if not rule.dynamic:
         training.scale = ops.constant(np.asarray(initial), "scale")
-        return _commit(training), [f"fixed scale {rule.initial_scale:g}"]
+        return commit(training), [f"fixed scale {rule.initial_scale:g}"]
     training.scale_state = ops.state_variable("scale", np.asarray(initial))
     training.good_steps = ops.state_variable("good_steps", np.asarray(0, np.int32))
     if rule.counts_bad_steps:
         training.bad_steps = ops.state_variable("bad_steps", np.asarray(0, np.int32))
     training.scale = training.scale_state.value
     for group in training.plan.initializers:
-        group.add_control_inputs(state.initializer for state in training.states())
-    changed = _commit(training)
+        group.add_control_inputs(state.initializer for state in training.states()
+                                 if state.initializer is not None)
+    changed = commit(training)
     ctx.model.graph.sort_nodes()
     return changed, [f"state: {', '.join(s.name for s in training.states())}"]
 
@@ -159,7 +167,7 @@ def scale_gradient_seeds(ctx: PassContext) -> tuple[int, list[str]]:
         scaled = ops.multiply(one, ops.cast(scale, _dtype(one), "scale_seeds/scale"),
                               "scale_seeds/scaled")
         seed.node.set_input(seed.slot, scaled)
-    _commit(training)
+    commit(training)
     return len(training.plan.seeds), []
 
 
@@ -180,7 +188,7 @@ def unscale_gradients(ctx: PassContext) -> tuple[int, list[str]]:
         for reader, slot in exit_.readers:
             reader.set_input(slot, unscaled)
         training.unscaled.append(unscaled)
-    _commit(training)
+    commit(training)
     return len(training.unscaled), []
 
 
@@ -193,7 +201,7 @@ def check_gradients_finite(ctx: PassContext) -> tuple[int, list[str]]:
         return 0, []
     checked = training.unscaled + training.plan.aggregations
     training.all_finite = training.ops.all_finite(checked, "check/all_finite")
-    _commit(training)
+    commit(training)
     return len(checked), []
 
 
@@ -205,7 +213,7 @@ def gate_variable_writes(ctx: PassContext) -> tuple[int, list[str]]:
     if not training.rule.scales or training.all_finite is None:
         return 0, []
     training.gate = training.ops.gate(training.all_finite, "gate/apply")
-    _commit(training)
+    commit(training)
     for write in training.plan.writes:
         write.node.add_control_input(training.gate)
     ctx.model.graph.sort_nodes()
@@ -264,7 +272,7 @@ def update_loss_scale(ctx: PassContext) -> tuple[int, list[str]]:
     writes.append(ops.assign(training.scale_state, new_scale, "update/assign_scale"))
     writes.append(ops.assign(training.good_steps, new_good, "update/assign_good_steps"))
     training.update = ops.group(writes, "update/update")
-    changed = _commit(training)
+    changed = commit(training)
     plan.step.add_control_input(training.update)
     ctx.model.graph.sort_nodes()
     return changed, []

@@ -3,7 +3,9 @@
 Every loaded node keeps its NodeDef; its data and control inputs are written from the IR's edges
 and its type attributes from the dtypes the IR now gives the values bound to them, so
 retargeted casts (`DstT`), casts whose source changed (`SrcT`) and painted groups all follow one
-rule. A function's control outputs (`control_ret`) come from the graph's `control_outputs`.
+rule; an attribute a pass set on it (`Node.attrs`: a variable's `dtype`) replaces the
+NodeDef's. A function's control outputs (`control_ret`) come from the graph's
+`control_outputs`.
 
 A node a pass added is written from its OpDef: its op, data and control inputs, the type
 attributes its inputs' and outputs' dtypes bind (`T`, `dtype`, `N`, list(type) attributes),
@@ -251,7 +253,20 @@ class _Emitter:
                     types[i] = enum
             elif nd.attr[attr].type != enum:
                 nd.attr[attr].type = enum
+        if node.attrs:
+            self._set_attrs(node, nd)
         return nd
+
+    def _set_attrs(self, node: Node, nd: node_def_pb2.NodeDef) -> None:
+        """Attributes a pass set on a loaded node (a variable stored in another dtype) replace
+        the NodeDef's."""
+        op_def = self.opdefs.get(node.op_type)
+        kinds = {attr.name: attr.type for attr in op_def.attr} if op_def is not None else {}
+        for name, value in node.attrs.items():
+            if name not in kinds:
+                raise IRError(f"{node.name} ({node.op_type}): no attribute {name!r} in its OpDef")
+            nd.attr[name].Clear()
+            _ATTR_WRITERS[kinds[name]](nd.attr[name], value)
 
     def added(self, node: Node) -> node_def_pb2.NodeDef:
         """The NodeDef of a node a pass added, written from its OpDef (see the module doc)."""
