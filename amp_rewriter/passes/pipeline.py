@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from ..errors import AmpError
 from ..ir import IRInvariantError, assert_sound, lint_enabled
+from ..training import accumulation as accumulation_passes  # noqa: F401  (and accumulation's)
 from ..training import passes as training_passes  # noqa: F401  (registers the training passes)
 from ..training import weights as weight_passes  # noqa: F401  (and those of 16-bit weights)
 from . import analysis, rewrite  # noqa: F401  (importing them registers their passes)
@@ -41,6 +42,8 @@ TRAINING_PASSES = [
     "store_weights_in_low_precision",
     "create_loss_scale_state",
     "scale_gradient_seeds",
+    "fold_unscale_into_optimizer",
+    "accumulate_gradients",
     "unscale_gradients",
     "check_gradients_finite",
     "gate_variable_writes",

@@ -11,8 +11,11 @@ accumulated.
   variable, the step), so a run is reproducible and every replica draws the same bits.
 - `slots`: optimizer state (momentum, Adam's m and v) stays fp32 unless this is "fp16"/"bf16".
 - `unscale`: "gradients" multiplies every gradient by 1/scale; "optimizer" folds the scale into
-  each update's learning rate or epsilon instead (exact where the scale is a power of two; a
-  fixed scale only); "auto" folds where that is exact and every update can take it.
+  each update's learning rate (SGD, momentum) or epsilon (Adam: times the scale; RMSProp: times
+  its square) instead, one scalar product per update rather than one product per gradient
+  (exact where the scale is a power of two; a fixed scale only; the optimizer's state then
+  holds scaled gradients); "auto" folds where that is exact and changes no stored value: the
+  factor is a power of two and the updates keep no state (plain SGD).
 - `accumulate`: gradients of N micro-steps are summed into fp32 accumulators and applied, as
   their mean, once per window; the loss scale stays fixed within a window.
 """
@@ -53,8 +56,9 @@ class UpdateOptions:
                                     "random bits (default 0)", metavar="N", type=int)
     unscale: str = flag_field(
         "auto", "--unscale", "where 1/loss-scale is applied: gradients (one multiply each), "
-        "optimizer (folded into learning rates or epsilons; a fixed scale) or auto (default: "
-        "folded where exact)", metavar="auto|gradients|optimizer")
+        "optimizer (folded into learning rates or epsilons; a fixed scale; slots then hold "
+        "scaled gradients) or auto (default: folded where exact and no slot changes: SGD with "
+        "a power-of-two scale)", metavar="auto|gradients|optimizer")
     accumulate: int = flag_field(1, "--accumulate", "apply the mean of N micro-steps' gradients "
                                  "once every N steps (default 1)", metavar="N", type=int)
 

@@ -64,6 +64,7 @@ class TrainingRewrite:
     bad_steps: str | None = None
     all_finite: str | None = None
     init_op: str | None = None
+    micro_step: str | None = None
 
 
 def as_meta_graph(source) -> meta_graph_pb2.MetaGraphDef:
@@ -221,6 +222,8 @@ def _names(context: TrainingContext, loss_node: str, loss_port: int) -> dict[str
     variables (None where the rule has none)."""
     names: dict[str, str | None] = {"loss": f"{loss_node}:{loss_port}",
                                     "train_op": context.plan.step.name}
+    if context.window is not None:
+        names["micro_step"] = _tensor_name(context.window.state[0].value)
     if not context.rule.scales:
         return names
 
@@ -257,6 +260,10 @@ def _training_summary(context: TrainingContext, report: Report) -> dict[str, Any
                                  if n.get("class") == "fp32" and n["name"] in optimizer_path),
         "update": context.update_options.as_dict(),
         "variables_stored_16bit": {v.name: v.dtype for v in context.stored},
+        "unscale": {"where": context.unscale, "reason": context.unscale_reason,
+                    "folded": [{"update": write, "input": what, "multiplier": multiplier}
+                               for write, what, multiplier in context.folded]},
+        "accumulators": [_tensor_name(e.value) for e in context.gradients or []],
     }
 
 
@@ -296,7 +303,8 @@ def rewrite_training_graph(
                            loss_scale_variable=names.get("loss_scale_variable"),
                            good_steps_variable=names.get("good_steps_variable"),
                            bad_steps=names.get("bad_steps_variable"),
-                           all_finite=names.get("all_finite"))
+                           all_finite=names.get("all_finite"),
+                           micro_step=names.get("micro_step"))
 
 
 def convert_training_file(input_path: Path, output_path: Path, options: Options,
