@@ -188,7 +188,7 @@ def rewrite_training_meta_graph(source: Any, options: Options, training: Trainin
             f"loss {loss_node!r} is neither the tensor the gradients are taken of "
             f"({', '.join(n.name for n in plan.differentiated)}) nor computed from it")
     names = _names(context, loss_node, _loss_port(training.loss))
-    report.training = {**names, **_training_summary(context, report)}
+    report.training = {**names, **training_summary(context, report)}
     return out, names, report
 
 
@@ -214,7 +214,7 @@ def _names(context: TrainingContext, loss_node: str, loss_port: int) -> dict[str
     return names
 
 
-def _training_summary(context: TrainingContext, report: Report) -> dict[str, Any]:
+def training_summary(context: TrainingContext, report: Report) -> dict[str, Any]:
     """The report's account of the training rewrite: the rule and what each pass touched."""
     plan, scales = context.plan, context.rule.scales
     optimizer_path = {node.name for node in plan.optimizer_path}
