@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import function_pb2, graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 from tensorflow.python.framework import op_def_registry
 
@@ -155,6 +155,25 @@ def convert_graph_def_ir(graph_def: graph_pb2.GraphDef, options: Options,
     if options.check:
         check_graphdef(converted)
     return converted, report, (ir_model, names)
+
+
+def convert_function_ir(fdef: function_pb2.FunctionDef,
+                        library: function_pb2.FunctionDefLibrary, options: Options,
+                        pipeline: str = "tf",
+                        plan_training: Callable[[Model], TrainingContext] | None = None
+                        ) -> tuple[Model, Report]:
+    """One function body through a pipeline: its IR after the passes (for `emit_function`)
+    and the report. `plan_training` is a training front end, as for `convert_graph_def_ir`;
+    the function's arguments and return values keep their dtypes."""
+    options, lists = _resolved(dataclasses.replace(options, keep_io_types=True))
+    with cyclic_gc_paused():
+        ir_model = load_function(fdef, library)
+        training = plan_training(ir_model) if plan_training is not None else None
+        report = _run(ir_model, lists, options, fdef.signature.name, pipeline,
+                      training=training)
+    report.warnings = _warnings(options, report, ir_model.handle.unknown_ops)
+    record_bf16_host_check(report)
+    return ir_model, report
 
 
 def meta_graph_fetches(meta: meta_graph_pb2.MetaGraphDef) -> list[str]:

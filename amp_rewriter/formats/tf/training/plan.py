@@ -162,16 +162,18 @@ def gradient_exits(nodes: Iterable[Node], in_scope: set[int]) -> list[GradientEx
 def assemble_plan(step: Node, seeds: list[GradientSeed], exits: list[GradientExit],
                   loss_node: Node, differentiated: list[Node], writes: list[VariableWrite],
                   in_scope: set[int], region: Iterable[Node] | None = None,
-                  initializers: list[Node] | None = None) -> TrainingPlan:
+                  initializers: list[Node] | None = None,
+                  backward: Iterable[Node] = ()) -> TrainingPlan:
     """The plan from what a front end found: the forward and backward passes are what the
-    gradients leaving the backward pass and the loss need (writes they wait for only by control
-    edges deferred to the step); the gated writes are the others; the optimizer path is the
-    rest of `region` (by default, what the gated writes need).
+    gradients leaving the backward pass, the loss and the `backward` nodes (gradients nothing
+    reads, which the runtime drops, still belong to the backward pass) need (writes they wait
+    for only by control edges deferred to the step); the gated writes are the others; the
+    optimizer path is the rest of `region` (by default, what the gated writes need).
 
     Raises AmpError when the loss has no output; a plan may come back with no writes (the
     front end says why that is wrong)."""
     graph = present_graph(step)
-    roots = [_producer(e.value) for e in exits] + [loss_node]
+    roots = [_producer(e.value) for e in exits] + [loss_node] + list(backward)
     deferred = _deferred_writes(roots, in_scope, [w.node for w in writes])
     compute = nodes_before(roots, ignored=frozenset(id(writer) for writer, _ in deferred))
     gated = [w for w in writes if w.node not in compute]
