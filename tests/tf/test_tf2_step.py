@@ -236,3 +236,23 @@ def test_bad_use_is_one_amp_error_line(make, options, message):
         amp_step(*_batch(0))
     text = str(caught.value)
     assert message in text and "\n" not in text, text
+
+
+def test_an_active_summary_writer_gets_the_scale_and_the_skipped_steps(tmp_path):
+    optimizer = keras.optimizers.SGD(0.1)
+    _model, step = _mlp(optimizer)
+    amp_step = mixed_precision(step)
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default(step=optimizer.iterations):
+        for seed, bad in ((0, False), (1, True), (2, False)):
+            amp_step(*_batch(seed, bad))
+    writer.flush()
+    logged: dict[str, list] = {}
+    for path in tmp_path.iterdir():
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                number = float(tf.make_ndarray(value.tensor))
+                logged.setdefault(value.tag, []).append((event.step, number))
+    # the writer's step is read after the step ran: the skipped one did not count
+    assert logged["amp/loss_scale"] == [(1, 2.0 ** 15), (1, 2.0 ** 14), (2, 2.0 ** 14)]
+    assert logged["amp/skipped_steps"] == [(1, 0.0), (1, 1.0), (2, 1.0)]

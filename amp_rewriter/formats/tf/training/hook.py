@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
 from tensorflow.python.eager import backprop
 from tensorflow.python.ops import resource_variable_ops, summary_ops_v2
 
@@ -50,6 +51,10 @@ from ....options import Options, TrainingOptions
 from ....report import Report
 from ....training import LossScaleRule
 from .step import RewrittenStep, rewrite_inference_function, rewrite_step_function
+
+#: What marks a summary as a scalar for TensorBoard (its scalars plugin).
+_SCALAR_METADATA = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
 
 
 def _error(message: str) -> AmpError:
@@ -282,8 +287,11 @@ class MixedPrecisionStep(_RewrittenFunction):
             scale = self.loss_scale if self.loss_scale is not None \
                 else tf.constant(self.rule.initial_scale, tf.float32)
             with tf.control_dependencies([total]):
-                tf.summary.scalar("amp/loss_scale", tf.identity(scale), step=step)
-                tf.summary.scalar("amp/skipped_steps", total, step=step)
+                for tag, value in (("amp/loss_scale", tf.identity(scale)),
+                                   ("amp/skipped_steps", total)):
+                    # tf.summary.scalar's own form, which needs TensorBoard installed
+                    tf.summary.write(tag, tf.cast(value, tf.float32), step=step,
+                                     metadata=_SCALAR_METADATA)
 
 
 class MixedPrecisionFunction(_RewrittenFunction):
