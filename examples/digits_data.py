@@ -62,3 +62,43 @@ def accuracy(model, x: np.ndarray, y: np.ndarray) -> float:
     """Share of `x` the model classifies right, in percent."""
     logits = np.asarray(model(x, training=False))
     return float(np.mean(np.argmax(logits, axis=1) == y) * 100.0)
+
+
+def keras_train_step(model, optimizer, loss_fn):
+    """The train step as a custom Keras loop writes it: loss under a GradientTape, gradients,
+    `optimizer.apply_gradients`; returns the loss."""
+    import tensorflow as tf
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step
+
+
+def versus_fp32(accuracy: float, reference: float) -> str:
+    """`accuracy` and its difference to fp32's, as the examples print them."""
+    return f"test accuracy {accuracy:.1f}% ({accuracy - reference:+.1f} vs fp32)"
+
+
+def finish(results: list, json_path: str | None, ok: bool) -> int:
+    """Write `results` to `json_path` when one is given; the exit status (1: a check failed)."""
+    if json_path:
+        import json
+        from pathlib import Path
+
+        Path(json_path).write_text(json.dumps(results, indent=1))
+    return 0 if ok else 1
+
+
+def arguments(doc: str, steps: int):
+    """An argument parser with the examples' common options (--steps, --json)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--json", help="write the results here")
+    return parser

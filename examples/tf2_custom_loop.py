@@ -18,8 +18,6 @@ fp32, or when one of those ops is left in fp32.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -47,15 +45,7 @@ def train(model_name: str, precision: str, steps: int, inf_step: int) -> dict:
     optimizer = (keras.optimizers.SGD(0.05, momentum=0.9) if images
                  else keras.optimizers.Adam(1e-3))
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
+    step = tf.function(digits_data.keras_train_step(model, optimizer, loss_fn))
     run = step if precision == "fp32" else mixed_precision(step, target=precision)
     stream = digits_data.batches(x_train, y_train, 64)
     unchanged = None
@@ -85,12 +75,21 @@ def train(model_name: str, precision: str, steps: int, inf_step: int) -> dict:
     return result
 
 
+def _summary(result: dict, reference: float) -> str:
+    """One line for a rewritten run: accuracy against fp32, the scaler, the compute ops."""
+    ops = ", ".join(f"{op} {low}/{total}"
+                    for op, (low, total) in result["low_precision_compute_ops"].items())
+    return (f"{result['model']} {result['precision']}: "
+            f"{digits_data.versus_fp32(result['test_accuracy'], reference)}, loss scale "
+            f"{result['loss_scale']}, skipped {result['skipped_steps']}, the inf batch left "
+            f"every variable unchanged: {result['inf_step_left_every_variable_unchanged']}, "
+            f"low-precision compute ops (low/total): {ops} ({result['seconds']} s)")
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser = digits_data.arguments(__doc__, steps=300)
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--inf-step", type=int, default=50)
-    parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     results, ok = [], True
     for model_name in args.models.split(","):
@@ -108,16 +107,8 @@ def main() -> int:
             skipped_right = precision != "fp16" or (
                 result["inf_step_left_every_variable_unchanged"] and result["skipped_steps"] == 1)
             ok = ok and all_low and close and skipped_right
-            print(f"{model_name} {precision}: test accuracy {result['test_accuracy']:.1f}% "
-                  f"({result['test_accuracy'] - reference:+.1f} vs fp32), loss scale "
-                  f"{result['loss_scale']}, skipped {result['skipped_steps']}, the inf batch left "
-                  f"every variable unchanged: {result['inf_step_left_every_variable_unchanged']}"
-                  f", low-precision compute ops (low/total): "
-                  f"{', '.join(f'{op} {low}/{total}' for op, (low, total) in counts.items())} "
-                  f"({result['seconds']} s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    return 0 if ok else 1
+            print(_summary(result, reference))
+    return digits_data.finish(results, args.json, ok)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ copies agree; it exits 1 when a check fails or a form ends more than 2 points be
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -114,11 +112,9 @@ def train(form: str, steps: int, bad_steps: dict[int, int], batch: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser = digits_data.arguments(__doc__, steps=300)
     parser.add_argument("--forms", default="per_replica,whole")
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     import tensorflow as tf
 
@@ -139,15 +135,13 @@ def main() -> int:
                 and result["optimizer_steps"] == args.steps - len(bad_steps)
                 and result["test_accuracy"] >= reference - 2.0)
         ok = ok and good
-        print(f"{form}: test accuracy {result['test_accuracy']:.1f}% "
-              f"({result['test_accuracy'] - reference:+.1f} vs fp32); inf in replica 1 at step "
+        print(f"{form}: {digits_data.versus_fp32(result['test_accuracy'], reference)}; "
+              f"inf in replica 1 at step "
               f"{min(bad_steps)} and replica 0 at step {max(bad_steps)}: skipped "
               f"{result['skipped_steps']}, every copy unchanged "
               f"{result['bad_steps_left_every_copy_unchanged']}; scale {result['loss_scale']:g}; "
               f"mirrored copies identical {result['copies_identical']} ({result['seconds']} s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    return 0 if ok else 1
+    return digits_data.finish(results, args.json, ok)
 
 
 if __name__ == "__main__":

@@ -129,14 +129,12 @@ def run_pair(args: argparse.Namespace, form: str) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser = digits_data.arguments(__doc__, steps=20)
     parser.add_argument("--bad-step", type=int, default=5)
     parser.add_argument("--bad-worker", type=int, default=1)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--form", choices=["whole", "per_replica", "both"], default="both")
     parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--json", help="write the workers' results here")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ports", help=argparse.SUPPRESS)
     args = parser.parse_args()

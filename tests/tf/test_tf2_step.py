@@ -5,11 +5,19 @@ Tiny models and a few steps (the accuracy runs are scripts/tf2_training.py)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+# the user's train step as the examples write it (examples/digits_data.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
+
+import digits_data  # noqa: E402
 
 from amp_rewriter.errors import AmpError  # noqa: E402
 from amp_rewriter.report import explain_text, load_report  # noqa: E402
@@ -21,15 +29,7 @@ def _mlp(optimizer):
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
                               keras.layers.Dense(3)])
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    return model, step
+    return model, digits_data.keras_train_step(model, optimizer, loss_fn)
 
 
 def _batch(seed, bad=False, rows=16):

@@ -237,14 +237,15 @@ def _state_variable(initial: Any, dtype: tf.DType, name: str) -> tf.Variable:
 class MixedPrecisionStep(_RewrittenFunction):
     """A train step run in mixed precision with in-graph loss scaling (see the module
     docstring). `loss_scale` (float32), `good_steps` (int32) and `bad_steps` (int32, with
-    hysteresis) are the scaler's variables (None where the rule has none: a fixed scale is a
-    constant, bf16's default has no scale); `skipped_steps` (int64) counts the steps skipped
-    for a non-finite gradient; `report` is the last trace's Report (`explain` reads it)."""
+    hysteresis) are the scaler's variables (None where the rule has none; a fixed scale is a
+    constant tensor, bf16's default has no scale); `skipped_steps` (int64) counts the steps
+    skipped for a non-finite gradient; `report` is the last trace's Report (`explain` reads
+    it)."""
 
     def __init__(self, step: Any, options: Options, rule: LossScaleRule):
         super().__init__(step, options, "mixed_precision_step")
         self.rule = rule
-        self.loss_scale: tf.Variable | None = None
+        self.loss_scale: tf.Variable | tf.Tensor | None = None
         self.good_steps: tf.Variable | None = None
         self.bad_steps: tf.Variable | None = None
         self.skipped_steps: tf.Variable | None = None
@@ -253,6 +254,8 @@ class MixedPrecisionStep(_RewrittenFunction):
             self.good_steps = _state_variable(0, tf.int32, "good_steps")
             if rule.counts_bad_steps:
                 self.bad_steps = _state_variable(0, tf.int32, "bad_steps")
+        elif rule.scales:
+            self.loss_scale = tf.constant(rule.initial_scale, tf.float32)  # a fixed scale
         if rule.scales:
             self.skipped_steps = _state_variable(0, tf.int64, "skipped_steps")
         self._states: list[str] = []
@@ -284,8 +287,7 @@ class MixedPrecisionStep(_RewrittenFunction):
         total = self.skipped_steps.assign_add(skipped)
         step = tf.summary.experimental.get_step()
         if summary_ops_v2.has_default_writer() and step is not None:
-            scale = self.loss_scale if self.loss_scale is not None \
-                else tf.constant(self.rule.initial_scale, tf.float32)
+            scale = self.loss_scale
             with tf.control_dependencies([total]):
                 for tag, value in (("amp/loss_scale", tf.identity(scale)),
                                    ("amp/skipped_steps", total)):
