@@ -32,7 +32,7 @@ from ...validation import (
     load_inputs,
     output_verdict,
 )
-from .convert import meta_graph_fetches
+from .convert import convertible_function, meta_graph_fetches
 from .files import is_saved_model_dir, read_saved_model
 from .lists import default_backend, load_tf_lists
 from .load import default_fetches, load_function, load_graphdef, parse_graph_input
@@ -184,15 +184,16 @@ def _graphs(metas: list[meta_graph_pb2.MetaGraphDef]) -> Iterator[tuple[str, lis
 
 
 def _graph_irs(metas: list[meta_graph_pb2.MetaGraphDef]) -> Iterator[tuple[str, Model]]:
-    """(name, IR) of every graph `_graphs` yields, as `convert` loads them: the rules that read
-    structure (the tanh-GELU cube) see what convert saw."""
+    """(name, IR) of every graph `_graphs` yields that convert rewrites, as convert loads them:
+    the rules that read structure (the tanh-GELU cube) see what convert saw, and the functions
+    convert copies as they are (checkpoint save and restore) are not judged."""
     seen: set[str] = set()
     for meta in metas:
         graph_def = graph_pb2.GraphDef()
         graph_def.CopyFrom(meta.graph_def)  # the loader renames FusedBatchNorm in place
         yield "main", load_graphdef(graph_def, [], keep_fetch_nodes=False, label="the graph")
         for fdef in meta.graph_def.library.function:
-            if fdef.signature.name not in seen:
+            if fdef.signature.name not in seen and convertible_function(fdef):
                 seen.add(fdef.signature.name)
                 yield fdef.signature.name, load_function(fdef, meta.graph_def.library)
 

@@ -146,6 +146,9 @@ def rewrite_training_meta_graph(source: Any, options: Options, training: Trainin
                        "placeholders keep their dtypes")
     rule = training.loss_scale_rule(options.target)
     meta = as_meta_graph(source)
+    # A graph TensorFlow itself refuses (a bad device, a dangling input, a dtype mismatch) is
+    # said to be the input's fault, before it is planned and converted.
+    imported_graph(meta, "the training graph")
     loss, train_op = training.loss, training.train_op
     train_op_name = node_name(train_op) if train_op is not None else _collection_train_op(meta)
     loss_name = node_name(loss) if loss is not None else None
