@@ -17,7 +17,7 @@ from typing import Any
 
 from . import formats
 from .fileio import OutputTransaction
-from .options import AutoOptions, Options, split_kwargs
+from .options import AutoOptions, Options, files_read, split_kwargs
 from .report import Report
 
 
@@ -69,13 +69,12 @@ def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
     Returns the converted ModelProto for ONNX (None for TensorFlow: read `output_path`) and
     the Report. Keyword arguments are the fields of `Options`.
     """
-    input_path, output_path = Path(input_path), Path(output_path)
+    input_path = Path(input_path)
     fmt = formats.for_path(input_path)
     parsed = Options(**options)
-    with OutputTransaction([(input_path, "the input model")],
+    with OutputTransaction([(input_path, "the input model"), *files_read(parsed.config)],
                            lambda: fmt.input_files(input_path)) as outputs:
-        staged = outputs.stage(output_path, "output", fmt.output_kind(input_path),
-                               replace_dir=fmt.replaceable_output_dir)
+        staged = fmt.stage_output(outputs, output_path, input_path, parsed)
         if fmt.name == "onnx":
             from .formats.onnx import convert_model_file
             model, report = convert_model_file(input_path, staged, parsed)
@@ -104,11 +103,10 @@ def convert_auto(input_path: str | os.PathLike, output_path: str | os.PathLike,
     conversion = Options(**rest)
     input_path = Path(input_path)
     fmt = formats.for_path(input_path)
-    reads = [(input_path, "the input model"), *((Path(p), "a calibration input")
-                                               for p in (inputs or ()))]
+    reads = [(input_path, "the input model"),
+             *files_read(conversion.config, inputs, auto.metric)]
     with OutputTransaction(reads, lambda: fmt.input_files(input_path)) as outputs:
-        staged = outputs.stage(Path(output_path), "output", fmt.output_kind(input_path),
-                               replace_dir=fmt.replaceable_output_dir)
+        staged = fmt.stage_output(outputs, output_path, input_path, conversion)
         runner = fmt.accuracy_runner(input_path, conversion)
         report, _ = run_auto(runner, staged, [str(p) for p in inputs] if inputs else None, auto,
                              conversion.target)

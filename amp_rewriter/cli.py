@@ -23,7 +23,15 @@ from .cost import summary_line
 from .errors import AmpError, CheckFailed, ConvertedModelFailed
 from .fileio import OutputTransaction, check_input_path, read_input_bytes, write_atomically
 from .ir import short_name
-from .options import AutoOptions, Options, TrainingOptions, cli_flags, cli_given, from_cli
+from .options import (
+    AutoOptions,
+    Options,
+    TrainingOptions,
+    cli_flags,
+    cli_given,
+    files_read,
+    from_cli,
+)
 from .plots import diagnose_figure, plot_paths, precision_map_figure, save
 from .report import Report
 from .training import LossScaleRule
@@ -167,14 +175,9 @@ def _input_entry(path: Path, what: str = "input") -> tuple[Path, str]:
 
 
 def _extra_inputs(args: argparse.Namespace) -> list[tuple[Path, str]]:
-    """The files a run reads besides its model(s): --inputs and --config."""
-    files = []
-    given = getattr(args, "inputs", None) or []
-    for path in [given] if isinstance(given, str) else given:
-        files.append((Path(path), "the --inputs file"))
-    if getattr(args, "config", None):
-        files.append((Path(args.config), "the --config file"))
-    return files
+    """The files a run reads besides its model(s): --inputs, --config and a --metric file."""
+    return files_read(getattr(args, "config", None), getattr(args, "inputs", None),
+                      getattr(args, "metric", None))
 
 
 @contextlib.contextmanager
@@ -220,7 +223,7 @@ def _convert(args: argparse.Namespace) -> int:
         raise AmpError("--device only makes sense with --validate")
     _check_rtol(args.rtol)
     check_input_path(args.input)
-    input_path, output_path = Path(args.input), Path(args.output)
+    input_path = Path(args.input)
     fmt = formats.for_path(input_path)
     training_given = TrainingOptions(**cli_given(args, TrainingOptions),
                                      rule=cli_given(args, LossScaleRule))
@@ -242,10 +245,10 @@ def _convert(args: argparse.Namespace) -> int:
     # when the whole run succeeded (validation included): a failed run changes nothing.
     with OutputTransaction([_input_entry(input_path), *_extra_inputs(args)],
                            lambda: fmt.input_files(input_path)) as outputs:
-        staged = outputs.stage(output_path, "output", fmt.output_kind(input_path),
-                               replace_dir=fmt.replaceable_output_dir)
-        staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
-        staged_plots = [(outputs.stage(path, "--plot"), path) for path in plots]
+        staged = fmt.stage_output(outputs, args.output, input_path, options)
+        staged_report = outputs.stage(args.report, "--report") if args.report else None
+        staged_plots = [(outputs.stage(argument, "--plot"), path)
+                        for argument, path in zip(args.plot or [], plots)]
         with _warnings_as_lines(library_warnings):
             report = fmt.convert_file(input_path, staged, options, training)
         report.warnings.extend(library_warnings)
@@ -312,7 +315,7 @@ def _run_auto(args: argparse.Namespace, auto: AutoOptions) -> int:
     if cli_given(args, TrainingOptions) or cli_given(args, LossScaleRule):
         raise AmpError("training options do not combine with --auto")
     check_input_path(args.input)
-    input_path, output_path = Path(args.input), Path(args.output)
+    input_path = Path(args.input)
     fmt = formats.for_path(input_path)
     plots = plot_paths(args.plot)
     options = dataclasses.replace(from_cli(args, Options), precision_map=bool(plots))
@@ -320,10 +323,10 @@ def _run_auto(args: argparse.Namespace, auto: AutoOptions) -> int:
     # Staged like a plain conversion: the model and the report appear together or not at all.
     with OutputTransaction([_input_entry(input_path), *_extra_inputs(args)],
                            lambda: fmt.input_files(input_path)) as outputs:
-        staged = outputs.stage(output_path, "output", fmt.output_kind(input_path),
-                               replace_dir=fmt.replaceable_output_dir)
-        staged_report = outputs.stage(Path(args.report), "--report") if args.report else None
-        staged_plots = [(outputs.stage(path, "--plot"), path) for path in plots]
+        staged = fmt.stage_output(outputs, args.output, input_path, options)
+        staged_report = outputs.stage(args.report, "--report") if args.report else None
+        staged_plots = [(outputs.stage(argument, "--plot"), path)
+                        for argument, path in zip(args.plot or [], plots)]
         runner = fmt.accuracy_runner(input_path, options)
         report, result = run_auto(runner, staged, args.inputs, auto, options.target, say)
         if staged_report is not None:
@@ -353,20 +356,22 @@ def _run_diagnose(args: argparse.Namespace) -> int:
     from .accuracy import run_diagnose
     from .accuracy.diagnose import diagnose_text, to_json
 
-    fmt = formats.for_path(args.model)
+    check_input_path(args.model)
+    model = Path(args.model)
+    fmt = formats.for_path(model)
     options = from_cli(args, Options)
     auto = AutoOptions(**cli_given(args, AutoOptions))
     if args.top < 1:
         raise AmpError(f"--top must be >= 1, got {args.top}")
     plots = plot_paths(args.plot)
-    check_input_path(args.model)
-    model = Path(args.model)
-    # The JSON and the pictures are one transaction: all written once the measurement is
-    # through, none when it fails, and none over a file the run reads.
+    # --json and the pictures are outputs like any other: checked against everything the run
+    # reads before the run starts, all written once the measurement is through, none when it
+    # fails.
     with OutputTransaction([_input_entry(model), *_extra_inputs(args)],
                            lambda: fmt.input_files(model)) as outputs:
-        staged_json = outputs.stage(Path(args.json), "--json") if args.json else None
-        staged_plots = [(outputs.stage(path, "--plot"), path) for path in plots]
+        staged_json = outputs.stage(args.json, "--json") if args.json else None
+        staged_plots = [(outputs.stage(argument, "--plot"), path)
+                        for argument, path in zip(args.plot or [], plots)]
         runner = fmt.accuracy_runner(model, options)
         resolved = runner.options if hasattr(runner, "options") else options
         report, warnings = run_diagnose(runner, args.inputs, auto, options.target,
@@ -491,7 +496,7 @@ def _run_check(args: argparse.Namespace) -> int:
     step_summary = os.environ.get(STEP_SUMMARY_VARIABLE) if not args.summary else None
     with OutputTransaction(reads, every_file_read) as outputs:
         # Every destination is checked before any model is read: a collision costs no check.
-        staged = {flag: outputs.stage(Path(path), flag) for flag, path in (
+        staged = {flag: outputs.stage(path, flag) for flag, path in (
             ("--report", args.report), ("--junit", args.junit), ("--summary", args.summary),
             (f"${STEP_SUMMARY_VARIABLE}", step_summary)) if path}
         checked = []

@@ -10,10 +10,12 @@ every destination as it was. No destination may be, or replace, a file the run r
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
@@ -282,32 +284,90 @@ def default_file_mode() -> int:
     return 0o666 & ~mask
 
 
-def _same(a: Path, b: Path) -> bool:
-    """Whether two paths name one file: the same inode (hard and symbolic links) or, for paths
-    that do not exist yet, the same resolved path."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return a.resolve() == b.resolve()
+def _resolved_entry(path: Path) -> tuple[str, str]:
+    """(entry, target) of a destination: the directory entry a move into place replaces (its
+    folder resolved, its own name kept) and where that entry leads now (the same path unless it
+    is a symbolic link)."""
+    entry = os.path.join(os.path.realpath(path.parent), path.name)
+    return entry, os.path.realpath(entry) if os.path.islink(entry) else entry
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    """Whether `path` is `folder` or lies under it (resolved, so links count where they lead)."""
+def _inode(path: str | Path) -> tuple[int, int] | None:
+    """(device, inode) of the file a path leads to; None when it leads nowhere."""
     try:
-        path.resolve().relative_to(folder.resolve())
-    except ValueError:
-        return False
-    return True
+        info = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return info.st_dev, info.st_ino
+
+
+def _ancestors(resolved: str) -> Iterator[str]:
+    """The folders above a resolved path, nearest first."""
+    parent = os.path.dirname(resolved)
+    while parent and parent != resolved:
+        yield parent
+        resolved, parent = parent, os.path.dirname(parent)
+
+
+class _PathIndex:
+    """Paths found by identity in constant time, by resolved path and (for files that exist) by
+    inode, so that checking n outputs against m inputs and against each other costs n + m
+    lookups rather than n x m comparisons (a per-tensor layout writes thousands of files)."""
+
+    def __init__(self) -> None:
+        self.by_path: dict[str, str] = {}
+        self.by_inode: dict[tuple[int, int], str] = {}
+        #: Resolved folders (an input SavedModel, a folder of --inputs).
+        self.folders: dict[str, str] = {}
+
+    def add(self, path: Path, what: str) -> None:
+        try:
+            resolved = os.path.realpath(path)
+        except ValueError:  # a NUL in the path (the API): nothing there to overwrite
+            return
+        self.by_path.setdefault(resolved, what)
+        inode = _inode(resolved)
+        if inode is not None:
+            self.by_inode.setdefault(inode, what)
+        if os.path.isdir(resolved):
+            self.folders.setdefault(resolved, what)
+
+    def same(self, *resolved: str, inode: tuple[int, int] | None = None) -> str | None:
+        """What one of these resolved paths (or this inode) is, if it is in the index."""
+        if inode is not None and inode in self.by_inode:
+            return self.by_inode[inode]
+        return next((self.by_path[path] for path in resolved if path in self.by_path), None)
+
+    def folder_holding(self, *resolved: str) -> str | None:
+        """The folder of the index that one of these resolved paths lies in, if any."""
+        for path in resolved:
+            for folder in _ancestors(path):
+                if folder in self.folders:
+                    return self.folders[folder]
+        return None
+
+    def under(self, folder: str) -> str | None:
+        """A path of the index inside the resolved `folder` (a directory that would be
+        replaced), if any."""
+        prefix = folder.rstrip(os.sep) + os.sep
+        return next((what for path, what in self.by_path.items() if path.startswith(prefix)),
+                    None)
 
 
 def _kind_of(path: Path) -> str | None:
-    """"file", "dir", "other" (device, FIFO, socket) or None (missing) where `path` leads."""
+    """"file", "dir", "other" (device, FIFO, socket), "link" (a dangling symbolic link) or None
+    (missing) where `path` leads."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         return "link" if os.path.islink(path) else None
     except OSError as exc:
         raise AmpError(f"{path}: cannot inspect it ({exc.strerror})") from None
+    return _mode_kind(mode)
+
+
+def _mode_kind(mode: int) -> str:
+    """"file", "dir" or "other" for a file mode."""
     if stat.S_ISREG(mode):
         return "file"
     if stat.S_ISDIR(mode):
@@ -315,22 +375,65 @@ def _kind_of(path: Path) -> str | None:
     return "other"
 
 
+@dataclass(frozen=True)
+class Companions:
+    """The files a writer may put beside its destination (an ONNX model's external data), named
+    when the destination is staged so that they are checked before anything is written."""
+
+    #: Matches (in full) the name of each such file in the destination's folder.
+    pattern: re.Pattern[str]
+    #: What they are, for messages ("external data").
+    what: str
+
+
 class _Stage:
     """One destination and the private folder beside it where its files are written first."""
 
-    __slots__ = ("destination", "folder", "label")
+    __slots__ = ("destination", "folder", "label", "entry", "companions")
 
-    def __init__(self, destination: Path, folder: Path, label: str):
+    def __init__(self, destination: Path, folder: Path, label: str, entry: str,
+                 companions: Companions | None):
         self.destination = destination
         self.folder = folder
         self.label = label
+        #: The resolved directory entry the destination replaces (see `_resolved_entry`).
+        self.entry = entry
+        self.companions = companions
+
+    def claims(self, path: str) -> str | None:
+        """What of this stage's output a resolved path is (see `_claim`), in words."""
+        how = _claim(self.entry, self.companions, path)
+        if how == "same":
+            return f"the {self.label} {self.destination}"
+        if how == "companion":
+            assert self.companions is not None
+            return (f"the {self.label} {self.destination}'s {self.companions.what} "
+                    f"({os.path.basename(path)})")
+        if how == "inside":
+            return f"something inside the {self.label} {self.destination}"
+        return None
+
+
+def _claim(entry: str, companions: Companions | None, path: str) -> str | None:
+    """How the resolved `path` belongs to the output at the resolved `entry`: "same",
+    "companion" (a file `companions` names beside it), "inside" (a directory output holds it),
+    or None."""
+    if path == entry:
+        return "same"
+    folder, name = os.path.split(path)
+    if companions is not None and folder == os.path.dirname(entry) \
+            and companions.pattern.fullmatch(name):
+        return "companion"
+    if path.startswith(entry.rstrip(os.sep) + os.sep):
+        return "inside"
+    return None
 
 
 class OutputTransaction:
     """Every output of one run, written all together or not at all.
 
         with OutputTransaction([(model_path, "the input model")]) as outputs:
-            staged = outputs.stage(Path("out.onnx"), "output")
+            staged = outputs.stage("out.onnx", "output", companions=...)
             write_model(staged)                 # and staged.name + ".data" beside it
             outputs.commit()                    # only now do out.onnx (and its .data) change
 
@@ -340,35 +443,69 @@ class OutputTransaction:
     Leaving the `with` block without committing (an error, a failed validation, Ctrl-C) removes
     the private folders, so no destination changes.
 
-    A destination is refused when its folder is missing, when it is a device, FIFO or socket,
-    when it is (by inode or by resolved path, so links count) or holds an input file, or lies
-    inside an input folder (a SavedModel), and when two outputs share it. `inputs` lists what
-    the run reads; `more_inputs` (called only when a destination already exists, since only an
-    existing file can be overwritten) adds what costs a parse to find, such as external data.
+    The one rule for every path a run writes, checked when it is staged (before anything is
+    written) and again for every entry at `commit`: a destination, or a file its `companions`
+    name, is refused when its folder is missing; when it names a folder but a file is
+    written (`out.onnx/`); when it is a device, FIFO or socket; when it is, leads to (hard or
+    symbolic link) or holds a file the run reads, or lies inside an input folder (a
+    SavedModel, a folder of --inputs); and when it is, holds, lies inside or is a companion of
+    another output of the run. `inputs` lists what the run reads; `more_inputs` (called only
+    when a destination or a companion already exists, since only an existing file can be
+    overwritten) adds what costs a parse to find, such as external data. Every check is a
+    lookup by resolved path or inode, so a run writing thousands of files checks in linear
+    time.
     """
 
     def __init__(self, inputs: InputFiles = (),
                  more_inputs: Callable[[], InputFiles] | None = None):
-        self._inputs = [(Path(p), what) for p, what in inputs]
+        self._inputs = _PathIndex()
+        for path, what in inputs:
+            self._inputs.add(Path(path), what)
         self._more_inputs = more_inputs
         self._stages: list[_Stage] = []
         self._done = False
 
     # -- checks ---------------------------------------------------------------------------------
-    def _all_inputs(self) -> list[tuple[Path, str]]:
+    def _all_inputs(self) -> _PathIndex:
+        """The inputs, with those `more_inputs` finds (looked for once, when first needed)."""
         if self._more_inputs is not None:
             more = self._more_inputs
             self._more_inputs = None
-            self._inputs.extend((Path(p), what) for p, what in more())
+            for path, what in more():
+                self._inputs.add(Path(path), what)
         return self._inputs
 
-    def _check(self, destination: Path, label: str, kind: str,
-               replace_dir: Callable[[Path], bool] | None, staged: list[Path]) -> None:
-        """Refuse a destination that may not be written (see the class docstring)."""
+    @staticmethod
+    def _check_name(raw: str, label: str, kind: str) -> None:
+        """A destination must name an entry of its own: a file destination `out.onnx/` or
+        `out/.` names a folder (Path would quietly drop the slash and write `out.onnx`), and
+        `.`, `..` or `/` name no entry a directory output could replace."""
+        if "\0" in raw:
+            raise AmpError(f"{label} {raw!r}: a path cannot hold a NUL byte")
+        if kind == "file":
+            if raw.endswith(("/", os.sep)) or os.path.basename(raw) in ("", ".", ".."):
+                raise AmpError(f"{label} {raw}: names a folder, expected an output file name")
+        elif os.path.basename(raw.rstrip("/" + os.sep)) in ("", ".", ".."):
+            raise AmpError(f"{label} {raw}: names no folder of its own; give the output "
+                           f"directory's name")
+
+    def _check_place(self, destination: Path, label: str, kind: str,
+                     replace_dir: Callable[[Path], bool] | None) -> str | None:
+        """Refuse a destination whose folder is missing or that cannot be replaced by an entry
+        of `kind`; returns what is there now (see `_kind_of`)."""
         parent = destination.parent
         if not parent.is_dir():
             raise AmpError(f"{destination}: output folder {parent} does not exist")
         found = _kind_of(destination)
+        self._check_kind(destination, label, found, kind, replace_dir)
+        return found
+
+    @staticmethod
+    def _check_kind(destination: Path, label: str, found: str | None, kind: str,
+                    replace_dir: Callable[[Path], bool] | None) -> None:
+        """Refuse to replace `found` (what `_kind_of` says is at `destination`) by an entry of
+        `kind`: a device, FIFO or socket, a directory by a file or the other way round, a
+        non-empty directory that `replace_dir` does not accept."""
         if found == "other":
             raise AmpError(f"{label} {destination} is not a regular file (a device, FIFO or "
                            f"socket): refusing to replace it")
@@ -381,65 +518,122 @@ class OutputTransaction:
                 replace_dir is not None and replace_dir(destination)):
             raise AmpError(f"{label} {destination}: exists and is neither empty nor a model "
                            f"directory; refusing to replace it")
+        if found == "dir" and kind == "dir":
+            here, target = os.path.realpath(os.getcwd()), os.path.realpath(destination)
+            if here == target or here.startswith(target.rstrip(os.sep) + os.sep):
+                raise AmpError(f"{label} {destination}: is (or holds) the current folder; "
+                               f"refusing to replace it")
+
+    def _check_against_inputs(self, destination: Path, label: str, entry: str, target: str,
+                              found: str | None, kind: str) -> None:
+        """Refuse a destination that is, leads to, holds or lies inside a file the run reads."""
         inputs = self._all_inputs() if found is not None else self._inputs
-        for path, what in inputs:
-            if found is not None and _same(destination, path):
-                raise AmpError(f"{label} {destination} is {what}: refusing to overwrite it")
-            if path.is_dir() and _inside(destination, path):
-                raise AmpError(f"{label} {destination} is inside {what}: refusing to write "
-                               f"into it")
-            if kind == "dir" and found is not None and _inside(path, destination):
+        what = inputs.same(entry, target, inode=_inode(target) if found is not None else None)
+        if what is not None:
+            raise AmpError(f"{label} {destination} is {what}: refusing to overwrite it")
+        what = inputs.folder_holding(entry, target)
+        if what is not None:
+            raise AmpError(f"{label} {destination} is inside {what}: refusing to write into it")
+        if kind == "dir" and found is not None:
+            what = inputs.under(target)
+            if what is not None:
                 raise AmpError(f"{label} {destination} holds {what}: refusing to replace it")
-        for other in staged:
-            if _same(destination, other):
-                raise AmpError(f"{label} {destination} is also written as another output: "
-                               f"give each output its own path")
+
+    def _check_against_outputs(self, destination: Path, label: str, entry: str, target: str,
+                               companions: Companions | None) -> None:
+        """Refuse a destination that another staged output is, holds, lies inside or writes
+        beside itself, in either direction."""
+        for stage in self._stages:
+            claim = stage.claims(entry) or stage.claims(target)
+            if claim is None and _claim(entry, companions, stage.entry) is not None:
+                claim = f"the {stage.label} {stage.destination}"  # it lies in, or beside, ours
+            if claim is not None:
+                raise AmpError(f"{label} {destination} is also written as {claim}: give each "
+                               f"output its own path")
+
+    def _check_companions(self, destination: Path, label: str, entry: str,
+                          companions: Companions) -> None:
+        """Refuse a destination whose companions, where they exist already, are files the run
+        reads (converting to `out.onnx` beside an input whose data is `out.onnx.data`)."""
+        folder = os.path.dirname(entry)
+        try:
+            names = [e.name for e in os.scandir(folder) if companions.pattern.fullmatch(e.name)]
+        except OSError:
+            return
+        for name in names:
+            path = destination.parent / name
+            what = f"{label} {destination}'s {companions.what}"
+            found = _kind_of(path)
+            self._check_kind(path, what, found, "file", None)  # a folder, a FIFO there
+            self._check_against_inputs(path, what, *_resolved_entry(path), found, "file")
 
     # -- staging and committing ---------------------------------------------------------------
     def stage(self, destination: str | os.PathLike, label: str = "output", kind: str = "file",
-              replace_dir: Callable[[Path], bool] | None = None) -> Path:
+              replace_dir: Callable[[Path], bool] | None = None,
+              companions: Companions | None = None) -> Path:
         """A path to write `destination`'s content to (see the class docstring). `kind` is
-        "file" or "dir"; `replace_dir` says whether an existing non-empty folder may go."""
+        "file" or "dir"; `replace_dir` says whether an existing non-empty folder may go;
+        `companions` names the files the writer may put beside it."""
         if self._done:
             raise RuntimeError("the transaction is over")
+        self._check_name(os.fspath(destination), label, kind)
         destination = Path(destination)
-        self._check(destination, label, kind, replace_dir,
-                    [stage.destination for stage in self._stages])
+        found = self._check_place(destination, label, kind, replace_dir)
+        entry, target = _resolved_entry(destination)
+        self._check_against_inputs(destination, label, entry, target, found, kind)
+        self._check_against_outputs(destination, label, entry, target, companions)
+        if companions is not None:
+            self._check_companions(destination, label, entry, companions)
         sweep_abandoned(destination.parent)
-        try:
-            folder = Path(tempfile.mkdtemp(dir=destination.parent, prefix=owned_prefix()))
+        try:  # absolute: a commit must not depend on the current folder
+            folder = Path(os.path.abspath(tempfile.mkdtemp(dir=destination.parent,
+                                                           prefix=owned_prefix())))
         except OSError as exc:
             raise AmpError(f"{destination}: cannot write in {destination.parent} "
                            f"({exc.strerror})") from None
-        self._stages.append(_Stage(destination, folder, label))
+        self._stages.append(_Stage(destination, folder, label, entry, companions))
         return folder / destination.name
 
     def commit(self) -> None:
-        """Move every staged entry into place; if one move fails, undo the others."""
+        """Move every staged entry into place; if one move fails, undo the others. Each entry
+        is checked first, each with one `lstat` and lookups: linear in their number."""
         if self._done:
             raise RuntimeError("the transaction is over")
-        moves: list[tuple[Path, Path, Path]] = []  # (staged, destination, backup folder)
-        placed: list[Path] = []
+        # (staged, destination, backup folder, whether something is there to back up)
+        moves: list[tuple[str, str, str, bool]] = []
+        placed: dict[str, str] = {}  # resolved entry -> what is moved there
+        directories = [stage for stage in self._stages if stage.companions is None
+                       and os.path.isdir(stage.folder / stage.destination.name)]
         for stage in self._stages:
-            entries = sorted(os.listdir(stage.folder))
+            with os.scandir(stage.folder) as listing:
+                entries = sorted((e.name, e.is_dir(follow_symlinks=False)) for e in listing)
             # Created after listing, so its random name cannot be one of the entries.
-            backups = Path(tempfile.mkdtemp(dir=stage.folder, prefix=".old-"))
-            for entry in entries:
-                source, destination = stage.folder / entry, stage.destination.parent / entry
-                if destination != stage.destination:  # a companion (.data) is checked only now
-                    kind = "dir" if source.is_dir() else "file"
-                    self._check(destination, f"{stage.label}'s {entry}", kind, None, placed)
-                elif os.path.lexists(destination):
-                    self._check(destination, stage.label, "dir" if source.is_dir() else "file",
-                                lambda _: True, placed)
-                placed.append(destination)
-                moves.append((source, destination, backups))
-        done: list[tuple[Path, Path | None]] = []
+            backups = tempfile.mkdtemp(dir=stage.folder, prefix=".old-")
+            # Strings, not Paths: a per-tensor layout has thousands of entries.
+            staged_in, folder = os.fspath(stage.folder), os.path.dirname(stage.entry)
+            for name, is_dir in entries:
+                # Moved by its resolved, absolute entry: the same place, whatever moves.
+                destination = entry = os.path.join(folder, name)
+                kind = "dir" if is_dir else "file"
+                companion = name != stage.destination.name
+                what = f"{stage.label}'s {name}" if companion else stage.label
+                if entry in placed:
+                    raise AmpError(f"{what} {destination} is also written as {placed[entry]}: "
+                                   f"give each output its own path")
+                placed[entry] = f"{what} {destination}"
+                if companion:  # checked again, each
+                    there = self._check_companion(destination, what, entry, kind, directories)
+                else:
+                    there = os.path.lexists(destination)
+                    if there:  # what may have appeared since `stage`
+                        self._check_place(stage.destination, what, kind, lambda _: True)
+                moves.append((os.path.join(staged_in, name), destination, backups, there))
+        done: list[tuple[str, str | None]] = []
         try:
-            for source, destination, backups in moves:
+            for source, destination, backups, there in moves:
                 backup = None
-                if os.path.lexists(destination):
-                    backup = backups / destination.name
+                if there:
+                    backup = os.path.join(backups, os.path.basename(destination))
                     os.replace(destination, backup)
                 done.append((destination, backup))
                 os.replace(source, destination)
@@ -453,8 +647,41 @@ class OutputTransaction:
         self._done = True
         self._remove_stages()
 
+    def _check_companion(self, destination: str, what: str, entry: str, kind: str,
+                         directories: list[_Stage]) -> bool:
+        """A file a writer put beside its destination, at commit: what is there may be
+        replaced, it is no input and lies in no directory output. Its folder is its
+        destination's, checked at `stage`; one `lstat` says what is there (a link, rare, is
+        followed). Returns whether something is there now."""
+        try:
+            info = os.lstat(destination)
+        except FileNotFoundError:
+            info = None
+        except OSError as exc:
+            raise AmpError(f"{destination}: cannot inspect it ({exc.strerror})") from None
+        if info is None:
+            found, target, inode = None, entry, None
+        elif stat.S_ISLNK(info.st_mode):
+            found, target = _kind_of(Path(destination)), os.path.realpath(entry)
+            inode = _inode(target)
+        else:
+            found, target = _mode_kind(info.st_mode), entry
+            inode = (info.st_dev, info.st_ino)
+        self._check_kind(Path(destination), what, found, kind, None)
+        inputs = self._all_inputs() if found is not None else self._inputs
+        what_input = inputs.same(entry, target, inode=inode)
+        if what_input is not None:
+            raise AmpError(f"{what} {destination} is {what_input}: refusing to overwrite it")
+        if target != entry:
+            self._check_against_inputs(Path(destination), what, entry, target, found, kind)
+        for stage in directories:
+            if _claim(stage.entry, None, target) in ("same", "inside"):
+                raise AmpError(f"{what} {destination} is also written as "
+                               f"{stage.claims(target)}: give each output its own path")
+        return info is not None
+
     @staticmethod
-    def _undo(done: list[tuple[Path, Path | None]]) -> None:
+    def _undo(done: list[tuple[str, str | None]]) -> None:
         """Put back what a failed commit moved: new entries out, old ones back in."""
         for destination, backup in reversed(done):
             if backup is None or os.path.lexists(backup):
@@ -480,8 +707,8 @@ class OutputTransaction:
             self.rollback()
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    elif os.path.lexists(path):
+        os.unlink(path)

@@ -12,6 +12,7 @@ import dataclasses
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import AmpError
@@ -245,6 +246,39 @@ class AutoOptions:
             raise AmpError(f"--max-trials must be >= 1, got {self.max_trials}")
         if self.random_batches < 1:
             raise AmpError(f"--random-batches must be >= 1, got {self.random_batches}")
+
+
+def metric_source_file(spec: str) -> Path | None:
+    """The file a `--metric path/file.py:function` loads; None for a built-in metric or a
+    module found by its dotted name."""
+    module_name, sep, _ = spec.rpartition(":")
+    if sep and module_name and (module_name.endswith(".py") or "/" in module_name
+                                or "\\" in module_name):
+        return Path(module_name)
+    return None
+
+
+def files_read(config: str | os.PathLike | None = None,
+               inputs: Iterable[str | os.PathLike] | str | os.PathLike | None = None,
+               metric: str | None = None) -> list[tuple[Path, str]]:
+    """The files a run reads besides its model(s), with what each is: the --config file, the
+    --inputs (files or folders) and a --metric file. No output may overwrite them."""
+    files = []
+    given = [] if inputs is None else [inputs] if isinstance(inputs, (str, os.PathLike)) \
+        else list(inputs)
+    files += [(Path(path), "the --inputs folder" if os.path.isdir(path) else "the --inputs file")
+              for path in given]
+    if config is not None:
+        files.append((Path(config), "the --config file"))
+    metric_file = metric_source_file(metric or "")
+    if metric_file is not None:
+        files.append((metric_file, "the --metric file"))
+    elif metric and ":" in metric:  # a module by name: where the current folder would hold it
+        parts = Path(*metric.rpartition(":")[0].split("."))
+        files += [(candidate, "the --metric module") for candidate in
+                  (parts.with_name(parts.name + ".py"), parts / "__init__.py")
+                  if parts.name and candidate.exists()]
+    return files
 
 
 def _names(values: Iterable[str] | str | None) -> list[str]:

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from .arrays import read_npz
 from .errors import AmpError
-from .fileio import read_input_bytes
-from .ir import LOW_PRECISION_DTYPES, LazyTensor
+from .ir import DENY, LOW_PRECISION_DTYPES, LazyTensor, Node
 from .ir.dtypes import NUMPY_DTYPES
+from .op_lists import OpLists
+from .passes.analysis.structures import tanh_gelu_cube
+from .passes.base import FormatRules
 from .report import CheckRule
 
 #: OutputComparison.computed for an output that some emulated op fed.
@@ -124,15 +127,11 @@ def default_rtol(target: str) -> float:
 
 
 def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Inputs from an .npz file, keyed by input name."""
+    """Inputs from an .npz file, keyed by input name (read by `arrays.read_npz`: a regular file,
+    its arrays no bigger than the file can hold)."""
     if not os.path.exists(path):
         raise AmpError(f"{path}: inputs file not found")
-    raw = read_input_bytes(path, "expected an .npz file of inputs", "inputs file")
-    try:
-        with np.load(io.BytesIO(raw)) as data:
-            return {k: data[k] for k in data.files}
-    except Exception as exc:  # numpy raises several types for a bad file
-        raise AmpError(f"{path}: not an .npz file of inputs ({type(exc).__name__})") from None
+    return read_npz(path, "inputs file")
 
 
 # -- `check`: low-precision constants against the fp32 model's ---------------------------------
@@ -237,6 +236,31 @@ def check_constants(constants: dict[str, LazyTensor], origins: ConstantOrigins |
         if flushed:
             findings.flushed.append((name, flushed))
     return findings
+
+
+def deny_op_findings(nodes: Iterable[Node], lists: OpLists, rules: FormatRules, target: str,
+                     where: str = "") -> tuple[list[dict[str, Any]], list[str]]:
+    """`check`'s deny-list rule over a converted graph's nodes, for every format: a deny-list op
+    with a low-precision input or output is a problem, unless it is a structure `convert` runs
+    low on purpose (the cube of a tanh-GELU), which is a note. `where` follows a node's name
+    (" (in FUNCTION)"). Returns (problems, notes)."""
+    problems: list[dict[str, Any]] = []
+    notes: list[str] = []
+    backend = lists.backend
+    for node in nodes:
+        op_class, why = lists.class_of(node.qualified_op)
+        if op_class != DENY or not any(v is not None and v.dtype in LOW_PRECISION_DTYPES
+                                       for v in node.inputs + node.outputs):
+            continue
+        harmless = tanh_gelu_cube(node, rules)
+        if harmless is not None:  # convert runs it low precision on purpose
+            notes.append(f"{node.name} ({node.op_type}){where} runs in low precision: {harmless}")
+            continue
+        problems.append({
+            "kind": "deny_op_in_low_precision", "node": node.name, "op": node.op_type,
+            "message": f"{node.name} ({node.op_type}){where} runs in low precision but is on "
+                       f"the {target} deny list for {backend}: {why}"})
+    return problems, notes
 
 
 def output_verdict(comparisons: list[OutputComparison], rtol: float

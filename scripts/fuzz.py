@@ -2,7 +2,8 @@
 """Fuzz the amp-rewriter CLI with corrupted and hostile inputs and misuses, and check that it
 never crashes, hangs, prints a traceback or an "unexpected" error, writes more than one error
 line, exits other than 0/1/2, changes an input, leaves a file behind on failure, destroys an
-existing file, writes outside its output, or uses memory its input did not pay for.
+existing file, writes outside its output, leaves an output that does not load or does not hold
+its input's weights (on success), or uses memory its input did not pay for.
 
     python scripts/fuzz.py --cases 2000               # the full run: a summary table per family
     python scripts/fuzz.py --cases 300 --json out.json
@@ -10,7 +11,9 @@ existing file, writes outside its output, or uses memory its input did not pay f
 
 Cases are recipes hypothesis draws (scripts/fuzz_cases.py: ONNX, TF GraphDef, MetaGraph and
 SavedModel inputs corrupted byte-wise and structurally, external data and symlinks, FIFOs,
-devices, option typos and conflicts, output paths that are the input in disguise, ...).
+devices, option typos and conflicts, output paths that are the input in disguise, reports and
+diagnose --json colliding with what a run reads or writes in every layout, hostile calibration
+inputs, misbehaving --metric functions, layouts of hundreds of data files, ...).
 
 Each case runs as the CLI (`amp_rewriter.cli.main`) in a child process forked from a server that
 imported amp_rewriter, onnx, onnxruntime and TensorFlow once (TensorFlow's import takes seconds;
@@ -298,7 +301,85 @@ def _kill(pid: int) -> None:
 # -- checks ------------------------------------------------------------------------------------
 
 def _under(path: str, roots: list[str]) -> bool:
-    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+    """Whether `path` is one of `roots`, lies inside one, or (for a root ending in `*`, such as
+    `out.onnx.*` for a model's data files) starts with it."""
+    return any(path.startswith(root[:-1]) if root.endswith("*")
+               else path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+# -- what a successful run wrote -----------------------------------------------------------------
+
+#: Largest relative difference between an input weight and the output's copy of it, per dtype:
+#: the rounding to that dtype (a weight overwritten by other bytes is off by far more).
+_WEIGHT_RTOL = {"float16": 1e-3, "bfloat16": 1e-2, "float32": 0.0}
+#: Each dtype's largest finite value: an fp32 weight beyond it becomes inf, or this (--clamp).
+_FINITE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": float("inf")}
+
+
+def verify_outputs(case: Case, written: list[str]) -> list[str]:
+    """Problems with what a successful run wrote: every ONNX model loads with its external data
+    and passes onnx's checker, and each weight it shares by name with the input model holds
+    the input's values (rounded to its dtype; saturated where --clamp saturates); every report
+    and --json parses as a JSON object; every TensorFlow graph parses."""
+    problems = []
+    for rel in written:
+        path = case.folder / rel
+        if path.suffix == ".onnx" and path.is_file():
+            problems += _verify_onnx_output(case, path)
+    for flag in ("--report", "--json"):
+        if flag in case.argv[:-1]:
+            rel = case.argv[case.argv.index(flag) + 1]
+            try:
+                loaded = json.loads((case.folder / rel).read_text())
+            except (OSError, ValueError) as exc:
+                problems.append(f"output destroyed: {flag} {rel} does not parse ({exc})")
+                continue
+            if not isinstance(loaded, dict):
+                problems.append(f"output destroyed: {flag} {rel} is no JSON object")
+    return problems
+
+
+def _verify_onnx_output(case: Case, path: Path) -> list[str]:
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    rel = path.relative_to(case.folder)
+    try:
+        output = onnx.load_model(str(path), load_external_data=True)
+        onnx.checker.check_model(output)
+    except Exception as exc:  # noqa: BLE001  (any failure to load is the finding)
+        return [f"output destroyed: {rel} does not load ({type(exc).__name__}: "
+                f"{str(exc).strip()[:120]})"]
+    source_rel = case.argv[1] if case.argv[:1] == ["convert"] and len(case.argv) > 2 else ""
+    if not source_rel.endswith(".onnx"):
+        return []
+    try:
+        source = onnx.load_model(str(case.folder / source_rel), load_external_data=True)
+    except Exception:  # noqa: BLE001  (an input onnx cannot load: nothing to compare with)
+        return []
+    originals = {t.name: t for t in source.graph.initializer
+                 if t.data_type == onnx.TensorProto.FLOAT}
+    problems = []
+    for tensor in output.graph.initializer:
+        before = originals.get(tensor.name)
+        dtype = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+                 onnx.TensorProto.BFLOAT16: "bfloat16"}.get(tensor.data_type)
+        if before is None or dtype is None or list(before.dims) != list(tensor.dims):
+            continue
+        limit = _FINITE_MAX[dtype]
+        with np.errstate(all="ignore"):
+            old = numpy_helper.to_array(before).astype(np.float64)
+            new = numpy_helper.to_array(tensor).astype(np.float64)
+            rounded = np.abs(new - old) <= _WEIGHT_RTOL[dtype] * np.abs(old) + 1e-7
+            overflowed = (np.abs(old) > limit) & ((np.abs(new) == limit) | np.isinf(new)) & (
+                np.sign(new) == np.sign(old))  # inf, or saturated by --clamp
+        same = (old == new) | np.isnan(old) & np.isnan(new) | rounded | overflowed
+        if not np.all(same):
+            problems.append(f"output does not match its input: {rel}'s weight {tensor.name!r} "
+                            f"is not the input's values in {dtype}")
+            break
+    return problems
 
 
 def check(case: Case, status: int, usage, seconds: float, timed_out: bool,
@@ -333,10 +414,16 @@ def check(case: Case, status: int, usage, seconds: float, timed_out: bool,
     after = snapshot(case.folder)
     changed = sorted(path for path in set(case.before) | set(after)
                      if case.before.get(path) != after.get(path))
-    touched_inputs = [p for p in changed if _under(p, case.inputs)]
+    # A new file a successful run was allowed to write may lie in an input's folder (a model
+    # converted beside its own external data); what the input held may not change.
+    touched_inputs = [p for p in changed if _under(p, case.inputs) and not (
+        exit_code == 0 and p not in case.before and _under(p, case.outputs))]
     if touched_inputs:
         problems.append(f"input changed: {', '.join(touched_inputs[:4])}")
     allowed = case.outputs if exit_code == 0 else []
+    if exit_code == 0:
+        problems += verify_outputs(case, [p for p in changed if _under(p, allowed)
+                                          and p in after and after[p].startswith("file:")])
     stray = [p for p in changed if not _under(p, allowed) and not _under(p, case.inputs)]
     if stray:
         what = "left behind after a failure" if exit_code else "written outside the output"

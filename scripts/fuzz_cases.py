@@ -44,7 +44,7 @@ def build_seeds(seed_dir: Path) -> None:
     from google.protobuf import text_format
 
     from amp_rewriter.formats.onnx.validate import random_inputs
-    from models import BUILDERS, tf_graphs, tf_saved_models
+    from models import BUILDERS, many_weights, tf_graphs, tf_saved_models
 
     onnx_dir = seed_dir / "onnx"
     onnx_dir.mkdir(parents=True, exist_ok=True)
@@ -63,6 +63,13 @@ def build_seeds(seed_dir: Path) -> None:
     model = BUILDERS["cnn"]()
     model.graph.node[0].name = LONG_NAME
     (onnx_dir / "long_name.onnx").write_bytes(model.SerializeToString())
+    # many small weights: inline, and with one external data file per tensor
+    many = many_weights.build_model(MANY_TENSORS, MANY_SIDE)
+    (onnx_dir / "many.onnx").write_bytes(many.SerializeToString())
+    (onnx_dir / "many_ext").mkdir(exist_ok=True)
+    onnx.save_model(many, str(onnx_dir / "many_ext" / "model.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=False, size_threshold=0)
+    np.savez(onnx_dir / "many.npz", x=np.ones((MANY_SIDE, MANY_SIDE), np.float32))
 
     tf_dir = seed_dir / "tf"
     tf_dir.mkdir(parents=True, exist_ok=True)
@@ -87,6 +94,12 @@ def build_seeds(seed_dir: Path) -> None:
         export(seed_dir / "saved" / name)
     (seed_dir / "seeds.json").write_text(json.dumps(info, indent=1))
     del tf
+
+
+#: The many-weights seed: this many [MANY_SIDE, MANY_SIDE] float32 weights, each 2 KiB in
+#: fp16, so each goes to its own file with --external-data per-tensor.
+MANY_TENSORS = 300
+MANY_SIDE = 32
 
 
 def _placeholder_shape(path: Path):
@@ -186,6 +199,41 @@ EXPLAIN_CHECK_CASES = (
     "explain_saved_model", "explain_report_bad_utf8", "check_reference_tf",
 )
 
+#: Issue 35: every path a run writes against everything it reads and writes, in each layout.
+COLLISION_CASES = (
+    "report_is_data", "report_link_to_data", "report_dotdot_data", "report_absolute_data",
+    "auto_report_is_data", "report_is_output", "report_trailing_slash", "report_is_inputs",
+    "report_is_config", "json_is_model", "json_is_data", "json_is_config", "json_is_inputs",
+    "json_link_to_data", "json_trailing_slash", "json_fifo", "json_missing_folder",
+    "json_is_dir", "json_valid", "report_into_output_saved_model", "output_data_is_input_data",
+    "check_report_is_data", "check_report_is_reference_data", "check_report_valid",
+    "auto_report_is_metric",
+)
+#: Issue 35: calibration inputs of --auto and diagnose.
+CALIBRATION_CASES = (
+    "fifo_npz", "fifo_json", "dev_zero_json", "dev_zero_npz", "bomb_npz", "bomb_wrong_shape",
+    "object_npz", "deep_json", "empty_zip_json", "object_json", "truncated_npy_json",
+    "garbage_base64_json", "folder_with_fifo", "folder_with_dir_npz", "empty_folder",
+    "nan_values", "wrong_dtype", "missing_input", "extra_input", "member_not_npy",
+    "json_not_list", "json_is_dir", "valid_npz", "valid_folder", "valid_json", "valid_old_json",
+    "valid_compressed", "many_batches",
+)
+#: Issue 35: a user --metric that misbehaves (and three that do not).
+METRIC_CASES = (
+    "exits", "exits_zero", "raises", "nan", "inf", "negative_inf", "huge_int", "string",
+    "none", "array3", "bool", "writes_reference", "keyerror", "recursion", "import_exits",
+    "import_raises", "syntax_error", "not_callable", "missing_function", "file_is_fifo",
+    "file_is_dev_zero", "valid", "valid_numpy_scalar", "valid_by_module_name",
+)
+#: Issue 35: layouts with hundreds of data files, over earlier outputs, colliding.
+MANY_TENSOR_CASES = (
+    "per_tensor", "single", "inline", "default", "per_tensor_over_single",
+    "single_over_per_tensor", "per_tensor_report_collision", "per_tensor_input_to_single",
+    "per_tensor_input_to_per_tensor", "per_tensor_input_same_folder",
+    "per_tensor_output_is_input_data", "per_tensor_validate", "per_tensor_threshold",
+    "per_tensor_diagnose", "per_tensor_check",
+)
+
 _param = st.integers(0, 1 << 16)
 
 
@@ -228,6 +276,18 @@ def family_strategies() -> dict[str, st.SearchStrategy[dict]]:
             "kind": st.sampled_from(["onnx", "ext", "tf", "saved_model"])}),
         "explain_check": st.fixed_dictionaries({
             "family": st.just("explain_check"), "op": st.sampled_from(EXPLAIN_CHECK_CASES),
+            "k": _param}),
+        "collisions": st.fixed_dictionaries({
+            "family": st.just("collisions"), "op": st.sampled_from(COLLISION_CASES), "k": _param,
+            "layout": st.sampled_from(LAYOUT_CHOICES)}),
+        "calibration": st.fixed_dictionaries({
+            "family": st.just("calibration"), "op": st.sampled_from(CALIBRATION_CASES),
+            "k": _param, "command": st.sampled_from(["diagnose", "diagnose_json", "auto"])}),
+        "metric": st.fixed_dictionaries({
+            "family": st.just("metric"), "op": st.sampled_from(METRIC_CASES), "k": _param,
+            "report": st.booleans()}),
+        "many_tensors": st.fixed_dictionaries({
+            "family": st.just("many_tensors"), "op": st.sampled_from(MANY_TENSOR_CASES),
             "k": _param}),
         "valid": st.fixed_dictionaries({
             "family": st.just("valid"),
@@ -1201,6 +1261,8 @@ def _paths(recipe: dict, case: Path, seeds: Seeds) -> CaseFiles:
         inputs.append("hardlink")
     elif op == "output_trailing_slash":
         argv = ["convert", model, out + "/"]
+        if kind != "saved_model":  # a folder name for a file: nothing may be written
+            outputs = []
     elif op == "output_is_data_file" and kind == "ext":
         argv = ["convert", model, "model/model.onnx.data"]
     elif op == "output_is_saved_model" and kind == "saved_model":
@@ -1388,9 +1450,387 @@ def _valid(recipe: dict, case: Path, seeds: Seeds) -> CaseFiles:
     return CaseFiles(argv, inputs, [out, out + ".data", *reports])
 
 
+# -- issue 35: the whole CLI surface ---------------------------------------------------------
+
+#: --external-data choices of the collision cases ("" for the default).
+LAYOUT_CHOICES = ("", "single", "per-tensor", "inline")
+#: What a successful ONNX conversion to out.onnx may write: the model and its data files.
+ONNX_OUTPUTS = ["out.onnx", "out.onnx.*"]
+
+
+def _layout_args(layout: str) -> list[str]:
+    return ["--external-data", layout] if layout else []
+
+
+def _data_name(layout: str, k: int, count: int) -> str:
+    """A data file the layout writes beside out.onnx (inline writes none: then the name is
+    free, and the run should succeed)."""
+    return f"out.onnx.{k % count}.data" if layout == "per-tensor" else "out.onnx.data"
+
+
+def _calibration_inputs(case: Path, seeds: Seeds) -> str:
+    shutil.copy(seeds.root / "onnx" / "cnn.npz", case / "calib.npz")
+    return "calib.npz"
+
+
+def _cnn_with_external_weights(case: Path, seeds: Seeds) -> tuple[str, list[str]]:
+    """The cnn with its weights (1 KiB or more) in model/model.onnx.data; its small tensors
+    (Resize's scales) stay in the model, where onnxruntime can read them when it loads it."""
+    (case / "model").mkdir()
+    onnx.save_model(_load_seed_model(seeds, "cnn"), str(case / "model" / "model.onnx"),
+                    save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="model.onnx.data", size_threshold=1024)
+    return "model/model.onnx", ["model"]
+
+
+def _collisions(recipe: dict, case: Path, seeds: Seeds) -> CaseFiles:
+    op, k, layout = recipe["op"], recipe["k"], recipe["layout"]
+    model, inputs = _cnn_with_external_weights(case, seeds)
+    # The cnn's weights of 1 KiB or more in fp16 (conv2, conv3) go external: two data files
+    # per-tensor (a smaller threshold would put Resize's scales there, which onnx's checker
+    # cannot read back, and every conversion would be refused before its report is written).
+    data = _data_name(layout, k, 2)
+    convert = ["convert", model, "out.onnx", *_layout_args(layout)]
+    outputs = list(ONNX_OUTPUTS)
+    (case / "lists.toml").write_text('deny = ["Softmax"]\n')
+    inputs.append("lists.toml")
+    calib = _calibration_inputs(case, seeds)
+    inputs.append(calib)
+    diagnose = ["diagnose", model, "--inputs", calib]
+    if op == "report_is_data":
+        argv = convert + ["--report", data]
+    elif op == "report_link_to_data":
+        (case / "report.json").symlink_to(data)
+        argv = convert + ["--report", "report.json"]
+        outputs.append("report.json")
+    elif op == "report_dotdot_data":
+        (case / "sub").mkdir()
+        argv = convert + ["--report", f"sub/../{data}"]
+    elif op == "report_absolute_data":
+        argv = convert + ["--report", str(case / data)]
+    elif op == "auto_report_is_data":
+        argv = convert + ["--auto", "--max-error", "1", "--inputs", calib, "--report", data]
+    elif op == "report_is_output":
+        argv = convert + ["--report", ["out.onnx", "./out.onnx", str(case / "out.onnx")][k % 3]]
+    elif op == "report_trailing_slash":
+        argv = convert + ["--report", ["report.json/", "report.json/.", "x/.."][k % 3]]
+    elif op == "report_is_inputs":
+        argv = convert + ["--validate", "--inputs", calib, "--report", calib]
+    elif op == "report_is_config":
+        argv = convert + ["--config", "lists.toml", "--report", "lists.toml"]
+    elif op.startswith("json_"):
+        target = {"json_is_model": model, "json_is_data": "model/model.onnx.data",
+                  "json_is_config": "lists.toml", "json_is_inputs": calib,
+                  "json_link_to_data": "diag_link.json", "json_trailing_slash": "diag.json/",
+                  "json_fifo": "diag_fifo", "json_missing_folder": "nowhere/diag.json",
+                  "json_is_dir": "diag_dir", "json_valid": "diag.json"}[op]
+        if op == "json_link_to_data":
+            (case / "diag_link.json").symlink_to("model/model.onnx.data")
+            inputs.append("diag_link.json")
+        elif op == "json_fifo":
+            _fifo(case / "diag_fifo")
+            inputs.append("diag_fifo")
+        elif op == "json_is_dir":
+            (case / "diag_dir").mkdir()
+            inputs.append("diag_dir")
+        argv = diagnose + ["--config", "lists.toml", "--json", target]
+        outputs = ["diag.json"]
+    elif op == "report_into_output_saved_model":
+        shutil.copytree(seeds.saved_model("sm_nested"), case / "sm")
+        shutil.copytree(seeds.saved_model("sm_nested"), case / "out_sm")
+        inputs.append("sm")
+        argv = ["convert", "sm", "out_sm", "--report",
+                ["out_sm/report.json", "out_sm", "out_sm/variables/variables.index"][k % 3]]
+        outputs = ["out_sm"]
+    elif op == "output_data_is_input_data":
+        # the input's external data is named as the output's would be
+        (case / "model" / "model.onnx.data").rename(case / "model" / "out.onnx.data")
+        loaded = onnx.load(str(case / "model" / "model.onnx"), load_external_data=False)
+        for tensor in loaded.graph.initializer:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = "out.onnx.data"
+        (case / "model" / "model.onnx").write_bytes(loaded.SerializeToString())
+        argv = ["convert", model, "model/out.onnx", *_layout_args(layout)]
+        outputs = ["model/out.onnx", "model/out.onnx.*"]
+    elif op in ("check_report_is_data", "check_report_is_reference_data",
+                "check_report_valid"):
+        shutil.copy(seeds.onnx("cnn"), case / "checked.onnx")
+        inputs.append("checked.onnx")
+        report = {"check_report_is_data": "model/model.onnx.data",
+                  "check_report_is_reference_data": "model/model.onnx.data",
+                  "check_report_valid": "findings.json"}[op]
+        argv = ["check", "checked.onnx", "--reference", model, "--report", report]
+        if op == "check_report_is_data":
+            argv = ["check", model, "--report", report]
+        outputs = ["findings.json"]
+    else:  # auto_report_is_metric
+        (case / "metric.py").write_text(_METRIC_SOURCES["valid"])
+        inputs.append("metric.py")
+        argv = convert + ["--auto", "--max-error", "1", "--inputs", calib, "--metric",
+                          "metric.py:metric", "--report", "metric.py"]
+    if "--report" in argv and argv[argv.index("--report") + 1] not in outputs:
+        outputs.append(argv[argv.index("--report") + 1])
+    return CaseFiles(argv, inputs, outputs)
+
+
+def _polygraphy_json(path: Path, arrays: dict[str, np.ndarray], encode: str = "npy") -> None:
+    """Polygraphy's input format: a list of feeds {name: {"array": base64, ...}}."""
+    import base64
+    import io
+
+    feed = {}
+    for name, array in arrays.items():
+        buffer = io.BytesIO()
+        if encode == "npz":
+            np.savez(buffer, array)
+        else:
+            np.save(buffer, array, allow_pickle=array.dtype.hasobject)
+        feed[name] = {"array": base64.b64encode(buffer.getvalue()).decode(),
+                      "polygraphy_class": "ndarray"}
+    path.write_text(json.dumps([feed]))
+
+
+def _zip_with_declared(path: Path, name: str, shape: tuple[int, ...], real_bytes: int) -> None:
+    """An .npz whose one member's header declares `shape` (float32) and holds `real_bytes` of
+    zeros, deflated: a small file that would inflate to what it declares."""
+    import io
+    import zipfile
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive, \
+            archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+        member.write(header.getvalue())
+        chunk = bytes(1 << 20)
+        left = real_bytes
+        while left > 0:
+            member.write(chunk[:min(left, len(chunk))])
+            left -= min(left, len(chunk))
+
+
+def _calibration(recipe: dict, case: Path, seeds: Seeds) -> CaseFiles:
+    op, k = recipe["op"], recipe["k"]
+    shutil.copy(seeds.onnx("cnn"), case / "model.onnx")
+    inputs = ["model.onnx"]
+    with np.load(seeds.root / "onnx" / "cnn.npz") as data:
+        good = {name: data[name] for name in data.files}
+    name, array = next(iter(good.items()))
+    given = "calib.npz"
+    if op == "fifo_npz":
+        _fifo(case / given)
+    elif op == "fifo_json":
+        given = "calib.json"
+        _fifo(case / given)
+    elif op == "dev_zero_json":
+        given = "calib.json"
+        (case / given).symlink_to("/dev/zero")
+    elif op == "dev_zero_npz":
+        (case / given).symlink_to("/dev/zero")
+    elif op == "bomb_npz":
+        _zip_with_declared(case / given, name, (1 << 28,), 64 << 20)
+    elif op == "bomb_wrong_shape":
+        _zip_with_declared(case / given, name, (1, 1 << 20), 4 << 20)
+    elif op == "object_npz":
+        np.savez(case / given, **{name: np.array([{"a": 1}, None], dtype=object)})
+    elif op == "deep_json":
+        given = "calib.json"
+        (case / given).write_text("[" * (1000 + k % 200000) + "]" * (1000 + k % 200000))
+    elif op == "empty_zip_json":
+        import base64
+        import io
+        import zipfile
+
+        given = "calib.json"
+        empty = io.BytesIO()
+        zipfile.ZipFile(empty, "w").close()
+        (case / given).write_text(json.dumps([{name: {
+            "array": base64.b64encode(empty.getvalue()).decode(),
+            "polygraphy_class": "ndarray"}}]))
+    elif op == "object_json":
+        given = "calib.json"
+        _polygraphy_json(case / given, {name: np.array([1, "a"], dtype=object)},
+                         ["npy", "npz"][k % 2])
+    elif op == "truncated_npy_json":
+        import base64
+        import io
+
+        given = "calib.json"
+        buffer = io.BytesIO()
+        np.save(buffer, array)
+        cut = buffer.getvalue()[: max(1, len(buffer.getvalue()) - 1 - k % 5000)]
+        (case / given).write_text(json.dumps([{name: {"array": base64.b64encode(cut).decode()}}]))
+    elif op == "garbage_base64_json":
+        given = "calib.json"
+        (case / given).write_text(json.dumps([{name: {"array": ["!!!", "\u00e9\u4e2d", "",
+                                                                "QUJD"][k % 4]}}]))
+    elif op in ("folder_with_fifo", "folder_with_dir_npz", "empty_folder", "many_batches",
+                "valid_folder"):
+        given = "calib"
+        (case / given).mkdir()
+        if op != "empty_folder":
+            for index in range(20 if op == "many_batches" else 2):
+                np.savez(case / given / f"b{index:02d}.npz", **good)
+        if op == "folder_with_fifo":
+            _fifo(case / given / "zz.npz")
+        elif op == "folder_with_dir_npz":
+            (case / given / "dir.npz").mkdir()
+    elif op == "nan_values":
+        np.savez(case / given, **{name: np.full(array.shape, np.nan, array.dtype)})
+    elif op == "wrong_dtype":
+        np.savez(case / given, **{name: array.astype(np.float64)})
+    elif op == "missing_input":
+        np.savez(case / given, other=array)
+    elif op == "extra_input":
+        np.savez(case / given, **good, extra=np.zeros(3, np.float32))
+    elif op == "member_not_npy":
+        import zipfile
+
+        with zipfile.ZipFile(case / given, "w") as archive:
+            archive.writestr("notes.txt", "not an array")
+    elif op == "json_not_list":
+        given = "calib.json"
+        (case / given).write_text(["5", '"text"', "{}", "[1, 2]", "null"][k % 5])
+    elif op == "json_is_dir":
+        given = "calib.json"
+        (case / given).mkdir()
+    elif op == "valid_json":
+        given = "calib.json"
+        _polygraphy_json(case / given, good)
+    elif op == "valid_old_json":
+        given = "calib.json"
+        _polygraphy_json(case / given, good, "npz")
+    elif op == "valid_compressed":
+        np.savez_compressed(case / given, **good)
+    else:  # valid_npz
+        np.savez(case / given, **good)
+    inputs.append(given)
+    command = recipe["command"]
+    outputs: list[str] = []
+    if command == "auto":
+        argv = ["convert", "model.onnx", "out.onnx", "--auto", "--max-error", "1", "--inputs",
+                given, "--report", "report.json"]
+        outputs = [*ONNX_OUTPUTS, "report.json"]
+    else:
+        argv = ["diagnose", "model.onnx", "--inputs", given]
+        if command == "diagnose_json":
+            argv += ["--json", "diag.json"]
+            outputs = ["diag.json"]
+    return CaseFiles(argv, inputs, outputs)
+
+
+_METRIC_BODIES = {
+    "exits": "sys.exit(7)", "exits_zero": "sys.exit(0)", "raises": "raise ValueError('no')",
+    "nan": "return float('nan')", "inf": "return float('inf')",
+    "negative_inf": "return -np.inf", "huge_int": "return 10**400", "string": "return '0.1'",
+    "none": "return None", "array3": "return np.zeros(3)", "bool": "return True",
+    "writes_reference": "next(iter(reference.values()))[...] = 0\n    return 0.0",
+    "keyerror": "return float(outputs['no_such_output'].max())",
+    "recursion": "return metric(reference, outputs)",
+    "valid": "return float(max(np.max(np.abs(outputs[k] - r)) for k, r in reference.items()))",
+    "valid_numpy_scalar": "return np.float32(0.0)",
+}
+_METRIC_SOURCES = {name: f"import sys\nimport numpy as np\n\n\ndef metric(reference, outputs):\n"
+                         f"    {body}\n" for name, body in _METRIC_BODIES.items()}
+_METRIC_SOURCES.update({
+    "import_exits": "import sys\nsys.exit(3)\n",
+    "import_raises": "raise ImportError('broken on purpose')\n",
+    "syntax_error": "def metric(reference, outputs)\n    return 0\n",
+    "not_callable": "metric = 0.5\n",
+    "missing_function": "def other(reference, outputs):\n    return 0.0\n",
+    "valid_by_module_name": _METRIC_SOURCES["valid"],
+})
+
+
+def _metric(recipe: dict, case: Path, seeds: Seeds) -> CaseFiles:
+    op = recipe["op"]
+    shutil.copy(seeds.onnx("cnn"), case / "model.onnx")
+    calib = _calibration_inputs(case, seeds)
+    inputs = ["model.onnx", calib, "metric_fuzz.py"]
+    if op == "file_is_fifo":
+        _fifo(case / "metric_fuzz.py")
+    elif op == "file_is_dev_zero":
+        (case / "metric_fuzz.py").symlink_to("/dev/zero")
+    else:
+        (case / "metric_fuzz.py").write_text(_METRIC_SOURCES[op])
+    spec = "metric_fuzz:metric" if op == "valid_by_module_name" else "metric_fuzz.py:metric"
+    argv = ["convert", "model.onnx", "out.onnx", "--auto", "--max-error", "1", "--inputs", calib,
+            "--metric", spec]
+    outputs = list(ONNX_OUTPUTS)
+    if recipe["report"]:
+        argv += ["--report", "report.json"]
+        outputs.append("report.json")
+    return CaseFiles(argv, inputs, outputs)
+
+
+def _many_tensors(recipe: dict, case: Path, seeds: Seeds) -> CaseFiles:
+    op, k = recipe["op"], recipe["k"]
+    inputs: list[str] = []
+    if op.startswith("per_tensor_input"):
+        shutil.copytree(seeds.root / "onnx" / "many_ext", case / "many")
+        model = "many/model.onnx"
+        inputs.append("many")
+    elif op == "per_tensor_output_is_input_data":
+        shutil.copytree(seeds.root / "onnx" / "many_ext", case / "many")
+        model = "many/model.onnx"
+        inputs.append("many")
+    else:
+        shutil.copy(seeds.onnx("many"), case / "many.onnx")
+        model = "many.onnx"
+        inputs.append(model)
+    layout = {"per_tensor": "per-tensor", "single": "single", "inline": "inline",
+              "default": "", "per_tensor_over_single": "per-tensor",
+              "single_over_per_tensor": "single", "per_tensor_report_collision": "per-tensor",
+              "per_tensor_input_to_single": "single", "per_tensor_input_to_per_tensor":
+              "per-tensor", "per_tensor_input_same_folder": "per-tensor",
+              "per_tensor_output_is_input_data": "per-tensor", "per_tensor_validate":
+              "per-tensor", "per_tensor_threshold": "per-tensor"}.get(op, "per-tensor")
+    layout_args = ["--external-data", layout] if layout else []
+    out = "out.onnx"
+    outputs = list(ONNX_OUTPUTS)
+    extra: list[str] = []
+    if op in ("per_tensor_over_single", "single_over_per_tensor"):
+        (case / "out.onnx").write_bytes(b"an earlier output")
+        earlier = ["out.onnx.data"] if op == "per_tensor_over_single" else [
+            f"out.onnx.{i}.data" for i in range(0, MANY_TENSORS, 7)]
+        for name in earlier:
+            (case / name).write_bytes(b"earlier data")
+    elif op == "per_tensor_report_collision":
+        extra = ["--report", f"out.onnx.{k % MANY_TENSORS}.data"]
+    elif op == "per_tensor_input_same_folder":
+        out = "many/out.onnx"
+        outputs = ["many/out.onnx", "many/out.onnx.*"]
+    elif op == "per_tensor_output_is_input_data":
+        out = f"many/w{k % MANY_TENSORS}"
+        outputs = []
+    elif op == "per_tensor_validate":
+        shutil.copy(seeds.root / "onnx" / "many.npz", case / "many.npz")
+        inputs.append("many.npz")
+        extra = ["--validate", "--inputs", "many.npz"]
+    elif op == "per_tensor_threshold":
+        extra = ["--external-data-threshold", str([0, 2048, 2100, 1 << 40][k % 4])]
+    if op == "per_tensor_diagnose":
+        argv = ["diagnose", model, "--json", "diag.json", "--top", str(1 + k % 5)]
+        outputs = ["diag.json"]
+    elif op == "per_tensor_check":
+        shutil.copytree(seeds.root / "onnx" / "many_ext", case / "many")
+        inputs.append("many")
+        argv = ["check", "many/model.onnx", "--reference", model, "--report", "findings.json"]
+        outputs = ["findings.json"]
+    else:
+        argv = ["convert", model, out, *layout_args, *extra, "--quiet"]
+    if "--report" in extra:
+        outputs.append(extra[extra.index("--report") + 1])
+    return CaseFiles(argv, inputs, outputs)
+
+
 _FAMILIES = {
     "onnx_bytes": _onnx_bytes, "onnx_proto": _onnx_proto, "onnx_external": _onnx_external,
     "tf_bytes": _tf_bytes, "tf_proto": _tf_proto, "saved_model": _saved_model,
     "cli_misuse": _cli_misuse, "paths": _paths, "explain_check": _explain_check, "valid": _valid,
+    "collisions": _collisions, "calibration": _calibration, "metric": _metric,
+    "many_tensors": _many_tensors,
 }
+
 FAMILIES = tuple(_FAMILIES)

@@ -1,5 +1,6 @@
 """Hostile inputs through the real CLI (scripts/fuzz.py): a quick sample of generated cases, and
-issue 13's crashes, hangs and memory bombs as named regressions.
+issue 13's crashes, hangs and memory bombs and issue 35's destroyed files, hangs and exit codes
+as named regressions.
 
 One fuzz run serves both tests: it imports TensorFlow once and forks every case from there, under
 a memory cap (RLIMIT_AS), a file-size cap and a time limit, so a case that would crash, hang or
@@ -17,8 +18,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT
 
-#: Generated cases in the quick sample (the full run has 2000 and more).
-QUICK_CASES = 200
+#: Generated cases in the quick sample, 12 in each of the 14 families (the full run has 2000
+#: and more).
+QUICK_CASES = 168
 
 
 def _recipe(name: str, family: str, **fields) -> dict:
@@ -30,9 +32,10 @@ def _tf(name: str, op: str, seed: str = "conv_matmul.pb", n: int = 0, options=()
                    fetch=fetch)
 
 
-#: (recipe, exit code, a fragment of the one stderr line) for each reproduced issue-13 report.
-#: On the code before the fixes each of these crashed, hung, blew the memory cap or ended in an
-#: "unexpected" error.
+#: (recipe, exit code, a fragment of the one stderr line) for each reproduced issue-13 and
+#: issue-35 report. On the code before the fixes each of these crashed, hung, blew the memory
+#: cap, ended in an "unexpected" error, exited outside 0/1/2, or exited 0 having destroyed an
+#: output or an input.
 REGRESSIONS = [
     # 5: a function library that recurses killed the process (SIGSEGV in TF's importer)
     (_tf("recursion_direct", "recursion_direct"), 2, "calls itself"),
@@ -111,6 +114,41 @@ REGRESSIONS = [
              kind="saved_model"), 2, "does not exist"),
     (_recipe("validation_failure_leaves_nothing", "valid", seed="cnn",
              options=[["--validate", "--rtol", "0"]]), 1, "validation failed"),
+    # issue 35: a report or --json over what the run reads or writes (exit 0 and a destroyed
+    # output or input before), hostile calibration inputs (a hang, gigabytes, "unexpected"),
+    # a metric's sys.exit (exit 7), a trailing slash (wrote out.onnx)
+    (_recipe("report_over_its_own_data", "collisions", op="report_is_data", k=0,
+             layout="single"), 2, "is also written as the output out.onnx's external data"),
+    (_recipe("report_over_its_own_tensor_file", "collisions", op="report_is_data", k=1,
+             layout="per-tensor"), 2, "(out.onnx.1.data)"),
+    (_recipe("auto_report_over_its_own_data", "collisions", op="auto_report_is_data", k=0,
+             layout=""), 2, "is also written as the output"),
+    (_recipe("report_linked_to_its_own_data", "collisions", op="report_link_to_data", k=0,
+             layout="single"), 2, "is also written as the output"),
+    (_recipe("diagnose_json_over_input_data", "collisions", op="json_is_data", k=0,
+             layout=""), 2, "is the input model's external data"),
+    (_recipe("diagnose_json_over_config", "collisions", op="json_is_config", k=0, layout=""),
+     2, "is the --config file"),
+    (_recipe("many_tensors_report_collision", "many_tensors",
+             op="per_tensor_report_collision", k=7), 2, "(out.onnx.7.data)"),
+    (_recipe("calibration_fifo", "calibration", op="fifo_npz", k=0, command="diagnose"), 2,
+     "FIFO"),
+    (_recipe("calibration_json_to_dev_zero", "calibration", op="dev_zero_json", k=0,
+             command="diagnose"), 2, "character device"),
+    (_recipe("calibration_zip_bomb", "calibration", op="bomb_npz", k=0, command="auto"), 2,
+     "declares"),
+    (_recipe("calibration_deep_json", "calibration", op="deep_json", k=5000,
+             command="diagnose_json"), 2, "RecursionError"),
+    (_recipe("calibration_empty_zip_json", "calibration", op="empty_zip_json", k=0,
+             command="diagnose"), 2, "an .npz with 0 arrays"),
+    (_recipe("calibration_object_json", "calibration", op="object_json", k=1,
+             command="auto"), 2, "Python objects"),
+    (_recipe("metric_sys_exit", "metric", op="exits", k=0, report=True), 2,
+     "it called sys.exit(7)"),
+    (_recipe("metric_huge_int", "metric", op="huge_int", k=0, report=False), 2,
+     "a metric must give a finite number"),
+    (_recipe("output_trailing_slash", "paths", op="output_trailing_slash", k=0, kind="onnx"), 2,
+     "names a folder"),
 ]
 
 
@@ -145,7 +183,8 @@ def test_quick_sample_has_no_crash_hang_traceback_or_damage(fuzz_run: dict) -> N
     assert not fuzz_run["broken_recipes"]
     families = {o["family"] for o in outcomes}
     assert families >= {"onnx_bytes", "onnx_proto", "onnx_external", "tf_bytes", "tf_proto",
-                        "saved_model", "cli_misuse", "paths", "explain_check", "valid"}
+                        "saved_model", "cli_misuse", "paths", "explain_check", "valid",
+                        "collisions", "calibration", "metric", "many_tensors"}
     failed = [_describe(o) for o in outcomes if o["problems"]]
     assert not failed, "\n".join(failed) + "\n" + fuzz_run["log"]
     # the sample exercises both outcomes: refusals and successful conversions
@@ -155,7 +194,7 @@ def test_quick_sample_has_no_crash_hang_traceback_or_damage(fuzz_run: dict) -> N
 
 @pytest.mark.parametrize("index", range(len(REGRESSIONS)),
                          ids=[recipe["name"] for recipe, _, _ in REGRESSIONS])
-def test_issue_13_regression(fuzz_run: dict, index: int) -> None:
+def test_named_regression(fuzz_run: dict, index: int) -> None:
     recipe, exit_code, fragment = REGRESSIONS[index]
     outcome = next(o for o in fuzz_run["outcomes"] if o["recipe"].get("name") == recipe["name"])
     assert not outcome["problems"], _describe(outcome)
@@ -182,7 +221,11 @@ def test_regression_recipes_build(tmp_path: Path) -> None:
     known_ops = {"tf_proto": fuzz_cases.TF_PROTO_OPS, "onnx_proto": fuzz_cases.ONNX_PROTO_OPS,
                  "saved_model": fuzz_cases.SAVED_MODEL_OPS, "paths": fuzz_cases.PATH_CASES,
                  "cli_misuse": fuzz_cases.CLI_MISUSES,
-                 "explain_check": fuzz_cases.EXPLAIN_CHECK_CASES}
+                 "explain_check": fuzz_cases.EXPLAIN_CHECK_CASES,
+                 "collisions": fuzz_cases.COLLISION_CASES,
+                 "calibration": fuzz_cases.CALIBRATION_CASES,
+                 "metric": fuzz_cases.METRIC_CASES,
+                 "many_tensors": fuzz_cases.MANY_TENSOR_CASES}
     for recipe, _, _ in REGRESSIONS:
         assert recipe["family"] in fuzz_cases.FAMILIES
         if recipe["family"] in known_ops:

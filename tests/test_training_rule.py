@@ -24,9 +24,10 @@ def test_defaults_are_tensorflows_and_the_target_picks_the_mode():
 @pytest.mark.parametrize("knobs, message", [
     (dict(backoff_factor=2), "backoff factor must be in (0, 1)"),
     (dict(growth_factor=1), "growth factor must be > 1"),
-    (dict(growth_interval=2.5), "growth interval must be an integer >= 1"),
-    (dict(growth_interval=float("inf")), "growth interval must be an integer >= 1"),
-    (dict(hysteresis=0), "hysteresis must be an integer >= 1"),
+    (dict(growth_interval=2.5), "growth interval must be an integer from 1 to 2147483647"),
+    (dict(growth_interval=float("inf")), "growth interval must be an integer from 1 to"),
+    (dict(growth_interval=1e23), "growth interval must be an integer from 1 to"),
+    (dict(hysteresis=0), "hysteresis must be an integer from 1 to 2147483647"),
     (dict(min_scale=-1), "minimum scale must be a finite number > 0"),
     (dict(initial_scale="big"), "initial scale must be a number"),
     (dict(initial_scale=True), "initial scale must be a number"),

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import AmpError
+from ..fileio import Companions, OutputTransaction
 from ..options import Options, TrainingOptions
 from ..passes.base import FormatRules
 from ..report import CheckResult, CheckRule, Report
@@ -70,6 +72,20 @@ class Format(ABC):
     def replaceable_output_dir(self, path: Path) -> bool:
         """Whether an existing, non-empty output directory may be replaced (a model of ours)."""
         return False
+
+    def output_companions(self, output_name: str, options: Options) -> Companions | None:
+        """The files a conversion with `options` may write beside an output named
+        `output_name` (ONNX: its external data); None when it writes none."""
+        return None
+
+    def stage_output(self, outputs: OutputTransaction, output: str | os.PathLike,
+                     input_path: Path, options: Options) -> Path:
+        """Stage the converted model's destination in `outputs`, with what the format writes
+        there (a file or a directory, files beside it), so that every path the conversion
+        will write is checked before anything is; returns the path to write the model to."""
+        return outputs.stage(output, "output", self.output_kind(input_path),
+                             replace_dir=self.replaceable_output_dir,
+                             companions=self.output_companions(os.path.basename(output), options))
 
     def accuracy_runner(self, path: Path, options: Options) -> ModelRunner:
         """The model at `path` as `convert --auto` and `diagnose` run it."""

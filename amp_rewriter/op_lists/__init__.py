@@ -146,6 +146,8 @@ class Overrides:
         except (tomllib.TOMLDecodeError, RecursionError) as exc:
             raise AmpError(f"{path}: not a valid TOML config ({exc})") from None
         table = data.get("ops", data)
+        if not isinstance(table, dict):
+            raise AmpError(f"{path}: 'ops' must be a table ([ops]) of op lists")
         rule_entries = data.get("rules", [])
         if not isinstance(rule_entries, list):
             raise AmpError(f"{path}: 'rules' must be an array of tables ([[rules]])")

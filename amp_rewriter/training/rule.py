@@ -71,7 +71,8 @@ class LossScaleRule:
         if initial is not None and not (math.isfinite(initial) and initial > 0):
             problems.append(f"the initial scale must be a finite number > 0, got {initial}")
         if interval is not None and not _whole(interval):
-            problems.append(f"the growth interval must be an integer >= 1, got {interval}")
+            problems.append(f"the growth interval must be an integer from 1 to "
+                            f"{STEP_COUNT_MAX}, got {interval}")
         if growth is not None and not (math.isfinite(growth) and growth > 1):
             problems.append(f"the growth factor must be > 1, got {growth}")
         if backoff is not None and not 0 < backoff < 1:
@@ -79,7 +80,8 @@ class LossScaleRule:
         if floor is not None and not (math.isfinite(floor) and floor > 0):
             problems.append(f"the minimum scale must be a finite number > 0, got {floor}")
         if hysteresis is not None and not _whole(hysteresis):
-            problems.append(f"hysteresis must be an integer >= 1, got {hysteresis}")
+            problems.append(f"hysteresis must be an integer from 1 to {STEP_COUNT_MAX}, got "
+                            f"{hysteresis}")
         if problems:
             raise AmpError("loss scale: " + "; ".join(problems))
         # Numbers as the rule computes with them (an API caller may pass 3.0 or numpy scalars).
@@ -167,9 +169,14 @@ class LossScaleRule:
         return dataclasses.asdict(self)
 
 
+#: The largest growth interval or hysteresis: the step counters they are compared with are int32.
+STEP_COUNT_MAX = 2**31 - 1
+
+
 def _whole(value: float) -> bool:
-    """Whether `value` is an integer >= 1 (3.0 is)."""
-    return math.isfinite(value) and value == int(value) and value >= 1
+    """Whether `value` is a whole number of steps an int32 counter can reach (3.0 is; 1e23 or
+    inf is not: a graph could not even hold the constant)."""
+    return math.isfinite(value) and value == int(value) and 1 <= value <= STEP_COUNT_MAX
 
 
 def _number(value: Any, problems: list[str], what: str) -> float | None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ...accuracy.runner import ModelRunner
 from ...errors import AmpError
+from ...fileio import Companions
 from ...options import Options, TrainingOptions
 from ...report import CheckResult, Report
 from ...validation import Validation, load_inputs
@@ -21,6 +22,7 @@ from .convert import (
     convert_model_file,
     input_files,
 )
+from .emit import data_files
 from .load import read_model_file
 from .rules import ONNX_RULES
 from .shapes import activation_traffic
@@ -66,6 +68,9 @@ class OnnxFormat(Format):
 
     def input_files(self, input_path: Path) -> list[tuple[Path, str]]:
         return input_files(input_path)
+
+    def output_companions(self, output_name: str, options: Options) -> Companions | None:
+        return data_files(output_name, options.external_data)
 
     def accuracy_runner(self, path: Path, options: Options) -> ModelRunner:
         from .accuracy import OnnxRunner

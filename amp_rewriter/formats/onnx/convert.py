@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import onnx
-from onnx import external_data_helper
 
 from ... import progress
 from ...errors import AmpError, first_line
@@ -32,6 +31,7 @@ from .background_check import BackgroundCheck
 from .emit import (
     EXTERNAL_DATA_THRESHOLD,
     Emission,
+    data_files,
     deferred_bytes,
     has_external_data,
     save_onnx,
@@ -39,6 +39,7 @@ from .emit import (
 from .load import (
     PROTOBUF_LIMIT,
     all_tensors,
+    load_external_data,
     load_onnx,
     op_in_opset,
     read_model_file,
@@ -102,7 +103,7 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
                             ) as (fused_path, summary):
             model, report = convert_model(fused_path, options_after(options), pins=pins)
             if has_external_data(model):  # the caller gets a model that outlives the folder
-                external_data_helper.load_external_data_for_model(model, str(fused_path.parent))
+                load_external_data(model, fused_path.parent)
         report.optimizer = summary
         return model, report
     # A ModelProto is not copied: the conversion only reads it (emission writes what changed
@@ -506,11 +507,12 @@ def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                  **options: Any) -> tuple[onnx.ModelProto, Report]:
     """Convert a model file and write the result (and its external data) atomically: all of it
     or, on failure, nothing; the input is never touched."""
-    input_path, output_path = Path(input_path), Path(output_path)
+    input_path, parsed = Path(input_path), Options(**options)
     with OutputTransaction([(input_path, "the input model")],
                            lambda: input_files(input_path)) as outputs:
-        staged = outputs.stage(output_path, "output")
-        result = convert_model_file(input_path, staged, Options(**options))
+        staged = outputs.stage(output_path, "output", companions=data_files(
+            os.path.basename(output_path), parsed.external_data))
+        result = convert_model_file(input_path, staged, parsed)
         outputs.commit()
     return result
 

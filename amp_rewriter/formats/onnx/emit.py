@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,10 +20,10 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import external_data_helper, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from ...errors import AmpError
-from ...fileio import default_file_mode, open_input, pread_exact
+from ...fileio import Companions, default_file_mode, open_input, pread_exact
 from ...ir import (
     Graph,
     IRError,
@@ -37,6 +38,7 @@ from ...ir import (
 )
 from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES
 from ...options import EXTERNAL_LAYOUTS
+from . import ort_registry
 from .encoding import (
     GRAPH_NODE,
     MODEL_GRAPH,
@@ -52,6 +54,7 @@ from .load import (
     attribute_tensors,
     elem_type_code,
     external_range,
+    inline_external_data,
     walk_graph_protos,
 )
 
@@ -532,6 +535,22 @@ def deferred_bytes(deferred: dict[str, LazyTensor] | None) -> int:
     return sum(tensor.nbytes for tensor in (deferred or {}).values())
 
 
+def data_file_name(model_name: str, layout: str, index: int = 0) -> str:
+    """The name of an output's data file beside the model `model_name`: `<name>.data` for the
+    `single` layout, `<name>.<index>.data` for the `index`-th tensor with `per-tensor`."""
+    return f"{model_name}.data" if layout == "single" else f"{model_name}.{index}.data"
+
+
+def data_files(model_name: str, layout: str | None) -> Companions | None:
+    """The data files `save_onnx` may write beside the model `model_name` with `layout` (None,
+    the default, may write `single`'s), named for the output transaction, which checks them
+    before anything is written; None for `inline`."""
+    if layout == "inline":
+        return None
+    index = r"\.\d+" if layout == "per-tensor" else ""
+    return Companions(re.compile(re.escape(model_name) + index + r"\.data"), "external data")
+
+
 def save_onnx(model: onnx.ModelProto, path: str | os.PathLike,
               source_dir: str | os.PathLike | None = None, external: bool | None = None, *,
               layout: str | None = None, threshold: int = EXTERNAL_DATA_THRESHOLD,
@@ -633,9 +652,7 @@ def _load_inline(tensor: onnx.TensorProto, base: Path | None,
     if base is None:
         raise AmpError(f"tensor {tensor.name!r} has external data, but the model was not given "
                        f"as a file path")
-    external_data_helper.load_external_data_for_tensor(tensor, str(base))
-    tensor.data_location = onnx.TensorProto.DEFAULT
-    del tensor.external_data[:]
+    inline_external_data(tensor, base)
 
 
 def _goes_external(nbytes: int, threshold: int) -> bool:
@@ -726,9 +743,8 @@ def _fp16_chunk(chunk: np.ndarray, clamp: bool,
 def _ort_fp16_cast() -> Callable[[np.ndarray], np.ndarray] | None:
     """onnxruntime's Cast to float16 on one thread, as a function of a flat float32 array;
     None without onnxruntime."""
-    try:
-        import onnxruntime as ort
-    except ImportError:
+    ort = ort_registry.onnxruntime()
+    if ort is None:
         return None
     graph = helper.make_graph(
         [helper.make_node("Cast", ["x"], ["y"], to=onnx.TensorProto.FLOAT16)], "cast",
@@ -736,7 +752,7 @@ def _ort_fp16_cast() -> Callable[[np.ndarray], np.ndarray] | None:
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT16, ["n"])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 7
-    options = ort.SessionOptions()
+    options = ort_registry.session_options()
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
     session = ort.InferenceSession(model.SerializeToString(), options,
@@ -762,8 +778,9 @@ class _DataFiles:
 
     def __init__(self, model_path: Path, layout: str,
                  progress: Callable[[int], None] | None):
-        self.folder = model_path.parent
+        self.folder = os.fspath(model_path.parent)
         self.name = model_path.name
+        self.mode = default_file_mode()
         self.layout = layout
         self.progress = progress
         self.count = 0
@@ -786,11 +803,9 @@ class _DataFiles:
         """(location, offset) where `tensor`'s data starts."""
         if self.fd is None or self.layout == "per-tensor":
             self._close()
-            self.location = (f"{self.name}.data" if self.layout == "single"
-                             else f"{self.name}.{self.count}.data")
-            path = self.folder / self.location
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                              default_file_mode())
+            self.location = data_file_name(self.name, self.layout, self.count)
+            self.fd = os.open(os.path.join(self.folder, self.location),
+                              os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, self.mode)
             self.offset = 0
         self.count += 1
         return self.location, self.offset

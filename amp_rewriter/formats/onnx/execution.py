@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 
 from ...errors import AmpError, first_line
+from . import ort_registry
 from .load import load_onnx
 
 _LOW = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}
@@ -51,10 +52,8 @@ class Execution:
         `lean`: hold the weights once (for big models) rather than run as onnxruntime runs by
         default; the two differ in fp32 summation order (pre-packed GEMM), which fp16 rounding
         can amplify, so small models run the default way users run them."""
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
+        ort = ort_registry.required()
+        options = ort_registry.session_options()
         disabled: list[str] = []
         if lean:
             # The arena keeps the largest batch's buffers for the session's life; measurement
@@ -77,9 +76,9 @@ class Execution:
 
 def select_execution(backend: str, target: str) -> Execution:
     """CUDA when onnxruntime has it and the backend is ort-cuda; else the CPU, emulated."""
-    import onnxruntime as ort
-
-    if backend == "ort-cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
+    ort = ort_registry.onnxruntime()
+    if backend == "ort-cuda" and ort is not None \
+            and "CUDAExecutionProvider" in ort.get_available_providers():
         # TF32 off: the fp32 reference must be fp32.
         return Execution(("CUDAExecutionProvider", "CPUExecutionProvider"), False,
                          f"onnxruntime CUDA provider: {target} kernels run natively, the fp32 "

@@ -10,19 +10,21 @@ depends on them.
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import mmap
 import os
 import stat
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import onnx
-from onnx import external_data_helper, numpy_helper
+from onnx import numpy_helper
 
 from ...errors import AmpError
 from ...fileio import non_regular_kind, open_input, pread_exact, read_input_bytes
@@ -75,12 +77,16 @@ class _Formal:
     `isHomogeneous`) but mean the same.
     """
 
-    __slots__ = ("inputs", "outputs", "constraints", "has_containers", "since_version")
+    __slots__ = ("inputs", "outputs", "constraints", "has_containers", "since_version",
+                 "input_counts", "output_counts")
 
     def __init__(self, schema: Any):
         self.inputs = [_formal_param(p) for p in schema.inputs]
         self.outputs = [_formal_param(p) for p in schema.outputs]
         self.since_version = int(schema.since_version)
+        #: (fewest, most) inputs and outputs a node of this schema may have.
+        self.input_counts = (int(schema.min_input), int(schema.max_input))
+        self.output_counts = (int(schema.min_output), int(schema.max_output))
         self.constraints: dict[str, frozenset[str]] = {}
         for constraint in schema.type_constraints:
             allowed = {_type_str_dtype(t) for t in constraint.allowed_type_strs}
@@ -108,6 +114,17 @@ class _Formal:
                 type_str, homogeneous = "", True
             result.append((type_str, homogeneous))
         return result
+
+
+def _refuse_slot_counts(node: Node, formal: _Formal) -> NoReturn:
+    """The error for a node with fewer or more inputs or outputs than its schema allows."""
+    for what, count, (fewest, most) in (("input", len(node.inputs), formal.input_counts),
+                                        ("output", len(node.outputs), formal.output_counts)):
+        if not fewest <= count <= most:
+            takes = f"{fewest}" if fewest == most else f"{fewest} to {most}"
+            raise AmpError(f"node {node.name!r} ({node.op_type}) has {count} {what}s, its "
+                           f"schema takes {takes}")
+    raise AssertionError("the slot counts fit")
 
 
 @cache
@@ -292,11 +309,66 @@ def load_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
                if t.data_location == onnx.TensorProto.EXTERNAL]
     for tensor in tensors:
         check_tensor_data(tensor, base_dir)
+    for tensor in tensors:
+        inline_external_data(tensor, base_dir)
+
+
+@contextlib.contextmanager
+def _external_file(tensor: onnx.TensorProto, base_dir: Path
+                   ) -> Iterator[tuple[int, int, int, str]]:
+    """(descriptor, offset, length, label) of an external tensor's bytes, opened by the checked
+    reader every input file goes through: a regular file inside the model's folder (links
+    inside it included; onnx's own reader refuses those, with its own error types), its range
+    within the size the file has."""
+    path, offset, length = external_range(tensor, base_dir)
+    label = f"tensor {readable(tensor.name)!r}: external data file {path.name!r}"
+    fd, size = open_input(path, label)
     try:
-        external_data_helper.load_external_data_for_model(model, str(base_dir))
-    except Exception as exc:  # onnx raises several types for data that does not fit its file
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise AmpError(f"cannot read the model's external data: {detail}") from None
+        if offset + length > size:
+            raise AmpError(f"{label}: ends before offset {offset + length} (was it changed "
+                           f"during the run?)")
+        yield fd, offset, length, label
+    finally:
+        os.close(fd)
+
+
+def read_external_bytes(tensor: onnx.TensorProto, base_dir: Path) -> bytes:
+    """The bytes of an external tensor (see `_external_file`)."""
+    with _external_file(tensor, base_dir) as (fd, offset, length, label):
+        return pread_exact(fd, length, offset, label)
+
+
+def inline_external_data(tensor: onnx.TensorProto, base_dir: Path) -> None:
+    """Put an external tensor's bytes into its `raw_data`, as onnx's loader does."""
+    _warn_unknown_external_keys(tensor)
+    tensor.raw_data = read_external_bytes(tensor, base_dir)
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    del tensor.external_data[:]
+
+
+#: The external-data keys onnx defines; others are ignored, with a warning as onnx gives one.
+_EXTERNAL_KEYS = frozenset({"location", "offset", "length", "checksum", "basepath"})
+
+
+def _warn_unknown_external_keys(tensor: onnx.TensorProto) -> None:
+    unknown = sorted({e.key[:40] for e in tensor.external_data if e.key not in _EXTERNAL_KEYS})
+    if unknown:
+        more = f" and {len(unknown) - 4} more" if len(unknown) > 4 else ""
+        warnings.warn(f"Ignoring unknown external data key(s) {unknown[:4]}{more} for tensor "
+                      f"{readable(tensor.name)!r}", stacklevel=2)
+
+
+def _external_array(tensor: onnx.TensorProto, base_dir: Path) -> np.ndarray:
+    """An external tensor's values, read by `read_external_bytes`."""
+    raw_dtype = _RAW_NUMPY_DTYPES.get(tensor.data_type)
+    if raw_dtype is not None:
+        _warn_unknown_external_keys(tensor)
+        data = read_external_bytes(tensor, base_dir)
+        return np.frombuffer(data, dtype=raw_dtype).reshape(tuple(tensor.dims))
+    copy = onnx.TensorProto()
+    copy.CopyFrom(tensor)  # a header: the data is not in the proto
+    inline_external_data(copy, base_dir)
+    return numpy_helper.to_array(copy)
 
 
 def external_range(tensor: onnx.TensorProto, base_dir: Path) -> tuple[Path, int, int]:
@@ -313,13 +385,7 @@ def external_range(tensor: onnx.TensorProto, base_dir: Path) -> tuple[Path, int,
 def _chunk_reader(tensor: onnx.TensorProto, base_dir: Path) -> ChunkReader:
     """Reads an external float32 tensor a chunk (`tensors.CHUNK_BYTES`) at a time."""
     def read() -> Iterator[np.ndarray]:
-        path, offset, length = external_range(tensor, base_dir)
-        label = f"tensor {readable(tensor.name)!r}: external data file {path.name!r}"
-        fd, size = open_input(path, label)
-        try:
-            if offset + length > size:
-                raise AmpError(f"{label}: ends before offset {offset + length} (was it changed "
-                               f"during the run?)")
+        with _external_file(tensor, base_dir) as (fd, offset, length, label):
             step = max(4, tensors.CHUNK_BYTES // 4 * 4)
             for start in range(0, length, step):
                 count = min(step, length - start)
@@ -327,8 +393,6 @@ def _chunk_reader(tensor: onnx.TensorProto, base_dir: Path) -> ChunkReader:
                     yield _mapped_floats(fd, offset + start, count)
                 else:  # no POSIX mmap flags (Windows): read a copy
                     yield np.frombuffer(pread_exact(fd, count, offset + start, label), "<f4")
-        finally:
-            os.close(fd)
     return read
 
 
@@ -367,7 +431,10 @@ class _TensorLoad:
     def __call__(self) -> np.ndarray:
         tensor = self.tensor
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            return numpy_helper.to_array(tensor, str(self.base_dir) if self.base_dir else "")
+            if self.base_dir is None:
+                raise AmpError(f"tensor {readable(tensor.name)!r} has external data, but the "
+                               f"model was not given as a file path")
+            return _external_array(tensor, self.base_dir)
         raw_dtype = _RAW_NUMPY_DTYPES.get(tensor.data_type)
         if raw_dtype is not None and tensor.HasField("raw_data"):
             # What onnx's to_array does for these, without its general dispatch (a million-node
@@ -750,6 +817,9 @@ class OnnxLoader:
             node.has_schema = False
             return
         inputs, outputs = node.inputs, node.outputs
+        if not (formal.input_counts[0] <= len(inputs) <= formal.input_counts[1]
+                and formal.output_counts[0] <= len(outputs) <= formal.output_counts[1]):
+            _refuse_slot_counts(node, formal)  # the passes index the slots a schema promises
         # Most nodes fill every slot they have: then the slot counts say which are present.
         shape_key: tuple = (node.op_type, node.domain, len(inputs), len(outputs))
         if None in inputs or None in outputs:

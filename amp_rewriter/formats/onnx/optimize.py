@@ -13,21 +13,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import os
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import onnx
-from onnx import external_data_helper
 
 from ...errors import AmpError
 from ...fileio import scratch_dir
 from ...options import Options
 from . import ort_registry
 from .emit import has_external_data
-from .load import PROTOBUF_LIMIT
+from .load import PROTOBUF_LIMIT, load_external_data
 
 #: The fused model's file name inside the temporary folder.
 OPTIMIZED_NAME = "optimized.onnx"
@@ -45,6 +43,8 @@ def options_after(options: Options) -> Options:
 
 def _optimizer_module() -> Any:
     try:
+        if ort_registry.onnxruntime() is None:  # imported quietly first (see there)
+            raise ImportError("onnxruntime")
         with ort_registry.quiet():
             from onnxruntime.transformers import optimizer
     except ImportError:
@@ -117,7 +117,7 @@ def _write_input(model: onnx.ModelProto, path: Path, base_dir: Path | None) -> P
             if base_dir is None:
                 raise AmpError("the model has external data, but no folder to read it from was "
                                "given (pass base_dir)")
-            external_data_helper.load_external_data_for_model(copy, os.fspath(base_dir))
+            load_external_data(copy, Path(base_dir))
         onnx.save_model(copy, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=path.name + ".data", size_threshold=1024)
     else:

@@ -21,6 +21,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from functools import cache
 from typing import Any
 
+from ...errors import AmpError
+from ...quiet import native_stderr_silenced
+
 #: onnxruntime's provider name for its CPU kernels.
 CPU_PROVIDER = "CPUExecutionProvider"
 
@@ -28,12 +31,50 @@ CPU_PROVIDER = "CPUExecutionProvider"
 ORT_DOMAINS = ("com.microsoft", "com.microsoft.nchwc", "com.ms.internal.nhwc")
 
 
-def _bindings() -> Any | None:
-    """onnxruntime's C++ bindings module, or None when onnxruntime is not installed."""
+#: The log severity of our onnxruntime sessions: 4, fatal only. A kernel that fails logs its
+#: coloured "[E:onnxruntime ...] ExecuteKernel" line before the exception that says so, which
+#: is ours to print, in one line.
+_LOG_FATAL_ONLY = 4
+
+
+@cache
+def onnxruntime() -> Any | None:
+    """onnxruntime, imported once and quietly, or None when it is not installed: what its C++
+    side writes while it starts goes to /dev/null (where HOME is not writable, a warning on every
+    run that it cannot persist a telemetry device id). Its default logger is left as it is (a
+    program using the API keeps its own settings); our sessions log through
+    `session_options`. Every use of onnxruntime here goes through this function."""
     try:
-        from onnxruntime.capi import onnxruntime_pybind11_state as bindings
+        with native_stderr_silenced():
+            import onnxruntime as ort
     except ImportError:
         return None
+    return ort
+
+
+def required() -> Any:
+    """`onnxruntime()` where a run cannot do without it: AmpError when it is not installed."""
+    ort = onnxruntime()
+    if ort is None:
+        raise AmpError("running ONNX models needs onnxruntime (pip install 'amp-rewriter[cpu]' "
+                       "or '[gpu]')")
+    return ort
+
+
+def session_options() -> Any:
+    """onnxruntime SessionOptions whose session logs nothing below fatal: a model that fails to
+    load or run raises, and the caller says so in one line."""
+    options = required().SessionOptions()
+    options.log_severity_level = _LOG_FATAL_ONLY
+    return options
+
+
+def _bindings() -> Any | None:
+    """onnxruntime's C++ bindings module, or None when onnxruntime is not installed."""
+    if onnxruntime() is None:
+        return None
+    from onnxruntime.capi import onnxruntime_pybind11_state as bindings
+
     return bindings
 
 
@@ -119,11 +160,8 @@ def cpu_kernel_for(op_type: str, domain: str, since_version: int,
 
 def version() -> str | None:
     """The installed onnxruntime's version string, or None."""
-    if _bindings() is None:
-        return None
-    import onnxruntime
-
-    return str(onnxruntime.__version__)
+    ort = onnxruntime()
+    return None if ort is None else str(ort.__version__)
 
 
 @contextlib.contextmanager

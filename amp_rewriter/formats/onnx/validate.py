@@ -117,14 +117,12 @@ DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
 def _session(model: onnx.ModelProto | str | bytes, label: str, device: str = "cpu"):
-    import onnxruntime as ort
-
+    options = ort_registry.session_options()
+    ort = ort_registry.required()
     provider = DEVICES[device]
     if provider not in ort.get_available_providers():
         raise AmpError(f"--device {device}: this onnxruntime has no {provider} (install "
                        f"onnxruntime-gpu instead of onnxruntime: pip install 'amp-rewriter[gpu]')")
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
     try:
         with _model_source(model) as source:
             session = ort.InferenceSession(source, options, providers=[provider])

@@ -1,12 +1,14 @@
-"""Imports TensorFlow for the package, quietly: the package's first import (see __init__)."""
+"""Imports TensorFlow for the package, quietly: the package's first import (see __init__); and
+imports graphs into TensorFlow, with its import errors as one line (`imported_graph`)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
+from typing import Any
 
-from ...errors import AmpError
+from ...errors import AmpError, first_line
+from ...quiet import native_stderr_silenced
 
 
 def import_tensorflow() -> None:
@@ -18,21 +20,12 @@ def import_tensorflow() -> None:
     # 3: TensorFlow's own error lines too (e.g. "failed call to cuInit" on GPU-less machines);
     # failures reach the user as one AmpError line instead.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    if os.environ.get("AMP_REWRITER_DEBUG"):
-        import tensorflow  # noqa: F401
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
     try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            import tensorflow  # noqa: F401,F811
+        with native_stderr_silenced():
+            import tensorflow  # noqa: F401
     except ImportError as exc:
         raise AmpError(f"TensorFlow models need TensorFlow ({exc}); install it with "
                        f"pip install -e '.[tensorflow]'") from None
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
     # TensorFlow's Python log lines ("WARNING:tensorflow:..." when a SavedModel with reference
     # variables loads, absl's traceback for an unreadable fingerprint.pb it then ignores) are
     # not ours to print: what fails reaches the user as one AmpError line.
@@ -41,3 +34,21 @@ def import_tensorflow() -> None:
 
 
 import_tensorflow()
+
+import tensorflow as tf  # noqa: E402  (after the quiet import above)
+
+
+def imported_graph(graph_def: Any, what: str, error: type[AmpError] = AmpError) -> tf.Graph:
+    """A fresh tf.Graph holding `graph_def` (a GraphDef, or a MetaGraphDef with its collections
+    and devices). Whatever TensorFlow's importer refuses (an input naming no node, mismatched
+    dtypes, a device string it cannot parse) raises `error` saying that `what` does not import."""
+    graph = tf.Graph()
+    try:
+        with graph.as_default():
+            if isinstance(graph_def, tf.compat.v1.MetaGraphDef):
+                tf.compat.v1.train.import_meta_graph(graph_def, clear_devices=False)
+            else:
+                tf.compat.v1.import_graph_def(graph_def, name="")
+    except Exception as exc:  # noqa: BLE001  (ValueError, TypeError, InvalidArgumentError, ...)
+        raise error(f"{what} does not import into TensorFlow: {first_line(exc)}") from None
+    return graph

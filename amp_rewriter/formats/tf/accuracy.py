@@ -44,6 +44,7 @@ from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, TARGET_DTYPES, Model, Node
 from ...options import Options
 from ...passes.base import Pin
 from ...report import Report
+from ._tensorflow import imported_graph
 from .convert import (
     convert_graph_def,
     convert_graph_def_ir,
@@ -245,12 +246,7 @@ class TfRunner(ModelRunner):
 
     # -- sessions ------------------------------------------------------------------------------
     def _session(self, graph_def: graph_pb2.GraphDef, label: str) -> tf.compat.v1.Session:
-        graph = tf.Graph()
-        try:
-            with graph.as_default():
-                tf.compat.v1.import_graph_def(graph_def, name="")
-        except Exception as exc:
-            raise AmpError(f"TensorFlow cannot import the {label}: {first_line(exc)}") from None
+        graph = imported_graph(graph_def, f"the {label}")
         config = tf.compat.v1.ConfigProto(device_count={"GPU": 0})
         session = tf.compat.v1.Session(graph=graph, config=config)
         assigns = [nd.name for nd in graph_def.node

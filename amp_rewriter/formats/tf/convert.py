@@ -35,6 +35,7 @@ from ...precision_map import PrecisionMap
 from ...report import NodeEntries, Report, build_report
 from ...training.passes import TrainingContext
 from ..base import cyclic_gc_paused
+from ._tensorflow import imported_graph
 from .emit import emit_function, emit_graphdef
 from .files import (
     is_saved_model_dir,
@@ -208,15 +209,12 @@ def convert_meta_graph_file(input_path: Path, output_path: Path, options: Option
 
 def check_graphdef(graph_def: graph_pb2.GraphDef) -> None:
     """Import into a fresh tf.Graph (checks every op, input dtype and attr); AmpError if not."""
-    try:
-        with tf.Graph().as_default():
-            tf.compat.v1.import_graph_def(graph_def, name="")
-    except Exception as exc:  # TF raises ValueError / InvalidArgumentError
-        raise AmpError(f"the converted graph does not import into TensorFlow: "
-                       f"{first_line(exc)}") from None
+    imported_graph(graph_def, "the converted graph")
 
 
-def _convertible(fdef) -> bool:
+def convertible_function(fdef: function_pb2.FunctionDef) -> bool:
+    """Whether convert rewrites this function of a SavedModel: those that save or restore
+    checkpoints are copied as they are (they keep the variables' stored dtype)."""
     return not any(nd.op in _CHECKPOINT_OPS for nd in fdef.node_def)
 
 
@@ -271,7 +269,7 @@ def convert_saved_model_proto(input_dir: Path, options: Options,
             original.CopyFrom(library)  # every function loads against the unmodified library
             signature_functions = served_functions(meta_graph)
             for index, fdef in enumerate(original.function):
-                if not _convertible(fdef):
+                if not convertible_function(fdef):
                     continue
                 ir_model = load_function(fdef, original)
                 reports.append(_run(ir_model, lists, options, fdef.signature.name, pins=pins,
@@ -318,7 +316,7 @@ def _checkpointed_meta_graph(saved: saved_model_pb2.SavedModel, input_dir: Path
 
 def _checkpoint_functions(meta_graph: meta_graph_pb2.MetaGraphDef) -> frozenset[str]:
     return frozenset(f.signature.name for f in meta_graph.graph_def.library.function
-                     if not _convertible(f))
+                     if not convertible_function(f))
 
 
 def _variable_ranges(saved: saved_model_pb2.SavedModel, input_dir: Path, options: Options

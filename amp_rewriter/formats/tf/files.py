@@ -124,7 +124,11 @@ def check_saved_model_tree(path: Path) -> None:
             except OSError as exc:
                 raise AmpError(f"{path}: cannot read {shown} ({exc.strerror})") from None
             if stat.S_ISLNK(info.st_mode):
-                target = entry.resolve()
+                try:
+                    target = entry.resolve()
+                except (OSError, RuntimeError):  # a symlink loop (RuntimeError before 3.13)
+                    raise AmpError(f"{path}: {shown} is a symlink that cannot be resolved (a "
+                                   f"loop?)") from None
                 if not target.is_relative_to(root):
                     raise AmpError(f"{path}: {shown} is a symlink that leaves the SavedModel "
                                    f"directory ({target}); refusing to read it")

@@ -11,6 +11,7 @@ from tensorflow.core.framework import graph_pb2
 
 from ...errors import AmpError, ConvertedModelFailed
 from ...validation import OutputComparison, check_random_shape, compare_outputs
+from ._tensorflow import imported_graph
 
 SYMBOLIC_DIM_SIZE = 2
 
@@ -76,13 +77,7 @@ def run_graphdef(graph_def: graph_pb2.GraphDef, fetches: list[str],
     """Run a GraphDef in a tf.compat.v1 Session on the CPU (variables are initialized by running
     their initializers, `<variable>/Assign`, first; a Saver's restore assigns are left alone).
     Failures raise `error`."""
-    graph = tf.Graph()
-    try:
-        with graph.as_default():
-            tf.compat.v1.import_graph_def(graph_def, name="")
-    except Exception as exc:  # TF raises ValueError / InvalidArgumentError
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise error(f"the graph does not import into TensorFlow: {first}") from None
+    graph = imported_graph(graph_def, "the graph", error)
     names = [f if ":" in f else f"{f}:0" for f in fetches]
     feed = {f"{k}:0" if ":" not in k else k: v for k, v in feeds.items()}
     assigns = [nd.name for nd in graph_def.node

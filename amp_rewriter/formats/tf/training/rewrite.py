@@ -36,6 +36,7 @@ from ....report import Report
 from ....training.passes import TrainingContext
 from .. import convert as tf_convert
 from .. import files
+from .._tensorflow import imported_graph
 from .ops import TfTrainingOps, TfVariableNodes
 from .plan import find_training_plan, node_name
 
@@ -145,6 +146,9 @@ def rewrite_training_meta_graph(source: Any, options: Options, training: Trainin
                        "placeholders keep their dtypes")
     rule = training.loss_scale_rule(options.target)
     meta = as_meta_graph(source)
+    # A graph TensorFlow itself refuses (a bad device, a dangling input, a dtype mismatch) is
+    # said to be the input's fault, before it is planned and converted.
+    imported_graph(meta, "the training graph")
     loss, train_op = training.loss, training.train_op
     train_op_name = node_name(train_op) if train_op is not None else _collection_train_op(meta)
     loss_name = node_name(loss) if loss is not None else None
@@ -263,9 +267,7 @@ def rewrite_training_graph(
     meta, names, report = rewrite_training_meta_graph(
         graph_or_graph_def_or_meta_graph, Options(target=target, backend=backend, **rest),
         training)
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
+    graph = imported_graph(meta, "the rewritten training graph")
     return TrainingRewrite(graph=graph, meta_graph_def=meta, report=report,
                            loss=names["loss"], train_op=names["train_op"],
                            loss_scale=names.get("loss_scale"), good_steps=names.get("good_steps"),
