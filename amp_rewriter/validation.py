@@ -6,6 +6,7 @@ import hashlib
 import math
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,8 +14,11 @@ import numpy as np
 
 from .arrays import read_npz
 from .errors import AmpError
-from .ir import LOW_PRECISION_DTYPES, LazyTensor
+from .ir import DENY, LOW_PRECISION_DTYPES, LazyTensor, Node
 from .ir.dtypes import NUMPY_DTYPES
+from .op_lists import OpLists
+from .passes.analysis.structures import tanh_gelu_cube
+from .passes.base import FormatRules
 from .report import CheckRule
 
 #: OutputComparison.computed for an output that some emulated op fed.
@@ -232,6 +236,31 @@ def check_constants(constants: dict[str, LazyTensor], origins: ConstantOrigins |
         if flushed:
             findings.flushed.append((name, flushed))
     return findings
+
+
+def deny_op_findings(nodes: Iterable[Node], lists: OpLists, rules: FormatRules, target: str,
+                     where: str = "") -> tuple[list[dict[str, Any]], list[str]]:
+    """`check`'s deny-list rule over a converted graph's nodes, for every format: a deny-list op
+    with a low-precision input or output is a problem, unless it is a structure `convert` runs
+    low on purpose (the cube of a tanh-GELU), which is a note. `where` follows a node's name
+    (" (in FUNCTION)"). Returns (problems, notes)."""
+    problems: list[dict[str, Any]] = []
+    notes: list[str] = []
+    backend = lists.backend
+    for node in nodes:
+        op_class, why = lists.class_of(node.qualified_op)
+        if op_class != DENY or not any(v is not None and v.dtype in LOW_PRECISION_DTYPES
+                                       for v in node.inputs + node.outputs):
+            continue
+        harmless = tanh_gelu_cube(node, rules)
+        if harmless is not None:  # convert runs it low precision on purpose
+            notes.append(f"{node.name} ({node.op_type}){where} runs in low precision: {harmless}")
+            continue
+        problems.append({
+            "kind": "deny_op_in_low_precision", "node": node.name, "op": node.op_type,
+            "message": f"{node.name} ({node.op_type}){where} runs in low precision but is on "
+                       f"the {target} deny list for {backend}: {why}"})
+    return problems, notes
 
 
 def output_verdict(comparisons: list[OutputComparison], rtol: float

@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh test
-.venv/bin/ruff check amp_rewriter tests scripts models
+.venv/bin/ruff check amp_rewriter tests scripts models examples
 .venv/bin/mypy
 .venv/bin/python -m pytest -q "$@"

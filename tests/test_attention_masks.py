@@ -156,6 +156,58 @@ def test_padding_mask_runs_fp16_and_masked_rows_match_fp32(builder):
     np.testing.assert_array_equal(actual[3], UNIFORM16)
 
 
+def t5_model() -> onnx.ModelProto:
+    """T5's attention as its TorchScript export writes it: a learned relative position bias,
+    looked up (Gather) from positions counted off the keys' shape, masked with
+    Where(keep, bias, min) and added to the scores. The positions come from a Shape of the
+    scores' producer, so the bias must not count as an activation for the mask to be seen."""
+    b = GraphBuilder()
+    x = b.input("x", [B, S, S])
+    keep = b.input("keep", [B, 1, S], np.bool_)
+    scores = b.op("MatMul", x, b.const("eye", np.eye(S, dtype=np.float32)), name="scores")
+    length = b.op("Gather", b.op("Shape", scores, name="scores_shape"),
+                  b.const("last", np.array(2, np.int64)), name="key_length")
+    positions = b.op("Range", b.const("start", np.array(0, np.int64)), length,
+                     b.const("step", np.array(1, np.int64)), name="positions")
+    relative = b.op("Sub", b.op("Unsqueeze", positions, b.const("axis0", np.array([0])),
+                                name="memory"),
+                    b.op("Unsqueeze", positions, b.const("axis1", np.array([1])),
+                         name="context"), name="relative")
+    buckets = b.op("Add", relative, b.const("offset", np.array(S, np.int64)), name="buckets")
+    table = b.const("bias_table", np.random.default_rng(3).standard_normal(2 * S)
+                    .astype(np.float32))
+    bias = b.op("Unsqueeze", b.op("Gather", table, buckets, name="bias_lookup"),
+                b.const("axis_batch", np.array([0])), name="bias")
+    masked_bias = b.op("Where", keep, bias, b.const("min", MIN), name="mask")
+    logits = b.op("Add", scores, masked_bias, name="join")
+    probs = b.op("Softmax", logits, name="softmax", axis=-1)
+    b.output(probs)
+    b.output(b.op("MatMul", probs, b.weight("wv", [S, 4]), name="context_out"))
+    return b.build()
+
+
+def test_t5_relative_bias_mask_takes_the_mask_rule():
+    """Issue 39: T5's Softmaxes were kept fp32 (the bias, counted from the scores' shape, was
+    taken for an activation and the mask refused). Now they run fp16 with the mask rule's
+    guarantees: masked positions weight 0, fully masked rows uniform as in fp32, no NaN."""
+    model = t5_model()
+    converted, report = convert(model)
+    decided = precisions(report)
+    assert decided["softmax"] == decided["join"] == "fp16", decided
+    assert [s["rule"] for s in report.structures if s["rule"] == "attention_mask"] \
+        == ["attention_mask"]
+    keep = keep_rows().astype(bool)
+    feeds = {"x": scores_input(), "keep": keep}
+    expected, actual = probabilities(model, feeds), probabilities(converted, feeds)
+    assert np.isfinite(actual).all()
+    masked = np.broadcast_to(~keep, expected.shape)
+    partial = masked & (keep.sum(-1, keepdims=True) > 0)
+    assert np.all(actual[partial] == 0)
+    np.testing.assert_allclose(actual[~masked], expected[~masked], atol=2e-3)
+    np.testing.assert_array_equal(expected[3], np.full((S, S), UNIFORM32))
+    np.testing.assert_array_equal(actual[3], UNIFORM16)
+
+
 def test_without_the_saturation_fully_masked_rows_would_be_nan():
     """The Clip is load-bearing: the same converted model without it gives NaN rows."""
     model = scores_model(where_mask)

@@ -139,7 +139,8 @@ def test_ci_outputs_that_collide_are_refused_before_anything_is_written(models, 
                  ["--junit", tmp_path / "same", "--summary", tmp_path / "same"]):
         result = run_cli("check", models["converted"], *args)
         assert result.returncode == 2, describe_run(result)
-        assert "refusing" in one_error_line(result.stderr) or "another output" in result.stderr
+        line = one_error_line(result.stderr)
+        assert "refusing" in line or "also written as" in line, line
     assert models["converted"].read_bytes() == before
     assert not (tmp_path / "same").exists()
     result = run_cli("check", models["converted"], models["bad"], "--reference", models["fp32"])

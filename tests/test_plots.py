@@ -114,7 +114,7 @@ def test_bad_and_colliding_plot_paths_are_one_line_errors(tmp_path: Path) -> Non
     out = tmp_path / "out.onnx"
     for args, expected in ((["--plot", tmp_path / "map.jpg"], "expected a file name ending in"),
                            (["--plot", model.with_suffix(".svg"), "--report",
-                             model.with_suffix(".svg")], "another output"),
+                             model.with_suffix(".svg")], "is also written as the --report"),
                            (["--plot", out.with_suffix(".onnx.png"), "--validate", "--rtol", "0"],
                             "validation failed")):
         result = run_amp_rewriter("convert", model, out, *args)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from training_ir import evaluate, tiny_step
+from training_ir import _node, evaluate, tiny_step
 
 from amp_rewriter.ir import decisions, lint
 from amp_rewriter.passes import PassError, run_pipeline
@@ -66,6 +66,35 @@ def test_each_pass_does_its_job_and_the_ir_stays_sound(towers):
     assert {n.name for n in nodes["init"].control_inputs} >= {
         s.initializer.name for s in training.states()}
     assert all(n.pin_reason and not n.type_groups for n in training.added)
+
+
+def test_results_and_control_outputs_stop_waiting_for_the_gated_writes():
+    # a TF2 function's shape: a return value waits for a write, the caller waits for the
+    # control outputs (a write among them)
+    step = tiny_step()
+    graph, nodes = step.model.graph, step.nodes
+    returned = _node(graph, "returned", "Identity", [step.plan.loss], ["float32"],
+                     waits=[nodes["count"]])
+    graph.add_output(returned.outputs[0])
+    graph.set_control_output("apply", nodes["apply"])
+    graph.set_control_output("step", nodes["train"])
+    step.plan.results, step.plan.caller_waits = [returned.outputs[0]], True
+    ctx = step.context(LossScaleRule())
+    results = {r.name: r for r in run_pipeline(ctx, TRAINING_PASSES)}
+    settled = ctx.training.settled
+    assert settled.op_type == "Settle" and ctx.training.gate in settled.control_inputs
+    assert {nodes["apply"], nodes["count"]} <= set(settled.control_inputs)
+    assert returned.control_inputs == [settled]
+    assert set(graph.control_outputs) == {"step"}
+    train_waits = set(nodes["train"].control_inputs)
+    assert settled in train_waits and not train_waits & {nodes["apply"], nodes["count"]}
+    assert results["release_step_results"].changed == 3  # returned, train, one control output
+
+
+def test_without_results_release_changes_nothing():
+    ctx = tiny_step().context(LossScaleRule())
+    results = {r.name: r for r in run_pipeline(ctx, TRAINING_PASSES)}
+    assert results["release_step_results"].changed == 0 and ctx.training.settled is None
 
 
 def test_pins_keep_the_loss_and_optimizer_path_fp32_after_earlier_pins():

@@ -120,6 +120,9 @@ class IrTrainingOps(PendingNodes):
     def group(self, nodes: list[Node], name: str) -> Node:
         return self._value("Group", [], "", name, waits=nodes, outputs=0)
 
+    def settle(self, gate: Node, writes: list[Node], name: str) -> Node:
+        return self._value("Settle", [], "", name, waits=[gate, *writes], outputs=0)
+
 
 def evaluate(value: Value, leaves: Mapping[int, np.ndarray]) -> np.ndarray:
     """`value` computed with `SEMANTICS` from constants and `leaves` (id(value) -> array)."""

@@ -504,6 +504,10 @@ class Graph:
                           f"graph {self.name}")
         self.control_outputs[name] = node
 
+    def remove_control_output(self, name: str) -> None:
+        """Stop listing the control output called `name` (its node stays in the graph)."""
+        del self.control_outputs[name]
+
     def set_output(self, index: int, value: Value) -> None:
         """Make graph output `index` be `value`."""
         old = self.outputs[index]

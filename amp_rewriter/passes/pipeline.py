@@ -48,6 +48,7 @@ TRAINING_PASSES = [
     "check_gradients_finite",
     "gate_variable_writes",
     "update_loss_scale",
+    "release_step_results",
 ]
 
 #: Analysis first (decisions only), then the rewrite.

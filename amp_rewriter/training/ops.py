@@ -29,12 +29,14 @@ SCALER_REASON = "loss-scaling subgraph: fp32 by design"
 @dataclass
 class StateVariable:
     """A variable the scaler keeps between steps (its scale, its counters): the value a step
-    reads, the node that sets it to its initial value, and the format's own handle on it."""
+    reads, the node that sets it to its initial value (None where the front end initializes
+    it outside the graph, as a TF2 step's captured variables are), and the format's own handle
+    on it."""
 
     name: str
     value: Value
-    #: None for an accumulator, which reads as zeros until first written.
     initializer: Node | None
+    #: None for an accumulator, which reads as zeros until first written.
     initial: np.ndarray | None
     #: The format's handle (TF: the VarHandleOp node and the names a MetaGraph lists).
     handle: Any = None
@@ -181,6 +183,12 @@ class TrainingOps(Protocol):
 
     def group(self, nodes: list[Node], name: str) -> Node:
         """A node that waits for every node of `nodes` and does nothing else."""
+        ...
+
+    def settle(self, gate: Node, writes: list[Node], name: str) -> Node:
+        """A node that completes on every step: after `writes` (which wait for `gate`) on a step
+        the gate lets through, at once on the others. What must come back on every step waits
+        for it instead of for the writes."""
         ...
 
     def commit(self) -> list[Node]:

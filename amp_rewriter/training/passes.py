@@ -22,7 +22,10 @@ They run before the precision passes (pipeline `tf-training`), each with one job
 - `gate_variable_writes` makes every variable write wait for the format's gate on that flag
   (and, accumulating, on the window's last micro-step);
 - `update_loss_scale` writes the rule's next state (`LossScaleRule.step`, node for node, once
-  per window) and makes the step wait for it.
+  per window) and makes the step wait for it;
+- `release_step_results` makes what the step returns on every step (a TF2 function's return
+  values) wait for the ops' `settle` node instead of for the gated writes, so a bad step still
+  returns them.
 
 The passes of 16-bit weights (training/weights.py) run between `move_waited_writes` and
 `create_loss_scale_state`. With the rule's mode "none" and no accumulation the scaler's passes
@@ -39,7 +42,7 @@ from ..errors import AmpError
 from ..ir import FLOAT32, Node, Value, decisions
 from ..passes.base import PassContext, register_pass
 from .ops import StateVariable, StoredVariable, TrainingOps
-from .plan import GradientExit, TrainingPlan
+from .plan import GradientExit, TrainingPlan, nodes_after, nodes_before
 from .rule import LossScaleRule
 from .update import UpdateOptions
 
@@ -71,6 +74,10 @@ class TrainingContext:
     gate: Node | None = None
     #: What the step waits for to update the scaler's state.
     update: Node | None = None
+    #: What the step's results wait for instead of the gated writes (`release_step_results`).
+    settled: Node | None = None
+    #: The nodes that stopped waiting for a gated write, by name.
+    released: list[str] = field(default_factory=list)
     #: Every node the training passes added, in the order they were made.
     added: list[Node] = field(default_factory=list)
     #: The variables stored in 16 bits, and the step counter their random bits are keyed by.
@@ -180,9 +187,9 @@ def create_loss_scale_state(ctx: PassContext) -> tuple[int, list[str]]:
     if rule.counts_bad_steps:
         training.bad_steps = ops.state_variable("bad_steps", np.asarray(0, np.int32))
     training.scale = training.scale_state.value
+    initializers = [s.initializer for s in training.states() if s.initializer is not None]
     for group in training.plan.initializers:
-        group.add_control_inputs(state.initializer for state in training.states()
-                                 if state.initializer is not None)
+        group.add_control_inputs(initializers)
     changed = commit(training)
     ctx.model.graph.sort_nodes()
     return changed, [f"state: {', '.join(s.name for s in training.states())}"]
@@ -422,6 +429,64 @@ def update_loss_scale(ctx: PassContext) -> tuple[int, list[str]]:
     plan.step.add_control_input(training.update)
     ctx.model.graph.sort_nodes()
     return changed, []
+
+
+@register_pass("release_step_results")
+def release_step_results(ctx: PassContext) -> tuple[int, list[str]]:
+    """Make what the step hands back on every step stop waiting for the gated writes: each node
+    of a result that waits (by a control edge) for something a bad step skips waits for the
+    ops' `settle` node instead, which completes on every step, after the writes on a good one;
+    where the caller waits for the graph's control outputs, those a bad step skips give way to
+    the step node, which waits for `settle` too."""
+    training = training_of(ctx)
+    plan, gate, graph = training.plan, training.gate, ctx.model.graph
+    if gate is None or not (plan.results or plan.caller_waits):
+        return 0, []
+    skipped = {id(node) for node in nodes_after([gate])}
+    writes = [write.node for write in plan.writes]
+    feeds_writes = {id(node) for node in nodes_before(writes)}
+
+    def settled() -> Node:
+        if training.settled is None:
+            training.settled = training.ops.settle(gate, writes, "settle/settled")
+            commit(training)
+        return training.settled
+
+    pending = [v.producer for v in plan.results if v.producer is not None]
+    dropped = []
+    if plan.caller_waits:
+        dropped = sorted(key for key, node in graph.control_outputs.items()
+                         if id(node) in skipped and node is not plan.step)
+        for key in dropped:
+            graph.remove_control_output(key)
+        if dropped:
+            plan.step.add_control_input(settled())
+        pending.append(plan.step)
+    seen: set[int] = set()
+    while pending:
+        node = pending.pop()
+        if id(node) in seen or id(node) not in skipped:
+            continue
+        seen.add(id(node))
+        ctx.focus = node
+        if id(node) in feeds_writes:
+            raise AmpError(f"the step returns a value computed from {node.name!r}, which a "
+                           f"variable update needs after another update: return it before the "
+                           f"updates, or read the variable after the step")
+        waited = [n for n in node.control_inputs if id(n) in skipped]
+        if waited:
+            for other in waited:
+                node.remove_control_input(other)
+            node.add_control_input(settled())
+            training.released.append(node.name)
+        pending.extend(v.producer for v in node.inputs if v is not None and v.producer is not None)
+    if not training.released and not dropped:
+        return 0, []
+    graph.sort_nodes()
+    notes = [f"no longer wait for the gated writes: {', '.join(sorted(training.released))}"]
+    if dropped:
+        notes.append(f"{len(dropped)} control output(s) a bad step skips left to the step node")
+    return len(training.released) + len(dropped), notes
 
 
 def _dtype(value: Value) -> str:

@@ -14,6 +14,7 @@ plan is one the passes can work on.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ..ir import FLOAT_DTYPES, Node, Value, present
@@ -107,6 +108,12 @@ class TrainingPlan:
     deferred: list[tuple[Node, Node]] = field(default_factory=list)
     #: Nodes that run the variables' initializers (the scaler's initializers join them).
     initializers: list[Node] = field(default_factory=list)
+    #: What the step hands back on every step, skipped or not (a TF2 function's return
+    #: values): they must not wait for a write that a bad step skips.
+    results: list[Value] = field(default_factory=list)
+    #: Whether the caller waits for the step graph's control outputs (a TF2 function, whose
+    #: caller waits for its control outputs): none of them may be skipped either.
+    caller_waits: bool = False
     #: The loss is neither what the gradients are taken of nor computed from it (a warning).
     loss_unrelated: bool = False
     #: Every frontier gradient reaches the writes' gradient inputs only through sums, means
@@ -151,3 +158,35 @@ class TrainingPlan:
             if not any(node is writer for node in waiter.control_inputs):
                 found.append(f"{waiter.name} does not wait for {writer.name}")
         return found
+
+
+def _walk(roots: Iterable[Node], neighbours: Callable[[Node], Iterable[Node]]) -> set[Node]:
+    """`roots` and every node reached from them through `neighbours` (iterative: graphs are
+    big)."""
+    seen: dict[int, Node] = {}
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if id(node) not in seen:
+            seen[id(node)] = node
+            stack.extend(neighbours(node))
+    return set(seen.values())
+
+
+def nodes_before(roots: Iterable[Node], data_only: bool = False,
+                 ignored: frozenset[int] = frozenset()) -> set[Node]:
+    """`roots` and everything they wait for, by data and control edges (or data edges only),
+    leaving out control edges from the nodes whose ids are `ignored`."""
+    def waited(node: Node) -> Iterator[Node]:
+        yield from (v.producer for v in node.inputs if v is not None and v.producer is not None)
+        if not data_only:
+            yield from (n for n in node.control_inputs if id(n) not in ignored)
+    return _walk(roots, waited)
+
+
+def nodes_after(roots: Iterable[Node]) -> set[Node]:
+    """`roots` and everything that runs after them (data and control edges)."""
+    def waiting(node: Node) -> Iterator[Node]:
+        yield from (c for v in node.outputs if v is not None for c, _slot in v.uses)
+        yield from node.control_users
+    return _walk(roots, waiting)

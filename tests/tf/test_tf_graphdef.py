@@ -538,3 +538,39 @@ def test_check_graphdef_against_its_reference_on_the_validation_inputs(tmp_path,
     assert cli.main(["check", str(out), "--reference", str(src), "--inputs", str(wrong)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'z' matches no placeholder of the graph (its placeholders: x)" in err
+
+
+def test_check_accepts_the_tanh_gelu_cube_convert_runs_low(tmp_path, capsys):
+    """Issue 39: a frozen GraphDef with a tanh-GELU converts to fp16 with its cube in fp16 (on
+    purpose: the overflow is harmless by structure), and `check` on that output now agrees with
+    convert (a note, exit 0) instead of failing on Pow; a Pow that is not such a cube still
+    fails the check."""
+    def model():
+        x = v1.placeholder(tf.float32, [None, 8], name="x")
+        h = tf.matmul(x, weights(8, 8), name="mm")
+        cube = tf.pow(h, 3.0, name="cube")
+        inner = tf.multiply(tf.add(h, tf.multiply(cube, 0.044715)), 0.7978845608, name="inner")
+        gelu = tf.multiply(tf.multiply(h, 0.5), tf.add(1.0, tf.tanh(inner)), name="gelu")
+        tf.identity(tf.matmul(gelu, weights(8, 4), name="mm2"), name="y")
+
+    src, out = tmp_path / "gelu.pb", tmp_path / "gelu16.pb"
+    src.write_bytes(build(model).SerializeToString())
+    assert cli.main(["convert", str(src), str(out), "--target", "fp16", "--backend", "tf-gpu",
+                     "--outputs", "y", "--quiet"]) == 0
+    converted = tf.compat.v1.GraphDef()
+    converted.ParseFromString(out.read_bytes())
+    cube = next(n for n in converted.node if n.name == "cube")
+    assert cube.attr["T"].type == tf.float16.as_datatype_enum
+    capsys.readouterr()
+    assert cli.main(["check", str(out)]) == 0
+    assert "cube (Pow) runs in low precision: the cube of tanh-GELU" in capsys.readouterr().out
+
+    def squares():
+        x = v1.placeholder(tf.float16, [None, 8], name="x")
+        tf.identity(tf.pow(x, 2.0, name="square"), name="y")
+
+    plain = tmp_path / "square16.pb"
+    plain.write_bytes(build(squares).SerializeToString())
+    assert cli.main(["check", str(plain)]) == 1
+    assert "square (Pow) runs in low precision but is on the fp16 deny list" \
+        in capsys.readouterr().out

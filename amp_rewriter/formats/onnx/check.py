@@ -9,15 +9,15 @@ from pathlib import Path
 
 from ...cost import model_cost
 from ...errors import AmpError, ConvertedModelFailed, first_line
-from ...ir import DENY, FLOAT_DTYPES, LOW_PRECISION_DTYPES, LazyTensor, Model
+from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, LazyTensor, Model
 from ...op_lists import OpLists
-from ...passes.analysis.structures import tanh_gelu_cube
 from ...report import CheckResult, CheckRule
 from ...validation import (
     COMMON_CHECK_RULES,
     ConstantOrigins,
     check_constants,
     default_rtol,
+    deny_op_findings,
     flushed_verdict,
     load_inputs,
     output_verdict,
@@ -117,21 +117,9 @@ def check_model(path: str | os.PathLike, target: str | None = None, backend: str
                else None)
     result.cost = model_cost(_node_precisions(model_ir), ONNX_RULES.compute_ops, traffic)
 
-    for node in model_ir.graph.walk_nodes():
-        op_class, why = lists.class_of(node.qualified_op)
-        if op_class != DENY:
-            continue
-        harmless = tanh_gelu_cube(node, ONNX_RULES)
-        if harmless is not None:  # convert runs it low precision on purpose
-            result.notes.append(f"{node.name} ({node.op_type}) runs in low precision: {harmless}")
-            continue
-        low = [v.name for v in node.inputs + node.outputs
-               if v is not None and v.dtype in LOW_PRECISION_DTYPES]
-        if low:
-            result.problems.append({
-                "kind": "deny_op_in_low_precision", "node": node.name, "op": node.op_type,
-                "message": f"{node.name} ({node.op_type}) runs in low precision but is on the "
-                           f"{target} deny list for {backend}: {why}"})
+    problems, notes = deny_op_findings(model_ir.graph.walk_nodes(), lists, ONNX_RULES, target)
+    result.problems.extend(problems)
+    result.notes.extend(notes)
 
     origins = None
     if reference is not None:

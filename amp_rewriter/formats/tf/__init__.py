@@ -34,6 +34,7 @@ from .convert import (
 from .files import is_saved_model_dir, read_graphdef, read_meta_graph, read_saved_model
 from .lists import default_backend
 from .rules import TF_RULES
+from .training.hook import MixedPrecisionFunction, MixedPrecisionStep, mixed_precision
 from .training.rewrite import TrainingRewrite, convert_training_file, rewrite_training_graph
 from .validate import compare_graphdefs, compare_saved_models
 
@@ -109,6 +110,7 @@ def _cpu_only(device: str) -> None:
 FORMAT = TfFormat()
 
 __all__ = ["FORMAT", "TfFormat", "convert_graphdef", "convert_saved_model", "convert_tf_file",
-           "rewrite_training_graph", "TrainingRewrite", "LossScaleRule", "check_tf_graph",
+           "rewrite_training_graph", "TrainingRewrite", "mixed_precision", "MixedPrecisionStep",
+           "MixedPrecisionFunction", "LossScaleRule", "check_tf_graph",
            "compare_graphdefs", "compare_saved_models", "read_graphdef", "read_meta_graph",
            "read_saved_model"]

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from ...cost import model_cost
 from ...errors import AmpError
-from ...ir import DENY, TARGET_DTYPES, LazyTensor
+from ...ir import TARGET_DTYPES, LazyTensor, Model
 from ...ir.dtypes import NUMPY_DTYPES
 from ...report import CheckResult, CheckRule
 from ...validation import (
@@ -26,14 +27,15 @@ from ...validation import (
     OutputComparison,
     check_constants,
     default_rtol,
+    deny_op_findings,
     flushed_verdict,
     load_inputs,
     output_verdict,
 )
-from .convert import meta_graph_fetches
+from .convert import convertible_function, meta_graph_fetches
 from .files import is_saved_model_dir, read_saved_model
 from .lists import default_backend, load_tf_lists
-from .load import default_fetches, parse_graph_input
+from .load import default_fetches, load_function, load_graphdef, parse_graph_input
 from .optimizers import EPSILON, HYPERPARAMETER, LEARNING_RATE, write_args
 from .rules import TF_RULES
 from .training.rewrite import as_meta_graph
@@ -124,15 +126,11 @@ def check_tf_graph(path: str | os.PathLike, target: str | None = None,
     for meta in metas:
         _check_optimizer(meta, target, result)
     lists = load_tf_lists(target, backend)
-    for graph, nodes in _graphs(metas):
-        where = "" if graph == "main" else f" (in {graph})"
-        for nd in nodes:
-            op_class, why = lists.class_of(nd.op)
-            if op_class == DENY and any(a.type in _LOW_TF_DTYPES for a in nd.attr.values()):
-                result.problems.append({
-                    "kind": "deny_op_in_low_precision", "node": nd.name, "op": nd.op,
-                    "message": f"{nd.name} ({nd.op}){where} runs in low precision but is on the "
-                               f"{target} deny list: {why}"})
+    for graph, model in _graph_irs(metas):
+        problems, notes = deny_op_findings(model.graph.walk_nodes(), lists, TF_RULES, target,
+                                           "" if graph == "main" else f" (in {graph})")
+        result.problems.extend(problems)
+        result.notes.extend(notes)
     origins = None
     if reference is not None:
         ref_metas = _meta_graphs(Path(reference))
@@ -183,6 +181,21 @@ def _graphs(metas: list[meta_graph_pb2.MetaGraphDef]) -> Iterator[tuple[str, lis
             if fdef.signature.name not in seen:
                 seen.add(fdef.signature.name)
                 yield fdef.signature.name, list(fdef.node_def)
+
+
+def _graph_irs(metas: list[meta_graph_pb2.MetaGraphDef]) -> Iterator[tuple[str, Model]]:
+    """(name, IR) of every graph `_graphs` yields that convert rewrites, as convert loads them:
+    the rules that read structure (the tanh-GELU cube) see what convert saw, and the functions
+    convert copies as they are (checkpoint save and restore) are not judged."""
+    seen: set[str] = set()
+    for meta in metas:
+        graph_def = graph_pb2.GraphDef()
+        graph_def.CopyFrom(meta.graph_def)  # the loader renames FusedBatchNorm in place
+        yield "main", load_graphdef(graph_def, [], keep_fetch_nodes=False, label="the graph")
+        for fdef in meta.graph_def.library.function:
+            if fdef.signature.name not in seen and convertible_function(fdef):
+                seen.add(fdef.signature.name)
+                yield fdef.signature.name, load_function(fdef, meta.graph_def.library)
 
 
 def _constants(metas: list[meta_graph_pb2.MetaGraphDef]) -> dict[str, LazyTensor]:

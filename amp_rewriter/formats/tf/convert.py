@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import function_pb2, graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 from tensorflow.python.framework import op_def_registry
 
@@ -160,6 +160,25 @@ def convert_graph_def_ir(graph_def: graph_pb2.GraphDef, options: Options,
     return converted, report, (ir_model, names)
 
 
+def convert_function_ir(fdef: function_pb2.FunctionDef,
+                        library: function_pb2.FunctionDefLibrary, options: Options,
+                        pipeline: str = "tf",
+                        plan_training: Callable[[Model], TrainingContext] | None = None
+                        ) -> tuple[Model, Report]:
+    """One function body through a pipeline: its IR after the passes (for `emit_function`)
+    and the report. `plan_training` is a training front end, as for `convert_graph_def_ir`;
+    the function's arguments and return values keep their dtypes."""
+    options, lists = _resolved(dataclasses.replace(options, keep_io_types=True))
+    with cyclic_gc_paused():
+        ir_model = load_function(fdef, library)
+        training = plan_training(ir_model) if plan_training is not None else None
+        report = _run(ir_model, lists, options, fdef.signature.name, pipeline,
+                      training=training)
+    report.warnings = _warnings(options, report, ir_model.handle.unknown_ops)
+    record_bf16_host_check(report)
+    return ir_model, report
+
+
 def meta_graph_fetches(meta: meta_graph_pb2.MetaGraphDef) -> list[str]:
     """What a MetaGraph's users fetch: signature outputs and the nodes its collections name
     (train_op, saver ops, ...), so all of them are preserved."""
@@ -195,7 +214,9 @@ def check_graphdef(graph_def: graph_pb2.GraphDef) -> None:
     imported_graph(graph_def, "the converted graph")
 
 
-def _convertible(fdef) -> bool:
+def convertible_function(fdef: function_pb2.FunctionDef) -> bool:
+    """Whether convert rewrites this function of a SavedModel: those that save or restore
+    checkpoints are copied as they are (they keep the variables' stored dtype)."""
     return not any(nd.op in _CHECKPOINT_OPS for nd in fdef.node_def)
 
 
@@ -250,7 +271,7 @@ def convert_saved_model_proto(input_dir: Path, options: Options,
             original.CopyFrom(library)  # every function loads against the unmodified library
             signature_functions = served_functions(meta_graph)
             for index, fdef in enumerate(original.function):
-                if not _convertible(fdef):
+                if not convertible_function(fdef):
                     continue
                 ir_model = load_function(fdef, original)
                 reports.append(_run(ir_model, lists, options, fdef.signature.name, pins=pins,
@@ -297,7 +318,7 @@ def _checkpointed_meta_graph(saved: saved_model_pb2.SavedModel, input_dir: Path
 
 def _checkpoint_functions(meta_graph: meta_graph_pb2.MetaGraphDef) -> frozenset[str]:
     return frozenset(f.signature.name for f in meta_graph.graph_def.library.function
-                     if not _convertible(f))
+                     if not convertible_function(f))
 
 
 def _variable_ranges(saved: saved_model_pb2.SavedModel, input_dir: Path, options: Options

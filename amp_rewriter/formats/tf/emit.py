@@ -181,7 +181,8 @@ class _Emitter:
         self.opdefs = OpDefs(None if self.function else proto.library)
         self.live = {id(node) for node in self.graph.nodes}
         kept = {node.name for node in self.graph.nodes if node.handle is not None}
-        self.namer = _Namer(kept | set(self.source.arg_values))
+        self.namer = _Namer(kept | set(self.source.arg_values)
+                            | {value.name for value in self.graph.inputs})
         self.node_names: dict[int, str] = {}
         self.const_names: dict[int, str] = {}
         self.devices: dict[str, str] = {}  # original constant name -> its device
@@ -353,20 +354,34 @@ def emit_graphdef(model: Model) -> graph_pb2.GraphDef:
 
 
 def emit_function(model: Model) -> function_pb2.FunctionDef:
-    """The converted FunctionDef: same signature, rewritten body, returns rewired."""
+    """The converted FunctionDef: same signature (plus the arguments a pass added, after the
+    others), rewritten body, returns rewired."""
     source: TfGraphSource = model.handle
     original: function_pb2.FunctionDef = source.proto
     emitter = _Emitter(model)
     out = function_pb2.FunctionDef()
     out.CopyFrom(original)
+    known = {id(value) for value in source.arg_values.values()}
+    for value in model.graph.inputs:
+        if id(value) not in known:
+            out.signature.input_arg.add(name=value.name, type=dtype_enum(_dtype(value)))
     del out.node_def[:]
     out.node_def.extend(emitter.nodes())
     for name, value in zip(source.ret_names, model.graph.outputs):
+        out.ret[name] = emitter.ref(value)
+    for index, value in enumerate(model.graph.outputs[len(source.ret_names):]):
+        # a return value a pass added, after the function's own
+        name = f"amp_output_{index}"
+        out.signature.output_arg.add(name=name, type=dtype_enum(_dtype(value)))
         out.ret[name] = emitter.ref(value)
     control_outputs = {key: emitter.node_name(node)
                        for key, node in model.graph.control_outputs.items()}
     for key in [key for key in out.control_ret if key not in control_outputs]:
         del out.control_ret[key]
+    kept_keys = [key for key in out.signature.control_output if key in control_outputs]
+    if len(kept_keys) != len(out.signature.control_output):
+        del out.signature.control_output[:]
+        out.signature.control_output.extend(kept_keys)
     for key, name in control_outputs.items():
         if out.control_ret.get(key) != name:
             out.control_ret[key] = name

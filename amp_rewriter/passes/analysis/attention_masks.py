@@ -97,10 +97,14 @@ def _positive_constant(value: Value | None) -> bool:
 
 def _after_heavy_ops(ctx: PassContext) -> set[int]:
     """ids of values computed (transitively) from the output of an allow-class op: activations
-    such as attention scores, as opposed to masks built from inputs and constants."""
+    such as attention scores, as opposed to masks built from inputs and constants. A shape read
+    (Shape, Size) carries no activation: T5's relative position bias is looked up from positions
+    counted off the keys' shape, and is data like the mask it is added to."""
     tainted: set[int] = set()
+    metadata = ctx.rules.metadata_ops
     for node in ctx.model.graph.nodes:
-        if heavy(node) or any(v is not None and id(v) in tainted for v in node.inputs):
+        if heavy(node) or (node.op_type not in metadata
+                           and any(v is not None and id(v) in tainted for v in node.inputs)):
             tainted.update(id(v) for v in node.outputs if v is not None)
     return tainted
 

@@ -20,7 +20,12 @@ form holds for reference variables (no RefSwitch), resource variables and inside
 bodies (no Switch on a resource handle, which a function's arguments cannot take through v1
 control flow: `If` itself is lowered to Switch/Merge on its predicate exactly so). What waits
 for a gated write (TF1's train op) is skipped on a bad step too: a session that runs it as a
-target does not mind; a function that must return a live value joins the branches with Merge.
+target does not mind; a function that must return a live value joins the branches with Merge:
+`settle` is Merge(Identity(Switch:0), Identity(pivot) waiting for the writes), live on every step.
+
+In a TF2 function body (`FunctionTrainingOps`) a state variable is a resource argument the
+caller passes (a captured tf.Variable, initialized before the first call), read once with
+ReadVariableOp and written with AssignVariableOp: no lazy read, no initializer in the body.
 """
 
 from __future__ import annotations
@@ -220,9 +225,48 @@ class TfTrainingOps(PendingNodes):
     def group(self, nodes: list[Node], name: str) -> Node:
         return self.make("NoOp", [], [], name, waits=nodes)
 
+    def settle(self, gate: Node, writes: list[Node], name: str) -> Node:
+        # the gate's Switch: its false output is live exactly when the gate is dead
+        switch = present(gate.inputs[0]).producer
+        if switch is None or switch.op_type != "Switch":
+            raise ValueError(f"{gate.name}: not a gate made by TfTrainingOps.gate")
+        skipped = self.op("Identity", [present(switch.outputs[0])], "bool",
+                              f"{name}/skipped")
+        applied = self.op("Identity", [present(gate.outputs[0])], "bool", f"{name}/applied",
+                              waits=writes)
+        return self.make("Merge", [skipped, applied], ["bool", "int32"], name)
+
 
 def present_dtype(value: Value) -> str:
     """The dtype of a value the training passes read (they read only typed values)."""
     if value.dtype is None:
         raise ValueError(f"{value.name}: no dtype")
     return value.dtype
+
+
+class FunctionTrainingOps(TfTrainingOps):
+    """`TfTrainingOps` for a TF2 function body: each state variable is a new resource argument
+    (appended to the function's arguments, in the order made), read once per call."""
+
+    def __init__(self, model: Model, scope: str = SCOPE):
+        super().__init__(model, scope)
+        #: The resource arguments added, in order: the caller passes its variables' handles.
+        self.arguments: list[Value] = []
+
+    def state_variable(self, name: str, initial: np.ndarray) -> StateVariable:
+        dtype = initial.dtype.name
+        # a function argument's name: lower case, digits and underscores
+        argument = Value(self.model.unique_name(f"{self.scope}_{name}_resource"), self.graph,
+                         "resource")
+        self.graph.add_value(argument)
+        self.graph.add_input(argument)
+        self.arguments.append(argument)
+        value = self.op("ReadVariableOp", [argument], dtype, f"{name}/read")
+        variable = StateVariable(name, value, None, initial, argument)
+        self.variables.append(variable)
+        return variable
+
+    def assign(self, variable: StateVariable, value: Value, name: str) -> Node:
+        write = self.make("AssignVariableOp", [variable.handle, value], [], name)
+        variable.writes.append(write)
+        return write

@@ -13,13 +13,20 @@ groups the scaler's state joins.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 
 import numpy as np
 
 from ....errors import AmpError
-from ....ir import FLOAT_DTYPES, Model, Node, Value, present
-from ....training.plan import GradientExit, GradientSeed, TrainingPlan, VariableWrite
+from ....ir import FLOAT_DTYPES, Graph, Model, Node, Value, present
+from ....training.plan import (
+    GradientExit,
+    GradientSeed,
+    TrainingPlan,
+    VariableWrite,
+    nodes_after,
+    nodes_before,
+)
 from ..optimizers import COUNTING_OPS, GRADIENT, SLOT, VARIABLE, scale_fold, write_args
 
 #: tf.gradients' name scopes: `gradients/`, `gradients_1/`, `tower_0/gradients/`, ...
@@ -49,37 +56,6 @@ def node_name(name_or_object) -> str:
     if not isinstance(name, str) or not name:
         raise AmpError(f"expected a node or tensor name, got {name_or_object!r}")
     return name.lstrip("^").partition(":")[0]
-
-
-def _walk(roots: Iterable[Node], neighbours: Callable[[Node], Iterable[Node]]) -> set[Node]:
-    """`roots` and every node reached from them through `neighbours` (iterative: graphs are
-    big)."""
-    seen: dict[int, Node] = {}
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if id(node) not in seen:
-            seen[id(node)] = node
-            stack.extend(neighbours(node))
-    return set(seen.values())
-
-
-def _before(roots: Iterable[Node], data_only: bool = False,
-            ignored: frozenset[int] = frozenset()) -> set[Node]:
-    """`roots` and everything they wait for (control edges from `ignored` nodes aside)."""
-    def waited(node: Node) -> Iterator[Node]:
-        yield from (v.producer for v in node.inputs if v is not None and v.producer is not None)
-        if not data_only:
-            yield from (n for n in node.control_inputs if id(n) not in ignored)
-    return _walk(roots, waited)
-
-
-def _after(roots: Iterable[Node]) -> set[Node]:
-    """`roots` and everything that runs after them (data and control edges)."""
-    def waiting(node: Node) -> Iterator[Node]:
-        yield from (c for v in node.outputs if v is not None for c, _slot in v.uses)
-        yield from node.control_users
-    return _walk(roots, waiting)
 
 
 def _is_one(value: Value | None) -> bool:
@@ -127,7 +103,7 @@ def _differentiated(seeds: list[GradientSeed], scopes: list[str],
     return found
 
 
-def _write(node: Node, trainable: frozenset[str] | None) -> VariableWrite | None:
+def write_of(node: Node, trainable: frozenset[str] | None = None) -> VariableWrite | None:
     """The variable write `node` is, from the optimizer tables (None when it writes none). Its
     variable is a weight when the graph lists it as trainable (`trainable`, the names of the
     MetaGraph's trainable variables) or, without that list, when an optimizer kernel updates
@@ -208,7 +184,7 @@ def find_training_plan(model: Model, loss: str | None, train_op: str,
         raise AmpError(f"train op {train_op!r}: no such node in the graph")
     if loss is not None and loss not in nodes:
         raise AmpError(f"loss {loss!r}: no such node in the graph")
-    closure = sorted(_before([step]), key=lambda n: n.name)
+    closure = sorted(nodes_before([step]), key=lambda n: n.name)
     seeds, scopes = _seeds(closure)
     if not seeds:
         raise AmpError(f"no gradients found in the ancestors of train op {train_op!r} "
@@ -218,9 +194,25 @@ def find_training_plan(model: Model, loss: str | None, train_op: str,
     differentiated = _differentiated(seeds, scopes, nodes)
     loss_node = nodes[loss] if loss is not None else _default_loss(differentiated, in_scope)
 
-    # gradients leaving the scopes, each with every slot of a reader outside that reads it
+    exits = gradient_exits(closure, in_scope)
+    if not exits:
+        raise AmpError(f"no gradient reaches an update of train op {train_op!r}: not a "
+                       f"training graph?")
+    writes = [w for w in (write_of(node, trainable) for node in closure) if w is not None]
+    plan = assemble_plan(step, seeds, exits, loss_node, differentiated, writes, in_scope,
+                         region=closure, initializers=_initializer_groups(graph.nodes,
+                                                                          set(closure)))
+    if not plan.writes:
+        raise AmpError(f"train op {train_op!r} updates no variable (no Apply*/Assign* op in its "
+                       f"ancestors): not a training graph?")
+    return plan
+
+
+def gradient_exits(nodes: Iterable[Node], in_scope: set[int]) -> list[GradientExit]:
+    """The gradients leaving the backward pass (the nodes whose ids are `in_scope`), each with
+    every slot of a reader among `nodes` outside it that reads it, in name order."""
     readers: dict[int, GradientExit] = {}
-    for node in closure:
+    for node in nodes:
         if id(node) in in_scope:
             continue
         for slot, value in enumerate(node.inputs):
@@ -228,31 +220,42 @@ def find_training_plan(model: Model, loss: str | None, train_op: str,
                     and id(value.producer) in in_scope:
                 readers.setdefault(id(value), GradientExit(value, [])).readers.append(
                     (node, slot))
-    if not readers:
-        raise AmpError(f"no gradient reaches an update of train op {train_op!r}: not a "
-                       f"training graph?")
-    exits = sorted(readers.values(), key=lambda e: (_producer(e.value).name,
-                                                    e.value.producer_slot))
-    writes = [w for w in (_write(node, trainable) for node in closure) if w is not None]
-    roots = [_producer(e.value) for e in exits] + [loss_node]
+    return sorted(readers.values(), key=lambda e: (_producer(e.value).name,
+                                                   e.value.producer_slot))
+
+
+def assemble_plan(step: Node, seeds: list[GradientSeed], exits: list[GradientExit],
+                  loss_node: Node, differentiated: list[Node], writes: list[VariableWrite],
+                  in_scope: set[int], region: Iterable[Node] | None = None,
+                  initializers: list[Node] | None = None,
+                  backward: Iterable[Node] = ()) -> TrainingPlan:
+    """The plan from what a front end found: the forward and backward passes are what the
+    gradients leaving the backward pass, the loss and the `backward` nodes (gradients nothing
+    reads, which the runtime drops, still belong to the backward pass) need (writes they wait
+    for only by control edges deferred to the step); the gated writes are the others; the
+    optimizer path is the rest of `region` (by default, what the gated writes need).
+
+    Raises AmpError when the loss has no output; a plan may come back with no writes (the
+    front end says why that is wrong)."""
+    graph = present_graph(step)
+    roots = [_producer(e.value) for e in exits] + [loss_node] + list(backward)
     deferred = _deferred_writes(roots, in_scope, [w.node for w in writes])
-    compute = _before(roots, ignored=frozenset(id(writer) for writer, _ in deferred))
+    compute = nodes_before(roots, ignored=frozenset(id(writer) for writer, _ in deferred))
     gated = [w for w in writes if w.node not in compute]
-    if not gated:
-        raise AmpError(f"train op {train_op!r} updates no variable (no Apply*/Assign* op in its "
-                       f"ancestors): not a training graph?")
-    optimizer_path = [n for n in closure if n not in compute]
-    after_frontier = _after(reader for e in exits for reader, _ in e.readers)
+    if region is None:
+        needed = nodes_before(w.node for w in gated)
+        region = [n for n in graph.nodes if n in needed]
+    optimizer_path = [n for n in region if n not in compute]
+    after_frontier = nodes_after(reader for e in exits for reader, _ in e.readers)
     # what runs after a write (sparse Adam's `v + epsilon`, ...) must not feed the flag that
     # gates the writes
-    after_writes = _after(w.node for w in gated)
+    after_writes = nodes_after(w.node for w in gated)
     aggregations = [value for node in optimizer_path
                     if node in after_frontier and node not in after_writes
                     and node.op_type in AGGREGATION_OPS
                     for value in node.outputs if value is not None
                     and value.dtype in FLOAT_DTYPES]
     frontier = [e for e in exits if e.value.dtype in FLOAT_DTYPES]
-    linear = _linear_to_writes(frontier, gated)
     loss_value = present(loss_node.outputs[0]) if loss_node.outputs else None
     if loss_value is None:
         raise AmpError(f"loss {loss_node.name!r} ({loss_node.op_type}) has no output")
@@ -261,9 +264,9 @@ def find_training_plan(model: Model, loss: str | None, train_op: str,
         aggregations=aggregations, writes=gated,
         compute=[n for n in graph.nodes if n in compute], optimizer_path=optimizer_path,
         gradient_sums=_gradient_sums(exits, in_scope), differentiated=differentiated,
-        deferred=deferred, initializers=_initializer_groups(graph.nodes, set(closure)),
-        loss_unrelated=bool(differentiated) and loss_node not in _after(differentiated),
-        linear_gradient_path=linear)
+        deferred=deferred, initializers=initializers or [],
+        loss_unrelated=bool(differentiated) and loss_node not in nodes_after(differentiated),
+        linear_gradient_path=_linear_to_writes(frontier, gated))
 
 
 def _linear_to_writes(frontier: list[GradientExit], writes: list[VariableWrite]) -> bool:
@@ -292,6 +295,13 @@ def _linear_to_writes(frontier: list[GradientExit], writes: list[VariableWrite])
                    if i != slot and v is not None):
                 return False  # a gradient times a gradient
     return True
+
+
+def present_graph(node: Node) -> Graph:
+    """The graph `node` belongs to (a plan's step is always in one)."""
+    if node.graph is None:
+        raise ValueError(f"{node.name}: not in a graph")
+    return node.graph
 
 
 def _producer(value: Value) -> Node:
@@ -325,10 +335,10 @@ def _deferred_writes(roots: list[Node], in_scope: set[int], writes: list[Node]
     reads what they write, so the rewrite moves those control edges to the train op: the writes
     then run after the all-finite flag and are gated like every other update.
     """
-    everything = _before(roots)
-    data = _before(roots, data_only=True)
+    everything = nodes_before(roots)
+    data = nodes_before(roots, data_only=True)
     control_only = {n for n in everything - data if id(n) not in in_scope}
-    writers = control_only & _after(writes)  # writes, or waits for one
+    writers = control_only & nodes_after(writes)  # writes, or waits for one
     deferred = []
     for node in sorted(everything - writers, key=lambda n: n.name):
         for waited in node.control_inputs:

@@ -167,6 +167,9 @@ def rewrite_training_meta_graph(source: Any, options: Options, training: Trainin
                        "placeholders keep their dtypes")
     rule = training.loss_scale_rule(options.target)
     meta = as_meta_graph(source)
+    # A graph TensorFlow itself refuses (a bad device, a dangling input, a dtype mismatch) is
+    # said to be the input's fault, before it is planned and converted.
+    imported_graph(meta, "the training graph")
     loss, train_op = training.loss, training.train_op
     train_op_name = node_name(train_op) if train_op is not None else _collection_train_op(meta)
     loss_name = node_name(loss) if loss is not None else None
@@ -213,7 +216,7 @@ def rewrite_training_meta_graph(source: Any, options: Options, training: Trainin
             f"loss {loss_node!r} is neither the tensor the gradients are taken of "
             f"({', '.join(n.name for n in plan.differentiated)}) nor computed from it")
     names = _names(context, loss_node, _loss_port(training.loss))
-    report.training = {**names, **_training_summary(context, report)}
+    report.training = {**names, **training_summary(context, report)}
     return out, names, report
 
 
@@ -241,7 +244,7 @@ def _names(context: TrainingContext, loss_node: str, loss_port: int) -> dict[str
     return names
 
 
-def _training_summary(context: TrainingContext, report: Report) -> dict[str, Any]:
+def training_summary(context: TrainingContext, report: Report) -> dict[str, Any]:
     """The report's account of the training rewrite: the rule and what each pass touched."""
     plan, scales = context.plan, context.rule.scales
     optimizer_path = {node.name for node in plan.optimizer_path}
