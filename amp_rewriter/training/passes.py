@@ -375,6 +375,7 @@ def update_loss_scale(ctx: PassContext) -> tuple[int, list[str]]:
     if not rule.dynamic:
         if finite.producer is not None:
             plan.step.add_control_input(finite.producer)
+            ctx.model.graph.sort_nodes()  # a step node made before the flag runs after it
         return 0, []
     assert training.scale_state is not None and training.good_steps is not None
     scale, good = training.scale_state.value, training.good_steps.value

@@ -174,6 +174,7 @@ def convert_function_ir(fdef: function_pb2.FunctionDef,
         training = plan_training(ir_model) if plan_training is not None else None
         report = _run(ir_model, lists, options, fdef.signature.name, pipeline,
                       training=training)
+        lower_rounding_casts(ir_model)  # the IR's stochastic Casts, as TensorFlow ops
     report.warnings = _warnings(options, report, ir_model.handle.unknown_ops)
     record_bf16_host_check(report)
     return ir_model, report

@@ -26,6 +26,12 @@ target does not mind; a function that must return a live value joins the branche
 In a TF2 function body (`FunctionTrainingOps`) a state variable is a resource argument the
 caller passes (a captured tf.Variable, initialized before the first call), read once with
 ReadVariableOp and written with AssignVariableOp: no lazy read, no initializer in the body.
+Gradient accumulators are the body's own resources (VarHandleOp, shared name under the
+rewrite's prefix, read lazily as in a graph). A weight "stored in 16 bits" there is the
+caller's float32 tf.Variable: the update runs on an fp32 scratch copy as in a graph and the
+write-back is rounded to the 16-bit type and cast back to float32, exactly, so the variable
+only ever holds 16-bit values (the same numbers as 16-bit storage, without its memory saving:
+the tf.Variable objects are the caller's).
 """
 
 from __future__ import annotations
@@ -34,12 +40,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ....ir import FP32, Model, Node, Value, decisions, present
+from ....ir import FLOAT32, FP32, Model, Node, Value, decisions, present
 from ....ir.rounding import NEAREST, ROUNDING_ATTR
 from ....passes.rewrite.building import array_constant, fill_node
 from ....training.ops import SCALER_REASON, PendingNodes, StateVariable, StoredVariable
 from ..load import value_name
-from .variables import TfVariableStore, stored_variable
+from .variables import TfStoredNodes, TfVariableStore, stored_variable
 
 #: Where the loss-scaling nodes live (names of the scaler's variables: `amp_loss_scale/scale`).
 SCOPE = "amp_loss_scale"
@@ -248,10 +254,15 @@ class FunctionTrainingOps(TfTrainingOps):
     """`TfTrainingOps` for a TF2 function body: each state variable is a new resource argument
     (appended to the function's arguments, in the order made), read once per call."""
 
-    def __init__(self, model: Model, scope: str = SCOPE):
+    def __init__(self, model: Model, scope: str = SCOPE, *, resource_prefix: str = "",
+                 variable_names: dict[str, str] | None = None):
         super().__init__(model, scope)
         #: The resource arguments added, in order: the caller passes its variables' handles.
         self.arguments: list[Value] = []
+        #: What the body's own resources (gradient accumulators) are named under.
+        self.resource_prefix = resource_prefix or scope
+        #: The captured variables' names by argument name (16-bit weights' random keys).
+        self.variable_names = dict(variable_names or {})
 
     def state_variable(self, name: str, initial: np.ndarray) -> StateVariable:
         dtype = initial.dtype.name
@@ -267,6 +278,35 @@ class FunctionTrainingOps(TfTrainingOps):
         return variable
 
     def assign(self, variable: StateVariable, value: Value, name: str) -> Node:
+        if isinstance(variable.handle, TfVariableNodes):  # the body's own (an accumulator)
+            return super().assign(variable, value, name)
         write = self.make("AssignVariableOp", [variable.handle, value], [], name)
         variable.writes.append(write)
         return write
+
+    def accumulator(self, like: Value, name: str) -> StateVariable:
+        # a resource of the body's own (the caller cannot know a gradient's shape before the
+        # rewrite), named after this rewrite so that two steps never share one
+        variable = super().accumulator(like, name)
+        nodes: TfVariableNodes = variable.handle
+        nodes.handle.set_attr("shared_name", f"{self.resource_prefix}/{nodes.handle.name}")
+        return variable
+
+    def variable(self, value: Value, dtype: str) -> StoredVariable:
+        # a captured variable: its argument's name, or the name the caller gave it (the same
+        # for every replica's copy, so that their random bits agree)
+        if value.dtype not in (None, "resource") or value.producer is not None:
+            return super().variable(value, dtype)
+        name = self.variable_names.get(value.name, value.name)
+        return StoredVariable(value, dtype, name, TfStoredNodes(None, False, None))
+
+    def update_in_fp32(self, write: Node, variables: dict[int, StoredVariable]
+                       ) -> dict[int, Value]:
+        return self.store.update_in_fp32(write, variables, view_dtype=FLOAT32)
+
+    def write_variable(self, variable: StoredVariable, value: Value, name: str) -> Node:
+        # the caller's variable stays float32: it holds the rounded value, exactly
+        return self.store.write(variable, self.cast(value, FLOAT32, f"{name}/exact"), name)
+
+    def store_variable(self, variable: StoredVariable) -> None:
+        return  # the caller's tf.Variable keeps its float32 storage (see the module docstring)

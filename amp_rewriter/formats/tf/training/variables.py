@@ -45,7 +45,7 @@ class TfStoredNodes:
     """The op that makes a stored variable, whether it is a ref variable, and its shape (None
     when unknown)."""
 
-    node: Node
+    node: Node | None
     ref: bool
     shape: list[int] | None
 
@@ -74,19 +74,21 @@ class TfVariableStore:
     def __init__(self, ops: TfTrainingOps):
         self.ops = ops
 
-    def read(self, variable: StoredVariable, name: str) -> Value:
-        """The variable's value, in its (16-bit) dtype."""
+    def read(self, variable: StoredVariable, name: str, dtype: str | None = None) -> Value:
+        """The variable's value, in its (16-bit) dtype or the `dtype` it is stored in."""
         nodes: TfStoredNodes = variable.handle
         op = "Identity" if nodes.ref else "ReadVariableOp"
-        return self.ops.op(op, [variable.value], variable.dtype, name)
+        return self.ops.op(op, [variable.value], dtype or variable.dtype, name)
 
-    def update_in_fp32(self, write: Node, variables: dict[int, StoredVariable]
-                       ) -> dict[int, Value]:
-        """See `TrainingOps.update_in_fp32` (and the module docstring)."""
+    def update_in_fp32(self, write: Node, variables: dict[int, StoredVariable],
+                       view_dtype: str | None = None) -> dict[int, Value]:
+        """See `TrainingOps.update_in_fp32` (and the module docstring); `view_dtype`: the
+        dtype the variables are read in when that is not their 16-bit one (a TF2 step's)."""
         updated: dict[int, Value] = {}
         for slot, variable in variables.items():
             base = f"round/{variable.name}"
-            view = self.ops.cast(self.read(variable, f"{base}/read"), FLOAT32, f"{base}/view")
+            view = self.ops.cast(self.read(variable, f"{base}/read", view_dtype), FLOAT32,
+                                 f"{base}/view")
             nodes: TfStoredNodes = variable.handle
             if nodes.ref:
                 updated[slot] = self._temporary(write, slot, view, nodes, base)
@@ -96,6 +98,7 @@ class TfVariableStore:
 
     def _temporary(self, write: Node, slot: int, view: Value, nodes: TfStoredNodes,
                    base: str) -> Value:
+        assert nodes.node is not None  # a ref variable is a graph's
         if nodes.shape is None or any(size < 0 for size in nodes.shape):
             raise AmpError(f"--weights/--slots: ref variable {nodes.node.name!r} has no static "
                            f"shape for its fp32 scratch copy")
@@ -136,6 +139,7 @@ class TfVariableStore:
     def store(self, variable: StoredVariable) -> None:
         """See `TrainingOps.store_variable` (and the module docstring)."""
         nodes: TfStoredNodes = variable.handle
+        assert nodes.node is not None  # stored in 16 bits: a graph's variable
         nodes.node.set_attr("dtype", variable.dtype)
         if nodes.ref:
             _retype(variable.value, variable.dtype)
