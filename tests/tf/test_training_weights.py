@@ -120,3 +120,40 @@ def test_bad_update_options_are_one_line_errors(tmp_path, capsys):
                                   "--weights", "fp16", "--rounding", "down")
     assert code == 2 and "--rounding must be stochastic or nearest" in one_error_line(err)
     assert not (tmp_path / "out.meta").exists()
+
+
+def _swallowed(graph, tmp_path, **options) -> list[dict]:
+    """check's swallowed-update problems on `graph` rewritten with `options` (None: as is)."""
+    if options:
+        graph = rewrite_training_graph(graph, loss="loss", train_op="train", **options).graph
+    path = tmp_path / "step.meta"
+    with graph.as_default():
+        v1.train.export_meta_graph(str(path))
+    return [p for p in check_tf_graph(path).problems if p["kind"] == "swallowed_update"]
+
+
+@pytest.mark.parametrize("resource", [False, True])
+def test_check_flags_weights_rounded_to_nearest_below_half_an_ulp(resource, tmp_path):
+    # 1e-4 steps on weights about 0.25: half an fp16 ulp there is 1.2e-4
+    graph = classic_sum_graph(copies=4, start=0.25, resource=resource)
+    found = _swallowed(graph, tmp_path, loss_scale=1024, weights="fp16", rounding="nearest")
+    assert len(found) == 1 and found[0]["variable"] == "w", found
+    assert "below half an ulp (0.000122) of its typical value 0.25" in found[0]["message"]
+    # stochastic rounding, fp32 master weights, or a step above half an ulp: nothing
+    assert not _swallowed(graph, tmp_path, loss_scale=1024, weights="fp16")
+    assert not _swallowed(graph, tmp_path, loss_scale=1024)
+    assert not _swallowed(classic_sum_graph(copies=4, start=0.25, update=2e-4),
+                          tmp_path, loss_scale=1024, weights="fp16", rounding="nearest")
+    # bf16 has 3 fewer mantissa bits: 1e-4 is swallowed on weights of 0.05 already
+    assert _swallowed(classic_sum_graph(copies=4, start=0.05, resource=resource), tmp_path,
+                      weights="bf16", rounding="nearest", target="bf16")
+
+
+def test_check_estimates_the_weights_of_a_random_initializer(tmp_path):
+    # glorot-uniform weights of the MLP (about 0.1) and momentum's steps lr / (1 - 0.9)
+    fine = _swallowed(build_training_graph("mlp", "momentum"), tmp_path, weights="fp16",
+                      rounding="nearest")
+    assert not fine
+    tiny = _swallowed(build_training_graph("mlp", "momentum", learning_rate=1e-6), tmp_path,
+                      weights="fp16", rounding="nearest")
+    assert {p["variable"] for p in tiny} == {"model/w1", "model/w2"}, tiny
