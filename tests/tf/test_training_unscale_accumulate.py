@@ -1,6 +1,5 @@
 """Optimizer-aware unscaling (`unscale=`, `--unscale`) and gradient accumulation (`accumulate=`,
-`--accumulate`) on TF1 training graphs. The 100-step and digits runs are in
-scripts/training_weights.py."""
+`--accumulate`) on TF1 training graphs (the TF2 hook's are in test_tf2_weights.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ def _unscaling_muls(result) -> int:
 
 def test_sgd_with_the_scale_folded_into_the_learning_rate_is_bit_identical():
     x, y, _, _ = digits_data()
-    feeds = list(batches(x, y, 64, 30))
+    feeds = list(batches(x, y, 64, 100))
     graph = build_training_graph("mlp", "sgd")
     folded = rewrite_training_graph(graph, loss_scale=1024, unscale="optimizer")
     multiplied = rewrite_training_graph(graph, loss_scale=1024, unscale="gradients")

@@ -1,10 +1,11 @@
 """16-bit weights (`weights=`, `--weights`): stored in fp16/bf16 (checkpoints too), updated in
 fp32 and rounded back stochastically (reproducible, keyed by seed, variable and step) or to
-nearest. The long runs (10,000 steps, digits accuracy) are scripts/training_weights.py."""
+nearest. The long runs: scripts/training_weights.py (digits) and examples/tf2_weights_sum.py."""
 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,3 +158,20 @@ def test_check_estimates_the_weights_of_a_random_initializer(tmp_path):
     tiny = _swallowed(build_training_graph("mlp", "momentum", learning_rate=1e-6), tmp_path,
                       weights="fp16", rounding="nearest")
     assert {p["variable"] for p in tiny} == {"model/w1", "model/w2"}, tiny
+
+
+def test_the_digits_script_trains_16bit_weights_within_two_points_at_half_the_bytes(tmp_path):
+    import json
+    import runpy
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts"
+                                / "training_weights.py"))
+    out = tmp_path / "weights.json"
+    code = script["main"](["--models", "mlp", "--optimizers", "adam", "--steps", "60",
+                           "--json", str(out)])
+    fp32, fp16, bf16 = json.loads(out.read_text())
+    assert code == 0, (fp32, fp16, bf16)
+    assert fp16["checkpoint_weight_dtypes"] == ["float16"]
+    assert bf16["checkpoint_weight_dtypes"] == ["bfloat16"]
+    assert 2 * fp16["checkpoint_weight_bytes"] == fp32["checkpoint_weight_bytes"]
+    assert fp16["test_accuracy"] >= fp32["test_accuracy"] - 2
