@@ -45,7 +45,7 @@ class UpdateOptions:
     weights: str | None = flag_field(
         None, "--weights", "fp16 or bf16: store the trainable variables in 16 bits (the "
         "optimizer computes in fp32 and rounds each update back; checkpoints hold 16 bits); "
-        "default: fp32 master weights", metavar="fp16|bf16")
+        "default (or fp32): fp32 master weights", metavar="fp16|bf16|fp32")
     rounding: str | None = flag_field(
         None, "--rounding", "how a 16-bit weight or slot takes its update: stochastic (the "
         "default) or nearest", metavar="stochastic|nearest")
@@ -65,9 +65,12 @@ class UpdateOptions:
     def __post_init__(self) -> None:
         problems: list[str] = []
         for name in ("weights", "slots"):
+            if getattr(self, name) == "fp32":  # said explicitly: fp32 master weights / slots
+                object.__setattr__(self, name, None)
+        for name in ("weights", "slots"):
             value = getattr(self, name)
             if value is not None and value not in TARGET_DTYPES:
-                problems.append(f"--{name} must be fp16 or bf16, got {value!r}")
+                problems.append(f"--{name} must be fp16, bf16 or fp32, got {value!r}")
         if self.rounding is not None:
             if self.rounding not in ROUNDING_MODES:
                 problems.append(f"--rounding must be stochastic or nearest, got "

@@ -110,7 +110,7 @@ def test_fp16_weights_and_slots_train_as_well_as_fp32_and_pass_check(tmp_path):
 
 def test_bad_update_options_are_one_line_errors(tmp_path, capsys):
     graph = classic_sum_graph(copies=4)
-    with pytest.raises(AmpError, match="--weights must be fp16 or bf16"):
+    with pytest.raises(AmpError, match="--weights must be fp16, bf16 or fp32"):
         rewrite_training_graph(graph, weights="fp8")
     with pytest.raises(AmpError, match="--rounding applies to 16-bit weights"):
         rewrite_training_graph(graph, rounding="nearest")
