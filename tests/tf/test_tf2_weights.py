@@ -126,3 +126,31 @@ def test_mirrored_replicas_keep_bit_identical_fp16_weights(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     run = json.loads(out.read_text())[1]
     assert run["variables_stored_16bit"] and run["copies_identical"], run
+
+
+def test_a_window_with_an_inf_is_skipped_once_and_the_scale_halves_once():
+    w = tf.Variable(tf.zeros([3]), name="w")
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.matmul(x, tf.reshape(w, [3, 1])))
+        (gradient,) = tape.gradient(loss, [w])
+        w.assign_sub(0.5 * gradient)
+        return loss
+
+    run = mixed_precision(step, "fp16", accumulate=4, growth_interval=1)
+    good = np.ones([1, 3], np.float32)
+    bad = good.copy()
+    bad[0, 1] = np.inf
+    seen = []
+    for number in range(12):
+        run(bad if number == 5 else good)
+        seen.append((w.numpy().copy(), float(run.loss_scale.numpy()),
+                     int(run.good_steps.numpy()), int(run.skipped_steps.numpy())))
+        assert np.all(np.isfinite(seen[-1][0]))
+    # window 1 applies (growth counted in windows: the scale doubles), window 2 is skipped
+    # whole (the scale halves once), window 3 applies
+    assert [s[1:] for s in seen[3::4]] == [(65536.0, 0, 0), (32768.0, 0, 1), (65536.0, 0, 1)]
+    assert np.allclose(seen[3][0], -0.5) and np.array_equal(seen[7][0], seen[3][0])
+    assert np.allclose(seen[11][0], -1.0)

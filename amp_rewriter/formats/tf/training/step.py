@@ -94,6 +94,12 @@ def rewrite_step_function(fdef: function_pb2.FunctionDef,
                        f"{options.target}: it has no float32 compute ops (MatMul, Conv2D, ...) "
                        f"to convert")
     flag = context.all_finite
+    if flag is not None and context.window is not None:
+        # the caller counts skipped steps: accumulating, only a window's end applies or skips
+        within = ops.negate(context.window.boundary, "report/within_window")
+        flag = ops.either(flag, within, "report/applied_or_within_window")
+        ops.commit()
+        model.graph.sort_nodes()
     if flag is not None:
         model.graph.add_output(flag)
     out = emit_function(model)
