@@ -111,3 +111,19 @@ def test_accumulating_four_micro_batches_steps_like_one_batch_of_four_times_the_
     for name in whole:
         assert np.abs(whole[name] - start[name]).max() > 1e-3, name  # six steps moved it
         np.testing.assert_allclose(windows[name], whole[name], rtol=0, atol=1e-4)
+
+
+def test_bad_accumulate_and_unscale_flags_are_one_line_errors(tmp_path, capsys):
+    from conftest import one_error_line, run_in_process
+
+    graph = build_training_graph("mlp", "sgd")
+    path = tmp_path / "step.meta"
+    with graph.as_default():
+        v1.train.export_meta_graph(str(path))
+    for flags, message in ((["--accumulate", "0"], "--accumulate must be an integer from 1"),
+                           (["--unscale", "optimizer"], "--unscale optimizer: the loss scale "
+                                                        "is dynamic")):
+        code, _, err = run_in_process(capsys, "convert", path, tmp_path / "out.meta",
+                                      "--training", *flags)
+        assert code == 2 and message in one_error_line(err), err
+        assert not (tmp_path / "out.meta").exists()
