@@ -23,6 +23,7 @@ from .cost import summary_line
 from .errors import AmpError, CheckFailed, ConvertedModelFailed
 from .fileio import OutputTransaction, check_input_path, read_input_bytes, write_atomically
 from .ir import short_name
+from .op_lists import Overrides, backend_help
 from .options import (
     AutoOptions,
     Options,
@@ -68,9 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     cli_flags(convert, Options)
     convert.add_argument("--report", metavar="JSON", help="write the decisions as JSON")
     convert.add_argument("--validate", action="store_true",
-                         help="run both models on the CPU (onnxruntime or TensorFlow) and "
-                              "compare outputs; ONNX ops without a low-precision CPU kernel "
-                              "are emulated (fp32 compute, low-precision outputs rounded)")
+                         help="run both models on the backend profile's runtime (onnxruntime "
+                              "or TensorFlow) and compare outputs; on the CPU, ONNX ops "
+                              "without a low-precision CPU kernel are emulated (fp32 compute, "
+                              "low-precision outputs rounded)")
     convert.add_argument("--inputs", metavar="FILE|DIR", nargs="+",
                          help="--validate: one .npz keyed by input / placeholder name; --auto: "
                               "calibration batches: .npz files, folders of them, Polygraphy "
@@ -78,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--rtol", type=float, default=None,
                          help="largest relative error --validate accepts (fp16 2e-2, bf16 1e-1)")
     convert.add_argument("--device", choices=DEVICES, default=None,
-                         help="where --validate runs the converted model: cpu (default: ops "
-                              "without a low-precision CPU kernel are emulated) or cuda "
-                              "(onnxruntime-gpu and a GPU)")
+                         help="where --validate runs the converted model: cpu (ops without a "
+                              "low-precision CPU kernel are emulated) or cuda (onnxruntime-gpu "
+                              "and a GPU); default: where the backend profile runs (its "
+                              "providers when this runtime has them, else the CPU, emulated)")
     convert.add_argument("--quiet", action="store_true",
                          help="print only errors (no summary, no progress bars)")
     convert.add_argument("--plot", metavar="FILE.png|svg", action="append",
@@ -126,8 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                             ".pb, .pbtxt; training graphs included) or a SavedModel directory "
                             "(or its saved_model.pb)")
     check.add_argument("--target", default=None, help="fp16 or bf16 (default: detected)")
-    check.add_argument("--backend", default=None,
-                       help="ONNX ort-cuda (default) or ort-cpu; TensorFlow tf-gpu or tf-cpu")
+    check.add_argument("--backend", default=None, help=backend_help())
+    check.add_argument("--config", metavar="TOML",
+                       help="the config file convert had: its backend profiles and op-class "
+                            "moves")
     check.add_argument("--reference", metavar="FP32_MODEL",
                        help="the fp32 model (same format) to compare constants and outputs with")
     check.add_argument("--inputs", metavar="NPZ",
@@ -135,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "default: seeded random ones)")
     check.add_argument("--rtol", type=float, default=None,
                        help="largest relative error --reference accepts (fp16 2e-2, bf16 1e-1)")
-    check.add_argument("--device", choices=DEVICES, default="cpu",
-                       help="where --reference runs the model: cpu (default) or cuda")
+    check.add_argument("--device", choices=DEVICES, default=None,
+                       help="where --reference runs the model: cpu or cuda (default: where "
+                            "the backend profile runs)")
     check.add_argument("--report", metavar="JSON", help="write the findings as JSON")
     check.add_argument("--format", choices=CHECK_FORMATS, default="text",
                        help="what stdout gets: text (default) or the JSON of --report")
@@ -396,8 +402,7 @@ def _validate(args: argparse.Namespace, fmt: formats.base.Format, report: Report
     rtol = default_rtol(options.target) if args.rtol is None else args.rtol
     try:
         validation = fmt.validate(Path(args.input), converted, report, options,
-                                  args.inputs[0] if args.inputs else None, rtol,
-                                  args.device or "cpu")
+                                  args.inputs[0] if args.inputs else None, rtol, args.device)
     except ConvertedModelFailed as exc:
         raise ConvertedModelFailed(f"validation failed: the converted model does not run: {exc}; "
                                    f"nothing was written ({args.output} is as it was)") from None
@@ -500,9 +505,10 @@ def _run_check(args: argparse.Namespace) -> int:
             ("--report", args.report), ("--junit", args.junit), ("--summary", args.summary),
             (f"${STEP_SUMMARY_VARIABLE}", step_summary)) if path}
         checked = []
+        overrides = Overrides.from_config(args.config) if args.config else None
         for model, fmt in zip(models, model_formats):
             result = fmt.check(model, args.target, args.backend, reference, args.rtol,
-                               args.inputs, args.device)
+                               args.inputs, args.device, overrides)
             checked.append(ci.CheckedModel(str(model), result, fmt.check_rules,
                                            args.reference))
             if args.format == "text":

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from .errors import AmpError
 from .flags import flag_field as _flag
 from .node_patterns import NodePattern
-from .op_lists import TARGETS, Overrides
+from .op_lists import TARGETS, Overrides, backend_help
 from .training.rule import LossScaleRule
 
 T = TypeVar("T")
@@ -34,9 +34,7 @@ class Options:
     that format when set)."""
 
     target: str = _flag("fp16", "--target", "fp16 (default) or bf16")
-    backend: str | None = _flag(
-        None, "--backend", "whose kernels the op lists assume: ONNX ort-cuda (default) or "
-        "ort-cpu; TensorFlow tf-gpu (default for fp16) or tf-cpu (default for bf16)")
+    backend: str | None = _flag(None, "--backend", backend_help())
     #: TensorFlow GraphDefs: the fetch tensors ("y" or "y:1"); ONNX models name their outputs.
     outputs: list[str] | None = _flag(
         None, "--outputs", "TensorFlow GraphDefs: the fetch nodes or tensors (y or y:1), "
@@ -52,8 +50,9 @@ class Options:
                              metavar="OP", kind="list")
     keep_nodes: list[str] = _flag([], "--keep-node", "pin matching nodes to fp32 (repeatable)",
                                   metavar="NAME_OR_REGEX", kind="list")
-    config: str | os.PathLike | None = _flag(None, "--config",
-                                             "op-list overrides from a TOML file", metavar="TOML")
+    config: str | os.PathLike | None = _flag(
+        None, "--config", "op-list overrides, pattern rules and backend profiles from a TOML "
+        "file", metavar="TOML")
     keep_io_types: bool = _flag(True, "--keep-io-types",
                                 "keep graph inputs/outputs fp32 (default); --no-keep-io-types "
                                 "lets them take the low-precision dtype", kind="switch",

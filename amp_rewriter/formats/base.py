@@ -12,8 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import op_lists
 from ..errors import AmpError
 from ..fileio import Companions, OutputTransaction
+from ..op_lists import Overrides
 from ..options import Options, TrainingOptions
 from ..passes.base import FormatRules
 from ..report import CheckResult, CheckRule, Report
@@ -32,9 +34,9 @@ class Format(ABC):
     #: What `check` looks for (the kinds of its problems), for reports that list what passed.
     check_rules: tuple[CheckRule, ...] = ()
 
-    @abstractmethod
     def default_backend(self, target: str) -> str:
-        """The backend profile used when the user names none."""
+        """The backend profile used when the user names none (the format's list file says)."""
+        return op_lists.default_backend(self.name, target)
 
     @abstractmethod
     def convert_file(self, input_path: Path, output_path: Path, options: Options,
@@ -45,16 +47,18 @@ class Format(ABC):
 
     @abstractmethod
     def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
-                 inputs: str | None, rtol: float, device: str = "cpu") -> Validation:
+                 inputs: str | None, rtol: float, device: str | None = None) -> Validation:
         """Run the fp32 and converted models on the same inputs and compare their outputs
-        (the converted one on `device`: "cpu", or "cuda" where the format supports it)."""
+        (the converted one where the backend profile runs, or on `device`: "cpu", or "cuda"
+        where the format supports it)."""
 
     @abstractmethod
     def check(self, path: Path, target: str | None, backend: str | None,
               reference: Path | None, rtol: float | None, inputs: str | None = None,
-              device: str = "cpu") -> CheckResult:
+              device: str | None = None, overrides: Overrides | None = None) -> CheckResult:
         """Lint a converted model for CI; with `reference`, also compare outputs (on `inputs`,
-        an .npz, or seeded random ones), running them on `device`."""
+        an .npz, or seeded random ones), running them where the backend profile runs (or on
+        `device`). `overrides`: the config's profiles and class moves, as convert had them."""
 
     @abstractmethod
     def explain(self, source: Path, options: Options) -> Report:

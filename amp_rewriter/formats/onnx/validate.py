@@ -2,7 +2,8 @@
 
 On the CPU provider, the low-precision ops it has no kernel for (fused contrib ops in fp16,
 nearly everything in bf16) are emulated (`emulate_low_precision`), and each output says how it
-was computed; `device="cuda"` runs the converted model on the CUDA provider instead.
+was computed; an `Execution` that does not emulate (the backend profile's providers, or
+`--device cuda`) runs the converted model on its providers as it is instead.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ...fileio import scratch_dir
 from ...ir import Graph, Node, TypeGroup, Value
 from ...validation import EMULATED, OutputComparison, check_random_shape, compare_outputs
 from . import ort_registry
+from .execution import CPU_PROVIDER, DEVICE_PROVIDERS, Execution, ProviderMissing
 from .load import (
     PROTOBUF_LIMIT,
     all_tensors,
@@ -112,26 +114,30 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray
     return feeds
 
 
-#: Where `--device` runs the converted model.
-DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
-
-
-def _session(model: onnx.ModelProto | str | bytes, label: str, device: str = "cpu"):
+def _session(model: onnx.ModelProto | str | bytes, label: str,
+             execution: Execution | None = None):
+    """An onnxruntime session on `execution`'s providers (None: the CPU provider)."""
     options = ort_registry.session_options()
     ort = ort_registry.required()
-    provider = DEVICES[device]
+    providers = execution.providers if execution is not None else (CPU_PROVIDER,)
+    chosen_by = execution.chosen_by if execution is not None else "--device cpu"
+    provider = providers[0]
     if provider not in ort.get_available_providers():
-        raise AmpError(f"--device {device}: this onnxruntime has no {provider} (install "
-                       f"onnxruntime-gpu instead of onnxruntime: pip install 'amp-rewriter[gpu]')")
+        hint = (" (install onnxruntime-gpu instead of onnxruntime: pip install "
+                "'amp-rewriter[gpu]')" if provider == DEVICE_PROVIDERS["cuda"] else "")
+        raise ProviderMissing(f"{chosen_by}: this onnxruntime has no {provider}{hint}")
     try:
         with _model_source(model) as source:
-            session = ort.InferenceSession(source, options, providers=[provider])
+            session = ort.InferenceSession(
+                source, options, providers=list(providers),
+                provider_options=list(execution.provider_options)
+                if execution is not None and execution.provider_options else None)
     except Exception as exc:
         message = first_line(exc)
         raise AmpError(f"onnxruntime cannot load the {label} model: {message}") from None
     if provider not in session.get_providers():
-        raise AmpError(f"--device {device}: onnxruntime could not start its {provider} (no GPU "
-                       f"visible, or its CUDA libraries are missing)")
+        raise ProviderMissing(f"{chosen_by}: onnxruntime could not start its {provider} (no "
+                              f"GPU visible, or its CUDA libraries are missing)")
     return session
 
 
@@ -186,11 +192,13 @@ def _check_given_inputs(session, feeds: dict[str, np.ndarray]) -> None:
 
 def compare_models(reference: onnx.ModelProto | str | bytes,
                    candidate: onnx.ModelProto | str | bytes, feeds: dict[str, np.ndarray],
-                   device: str = "cpu", computed: dict[str, tuple[str, list[str]]] | None = None,
+                   execution: Execution | None = None,
+                   computed: dict[str, tuple[str, list[str]]] | None = None,
                    inputs_given: bool = False) -> list[OutputComparison]:
     """Run both models on `feeds`; per-output max-abs and relative (max-abs / max|ref|) errors.
 
-    The fp32 reference always runs on the CPU; the candidate on `device`. `computed` says, per
+    The fp32 reference always runs on the CPU; the candidate on `execution`'s providers (None:
+    the CPU provider, the candidate as given). `computed` says, per
     output, how the candidate computed it (kept in each comparison). `inputs_given`: the feeds
     are the user's (--inputs), checked against the model's inputs (every key an input, every
     input a key, each of its dtype), and errors do not suggest --inputs. A failure of the
@@ -209,7 +217,7 @@ def compare_models(reference: onnx.ModelProto | str | bytes,
                            "the fp32 model", inputs_given, AmpError)
         del ref_session
         steps.start("loading the converted model")
-        comparisons = _compare_with(candidate, names, ref_outputs, feeds, device,
+        comparisons = _compare_with(candidate, names, ref_outputs, feeds, execution,
                                     inputs_given, steps)
         steps.finish()
     for c in comparisons:
@@ -218,14 +226,15 @@ def compare_models(reference: onnx.ModelProto | str | bytes,
 
 
 def _compare_with(candidate: onnx.ModelProto | str | bytes, names: list[str],
-                  ref_outputs: list, feeds: dict[str, np.ndarray], device: str,
-                  inputs_given: bool, steps: progress.Steps) -> list[OutputComparison]:
+                  ref_outputs: list, feeds: dict[str, np.ndarray],
+                  execution: Execution | None, inputs_given: bool, steps: progress.Steps
+                  ) -> list[OutputComparison]:
     """Run the converted model and compare its outputs with the fp32 model's."""
     try:
-        new_session = _session(candidate, "converted", device)
+        new_session = _session(candidate, "converted", execution)
+    except ProviderMissing:
+        raise  # the provider is missing, not the model at fault
     except AmpError as exc:
-        if device != "cpu" and str(exc).startswith("--device"):
-            raise  # the provider is missing, not the model at fault
         raise ConvertedModelFailed(str(exc)) from None
     candidate_names = {o.name for o in new_session.get_outputs()}
     missing = [n for n in names if n not in candidate_names]
@@ -301,28 +310,27 @@ def runnable_on_cpu(path: Path, scratch: Path | None = None,
 
 
 def validate_conversion(reference: str | os.PathLike, converted: str | os.PathLike,
-                        feeds: dict[str, np.ndarray], device: str = "cpu",
+                        feeds: dict[str, np.ndarray], execution: Execution | None = None,
                         scratch: Path | None = None, inputs_given: bool = False,
                         model: onnx.ModelProto | None = None
                         ) -> tuple[list[OutputComparison], list[str]]:
     """Compare a converted model file with its fp32 reference; (comparisons, notes).
 
-    On the CPU the ops without a low-precision CPU kernel run emulated (`runnable_on_cpu`, a
-    model over 2 GiB staged in `scratch`; `model`: the file already parsed, rewritten in place)
-    and every comparison says how its output was computed; on `cuda` the converted model runs on
-    the CUDA provider as it is.
+    With an emulating `execution` (or None) the converted model runs on the CPU and the ops
+    without a low-precision CPU kernel run emulated (`runnable_on_cpu`, a model over 2 GiB
+    staged in `scratch`; `model`: the file already parsed, rewritten in place) and every
+    comparison says how its output was computed; else it runs on the execution's providers as
+    it is.
     """
     converted_path = Path(converted)
-    if device != "cpu":
-        if device not in DEVICES:
-            raise AmpError(f"--device {device!r}: expected one of {', '.join(DEVICES)}")
+    if execution is not None and not execution.emulate:
         computed: dict[str, tuple[str, list[str]]] = {
-            o.name: (DEVICES[device], [])
+            o.name: (execution.providers[0], [])
             for o in (model or read_model_file(converted_path)).graph.output}
-        return compare_models(os.fspath(reference), str(converted_path), feeds, device,
+        return compare_models(os.fspath(reference), str(converted_path), feeds, execution,
                               computed, inputs_given), []
     with runnable_on_cpu(converted_path, scratch, model) as (candidate, notes, computed):
-        return compare_models(os.fspath(reference), candidate, feeds, "cpu", computed,
+        return compare_models(os.fspath(reference), candidate, feeds, None, computed,
                               inputs_given), notes
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ...accuracy.runner import ModelRunner
 from ...errors import AmpError
+from ...op_lists import Overrides
 from ...options import Options, TrainingOptions
 from ...report import CheckResult, Report
 from ...training import LossScaleRule
@@ -32,7 +33,6 @@ from .convert import (
     output_kind,
 )
 from .files import is_saved_model_dir, read_graphdef, read_meta_graph, read_saved_model
-from .lists import default_backend
 from .rules import TF_RULES
 from .training.hook import MixedPrecisionFunction, MixedPrecisionStep, mixed_precision
 from .training.rewrite import TrainingRewrite, convert_training_file, rewrite_training_graph
@@ -46,9 +46,6 @@ class TfFormat(Format):
     rules = TF_RULES
     check_rules = TF_CHECK_RULES
 
-    def default_backend(self, target: str) -> str:
-        return default_backend(target)
-
     def convert_file(self, input_path: Path, output_path: Path, options: Options,
                      training: TrainingOptions | None = None) -> Report:
         if training is not None:
@@ -56,7 +53,7 @@ class TfFormat(Format):
         return convert_file(input_path, output_path, options)
 
     def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
-                 inputs: str | None, rtol: float, device: str = "cpu") -> Validation:
+                 inputs: str | None, rtol: float, device: str | None = None) -> Validation:
         _cpu_only(device)
         feeds = load_inputs(inputs) if inputs else None
         if is_saved_model_dir(input_path):
@@ -72,9 +69,9 @@ class TfFormat(Format):
 
     def check(self, path: Path, target: str | None, backend: str | None,
               reference: Path | None, rtol: float | None, inputs: str | None = None,
-              device: str = "cpu") -> CheckResult:
+              device: str | None = None, overrides: Overrides | None = None) -> CheckResult:
         _cpu_only(device)
-        return check_tf_graph(path, target, backend, reference, rtol, inputs)
+        return check_tf_graph(path, target, backend, reference, rtol, inputs, overrides)
 
     def explain(self, source: Path, options: Options) -> Report:
         options = dataclasses.replace(options, check=False)
@@ -102,8 +99,9 @@ class TfFormat(Format):
         return is_saved_model_dir(path)
 
 
-def _cpu_only(device: str) -> None:
-    if device != "cpu":
+def _cpu_only(device: str | None) -> None:
+    """TensorFlow graphs run on TensorFlow's CPU kernels whatever the profile's device."""
+    if device not in (None, "cpu"):
         raise AmpError(f"--device {device}: TensorFlow graphs are validated on the CPU only")
 
 

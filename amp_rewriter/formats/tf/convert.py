@@ -152,7 +152,7 @@ def convert_graph_def_ir(graph_def: graph_pb2.GraphDef, options: Options,
         converted = emit_graphdef(ir_model)
     report.summary["outputs"] = fetches
     report.warnings = _warnings(options, report, ir_model.handle.unknown_ops)
-    record_bf16_host_check(report)
+    record_bf16_host_check(report, lists.profile)
     if options.check:
         check_graphdef(converted)
     return converted, report, (ir_model, names)
@@ -173,7 +173,7 @@ def convert_function_ir(fdef: function_pb2.FunctionDef,
         report = _run(ir_model, lists, options, fdef.signature.name, pipeline,
                       training=training)
     report.warnings = _warnings(options, report, ir_model.handle.unknown_ops)
-    record_bf16_host_check(report)
+    record_bf16_host_check(report, lists.profile)
     return ir_model, report
 
 
@@ -283,7 +283,7 @@ def convert_saved_model_proto(input_dir: Path, options: Options,
             served.extend(True for _ in main)
     report = merge_reports(reports, options, served)
     report.warnings = _warnings(options, report, unknown_ops)
-    record_bf16_host_check(report)
+    record_bf16_host_check(report, lists.profile)
     write_variables = None
     if not options.keep_fp32_weights:
         write_variables = _lower_weights(saved, options, report, ranges)
