@@ -174,12 +174,6 @@ def _check_rtol(rtol: float | None) -> None:
         raise AmpError(f"--rtol must be a number >= 0, got {rtol}")
 
 
-def _input_entry(path: Path, what: str = "input") -> tuple[Path, str]:
-    """A model path as an input file the outputs must not overwrite (found without parsing)."""
-    kind = "SavedModel" if formats.is_saved_model_dir(path) else "model"
-    return path, f"the {what} {kind}"
-
-
 def _extra_inputs(args: argparse.Namespace) -> list[tuple[Path, str]]:
     """The files a run reads besides its model(s): --inputs, --config and a --metric file."""
     return files_read(getattr(args, "config", None), getattr(args, "inputs", None),
@@ -249,14 +243,13 @@ def _convert(args: argparse.Namespace) -> int:
     library_warnings: list[str] = []
     # Everything the run writes is staged beside its destination and moved into place only
     # when the whole run succeeded (validation included): a failed run changes nothing.
-    with OutputTransaction([_input_entry(input_path), *_extra_inputs(args)],
-                           lambda: fmt.input_files(input_path)) as outputs:
+    with fmt.transaction(input_path, _extra_inputs(args)) as outputs:
         staged = fmt.stage_output(outputs, args.output, input_path, options)
         staged_report = outputs.stage(args.report, "--report") if args.report else None
         staged_plots = [(outputs.stage(argument, "--plot"), path)
                         for argument, path in zip(args.plot or [], plots)]
         with _warnings_as_lines(library_warnings):
-            report = fmt.convert_file(input_path, staged, options, training)
+            report = fmt.convert_file(input_path, staged, options, training)[1]
         report.warnings.extend(library_warnings)
         status = _validate(args, fmt, report, options, staged) if args.validate else 0
         if status:
@@ -327,8 +320,7 @@ def _run_auto(args: argparse.Namespace, auto: AutoOptions) -> int:
     options = dataclasses.replace(from_cli(args, Options), precision_map=bool(plots))
     say = None if args.quiet else (lambda line: print(line, flush=True))
     # Staged like a plain conversion: the model and the report appear together or not at all.
-    with OutputTransaction([_input_entry(input_path), *_extra_inputs(args)],
-                           lambda: fmt.input_files(input_path)) as outputs:
+    with fmt.transaction(input_path, _extra_inputs(args)) as outputs:
         staged = fmt.stage_output(outputs, args.output, input_path, options)
         staged_report = outputs.stage(args.report, "--report") if args.report else None
         staged_plots = [(outputs.stage(argument, "--plot"), path)
@@ -373,8 +365,7 @@ def _run_diagnose(args: argparse.Namespace) -> int:
     # --json and the pictures are outputs like any other: checked against everything the run
     # reads before the run starts, all written once the measurement is through, none when it
     # fails.
-    with OutputTransaction([_input_entry(model), *_extra_inputs(args)],
-                           lambda: fmt.input_files(model)) as outputs:
+    with fmt.transaction(model, _extra_inputs(args)) as outputs:
         staged_json = outputs.stage(args.json, "--json") if args.json else None
         staged_plots = [(outputs.stage(argument, "--plot"), path)
                         for argument, path in zip(args.plot or [], plots)]
@@ -458,16 +449,6 @@ def _training_line(training: dict) -> str:
     return "loss scaling: none"
 
 
-def _check_target(argument: str) -> Path:
-    """The model a `check` argument names: a SavedModel's saved_model.pb stands for its folder
-    (what a pre-commit hook passes when a SavedModel changes)."""
-    path = Path(argument)
-    if path.name in ("saved_model.pb", "saved_model.pbtxt") \
-            and formats.is_saved_model_dir(path.parent):
-        return path.parent
-    return path
-
-
 def _run_check(args: argparse.Namespace) -> int:
     if args.inputs and not args.reference:
         raise AmpError("--inputs only makes sense with --reference (they feed both models)")
@@ -476,7 +457,7 @@ def _run_check(args: argparse.Namespace) -> int:
     if args.reference and len(args.models) > 1:
         raise AmpError("--reference compares one model with its fp32 original: give one model")
     _check_rtol(args.rtol)
-    models = [_check_target(argument) for argument in args.models]
+    models = [formats.model_path(argument) for argument in args.models]
     for model in models:
         check_input_path(model)
     if args.reference:
@@ -486,9 +467,10 @@ def _run_check(args: argparse.Namespace) -> int:
     if reference is not None and formats.detect(reference) != model_formats[0].name:
         raise AmpError(f"--reference {reference} is not a {model_formats[0].name} model like "
                        f"{models[0]}")
-    reads = [_input_entry(model, "checked") for model in models] + _extra_inputs(args)
+    reads = [fmt.input_entry(model, "checked") for model, fmt in zip(models, model_formats)]
+    reads += _extra_inputs(args)
     if reference is not None:
-        reads.append(_input_entry(reference, "reference"))
+        reads.append(model_formats[0].input_entry(reference, "reference"))
 
     def every_file_read() -> list[tuple[Path, str]]:
         files = [entry for model, fmt in zip(models, model_formats)
@@ -554,7 +536,7 @@ def _run_explain(args: argparse.Namespace) -> int:
 
     source = Path(args.source)
     check_input_path(source)
-    if formats.detect(source) == "tf" or source.suffix == ".onnx":
+    if formats.model_format(source) is not None:
         report = formats.for_path(source).explain(source, from_cli(args, Options))
     else:
         given = cli_given(args, Options)

@@ -23,6 +23,8 @@ from .training.rule import LossScaleRule
 
 T = TypeVar("T")
 
+#: The target of every entry point (CLI, Python API, every format) when none is given.
+DEFAULT_TARGET = "fp16"
 #: `--external-data` layouts (ONNX outputs): see formats/onnx/emit.py.
 EXTERNAL_LAYOUTS = ("single", "per-tensor", "inline")
 
@@ -33,7 +35,7 @@ class Options:
     """What a conversion does, for every format (fields a format does not use are refused by
     that format when set)."""
 
-    target: str = _flag("fp16", "--target", "fp16 (default) or bf16")
+    target: str = _flag(DEFAULT_TARGET, "--target", f"fp16 or bf16 (default {DEFAULT_TARGET})")
     backend: str | None = _flag(None, "--backend", backend_help())
     #: TensorFlow GraphDefs: the fetch tensors ("y" or "y:1"); ONNX models name their outputs.
     outputs: list[str] | None = _flag(

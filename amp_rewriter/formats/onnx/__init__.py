@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
+
+import onnx
 
 from ...accuracy.runner import ModelRunner
 from ...errors import AmpError
@@ -37,11 +40,18 @@ class OnnxFormat(Format):
     rules = ONNX_RULES
     check_rules = ONNX_CHECK_RULES
 
+    def accepts(self, model: object) -> bool:
+        return isinstance(model, onnx.ModelProto)
+
+    def convert(self, model: Any, options: Options, source_dir: Path | None = None
+                ) -> tuple[onnx.ModelProto, Report]:
+        return convert_model(model, options, source_dir)
+
     def convert_file(self, input_path: Path, output_path: Path, options: Options,
-                     training: TrainingOptions | None = None) -> Report:
+                     training: TrainingOptions | None = None) -> tuple[onnx.ModelProto, Report]:
         if training is not None:
             raise AmpError("--training is for TensorFlow training graphs (.meta, .pb, .pbtxt)")
-        return convert_model_file(input_path, output_path, options)[1]
+        return convert_model_file(input_path, output_path, options)
 
     def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
                  inputs: str | None, rtol: float, device: str | None = None) -> Validation:

@@ -16,11 +16,11 @@ import onnx
 
 from ... import progress
 from ...errors import AmpError, first_line
-from ...fileio import OutputTransaction, owned_prefix
+from ...fileio import owned_prefix
 from ...host import record_bf16_host_check
 from ...ir import LazyTensor, Model, Node, ValueNames
 from ...op_lists import OpLists, default_backend
-from ...options import Options
+from ...options import DEFAULT_TARGET, Options
 from ...passes import PassContext, Pin, run_pipeline
 from ...passes.analysis.pins import keep_node_match
 from ...passes.pipeline import passes_of
@@ -31,7 +31,6 @@ from .background_check import BackgroundCheck
 from .emit import (
     EXTERNAL_DATA_THRESHOLD,
     Emission,
-    data_files,
     deferred_bytes,
     has_external_data,
     save_onnx,
@@ -57,7 +56,7 @@ from .shapes import (
 ORT_DOMAIN = "com.microsoft"
 
 
-def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "fp16",
+def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = DEFAULT_TARGET,
             backend: str | None = None, *, base_dir: str | os.PathLike | None = None,
             **options: Any) -> tuple[onnx.ModelProto, Report]:
     """Convert an fp32 ONNX model to mixed precision.
@@ -503,15 +502,10 @@ def onnx_full_check(model: onnx.ModelProto | str) -> None:
 def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                  **options: Any) -> tuple[onnx.ModelProto, Report]:
     """Convert a model file and write the result (and its external data) atomically: all of it
-    or, on failure, nothing; the input is never touched."""
-    input_path, parsed = Path(input_path), Options(**options)
-    with OutputTransaction([(input_path, "the input model")],
-                           lambda: input_files(input_path)) as outputs:
-        staged = outputs.stage(output_path, "output", companions=data_files(
-            os.path.basename(output_path), parsed.external_data))
-        result = convert_model_file(input_path, staged, parsed)
-        outputs.commit()
-    return result
+    or, on failure, nothing; the input is never touched (`Format.convert_to`)."""
+    from . import FORMAT
+
+    return FORMAT.convert_to(Path(input_path), output_path, Options(**options))
 
 
 def input_files(model_path: Path) -> list[tuple[Path, str]]:
