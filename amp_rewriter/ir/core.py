@@ -83,8 +83,11 @@ class Value:
         return f"Value({self.name!r}, {self.dtype})"
 
     @property
-    def is_initializer(self) -> bool:
-        return self.const is not None and self.producer is None
+    def known_constant(self) -> LazyTensor | None:
+        """The value's data when it is known and fixed, so that a pass may read and fold it
+        (an initializer no caller can replace by feeding an input, a Constant node's output);
+        else None."""
+        return None if self.overridable else self.const
 
     @property
     def is_used(self) -> bool:

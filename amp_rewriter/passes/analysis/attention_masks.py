@@ -89,9 +89,10 @@ def _is_float(value: Value | None) -> bool:
 
 
 def _positive_constant(value: Value | None) -> bool:
-    if value is None or value.const is None or value.overridable:
+    tensor = value.known_constant if value is not None else None
+    if tensor is None:
         return False
-    data = np.asarray(value.const.numpy(), dtype=np.float64)
+    data = np.asarray(tensor.numpy(), dtype=np.float64)
     return data.size > 0 and bool(np.all(np.isfinite(data) & (data > 0)))
 
 
@@ -123,9 +124,9 @@ def _overflowing_sources(ctx: PassContext) -> tuple[list[Value], list[Node]]:
     # The graph's constants are few beside its node inputs (a million at a million nodes):
     # the inputs are walked only to order the constants that overflow, when there are any,
     # and only up to the last one's first reader (a mask is read from the first layer on).
-    constants = {value: value.const for value in graph.values.values()
-                 if value.const is not None and value.uses and value.dtype == FLOAT32
-                 and not value.overridable}
+    constants = {value: tensor for value in graph.values.values()
+                 if (tensor := value.known_constant) is not None and value.uses
+                 and value.dtype == FLOAT32}
     ctx.range_check_all(constants.values(), target)
     unordered = {id(value): value for value, tensor in constants.items()
                  if ctx.range_check(tensor, target).overflowed}

@@ -58,9 +58,8 @@ from .classify import set_class
 
 def _constant(value: Value | None) -> np.ndarray | None:
     """The values of a constant input, or None when it is not a constant."""
-    if value is None or value.const is None or value.overridable:
-        return None
-    return np.asarray(value.const.numpy(), dtype=np.float64)
+    tensor = value.known_constant if value is not None else None
+    return None if tensor is None else np.asarray(tensor.numpy(), dtype=np.float64)
 
 
 def _scalar(value: Value | None) -> float | None:

@@ -84,7 +84,8 @@ def _convert_read_initializers(graph: Graph, ctx: PassContext, planned: set[int]
     converted = 0
     # The order insert_casts would make these casts in, and convert_constants fold them.
     for source in [*graph.inputs, *graph.initializers.values()]:
-        if (source.const is None or source.producer is not None or source.overridable
+        tensor = source.known_constant
+        if (tensor is None or source.producer is not None
                 or source.dtype != FLOAT32 or not source.uses or source.graph_output_uses
                 or graph.initializers.get(source.name) is not source):
             continue
@@ -95,9 +96,9 @@ def _convert_read_initializers(graph: Graph, ctx: PassContext, planned: set[int]
             continue
         ctx.focus = source.uses[0][0]
         # Overflowing without --clamp: the cast convert_constants keeps, with its record.
-        if ctx.range_check(source.const, dtype).overflowed and not ctx.options.clamp:
+        if ctx.range_check(tensor, dtype).overflowed and not ctx.options.clamp:
             continue
-        new_tensor = _converted_tensor(source.const, dtype, ctx.options.clamp, source.name, ctx)
+        new_tensor = _converted_tensor(tensor, dtype, ctx.options.clamp, source.name, ctx)
         assert new_tensor is not None
         # In place: the value keeps its readers, name and place, and its original dtype says
         # what the input held (a new value per weight, with its use list, would cost hundreds
@@ -140,12 +141,12 @@ def convert_constants(ctx: PassContext) -> tuple[int, list[str]]:
                 continue
             source, output = node.inputs[0], node.outputs[0]
             assert output is not None
-            if (source.const is None or source.dtype != FLOAT32
+            # An initializer a caller may feed is no known constant: its cast stays a runtime cast.
+            tensor = source.known_constant
+            if (tensor is None or source.dtype != FLOAT32
                     or output.dtype not in LOW_PRECISION_DTYPES or output.graph_output_uses):
                 continue
-            if source.overridable:
-                continue  # a caller may feed another value: the cast must stay a runtime cast
-            new_tensor = _converted_tensor(source.const, output.dtype, clamp, source.name, ctx)
+            new_tensor = _converted_tensor(tensor, output.dtype, clamp, source.name, ctx)
             if new_tensor is None:
                 continue
             only_user = source.uses == [(node, 0)] and not source.graph_output_uses
