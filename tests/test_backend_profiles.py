@@ -173,3 +173,4 @@ kernel_source = "table"
                        "--config", cfg, "--validate")
     assert code == 2
     assert "backend odd" in err and "runs on tensorflow" in err
+

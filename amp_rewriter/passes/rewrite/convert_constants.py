@@ -170,7 +170,7 @@ def convert_constants(ctx: PassContext) -> tuple[int, list[str]]:
             converted += 1
         graph.remove_nodes(dead)
         for node in dead:
-            if node.handle is None:
+            if node.created_by is not None:
                 # A cast a pass made: nothing reports it, so it goes now (the cyclic collector
                 # is paused during a conversion; at a million nodes these are ~140 MB).
                 node.release()
