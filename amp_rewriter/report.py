@@ -144,11 +144,6 @@ def _with_text_ids(record: tuple, table: Any) -> tuple:
                    for g_name, g_precision, g_kind, g_reason, via_node, via_group in groups]))
 
 
-def node_entry(node: Node, graph_name: str) -> dict[str, Any]:
-    """One node's precision, class and reasons, as the report's JSON shows them."""
-    return _entry(node_record(node, graph_name))
-
-
 #: Records per packed block of `NodeEntries`.
 _ENTRIES_PER_BLOCK = 256
 
