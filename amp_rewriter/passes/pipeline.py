@@ -12,7 +12,7 @@ from collections.abc import Callable
 from ..errors import AmpError
 from ..ir import IRInvariantError, assert_sound, lint_enabled, nodes_created_by
 from ..training import passes as training_passes  # noqa: F401  (registers the training passes)
-from . import analysis, rewrite  # noqa: F401  (importing them registers their passes)
+from . import analysis, rewrite, structures  # noqa: F401  (importing them registers their passes)
 from .base import REGISTRY, Pass, PassContext, PassResult
 
 #: TensorFlow graphs: the decisions, Grappler's loop rule between them and the rewrite, the

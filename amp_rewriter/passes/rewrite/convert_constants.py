@@ -58,15 +58,8 @@ def _convert_fill_value(node: Node, attr: str, ctx: PassContext) -> bool:
 def _planned_nodes(ctx: PassContext) -> set[int]:
     """ids of the nodes a rewrite after the casts works on (RMS rescales, rotary angles,
     mask saturations): the constants they read keep the cast those rewrites expect."""
-    planned: list[Node | None] = []
-    for rescale in ctx.rescales:
-        planned += [rescale.square, rescale.mean, rescale.step, *rescale.after_mean]
-    for rotary in ctx.rotaries:
-        planned.append(rotary.product)
-    for saturation in ctx.saturations:
-        planned += saturation.sinks
-        planned += [group.node for group in saturation.region]
-    return {id(node) for node in planned if node is not None}
+    return {id(node) for plans in ctx.plans.values() for plan in plans
+            for node in plan.planned_nodes()}
 
 
 def _one_low_dtype(value: Value) -> str | None:
