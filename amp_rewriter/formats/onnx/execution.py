@@ -28,7 +28,7 @@ import onnx
 from ...errors import AmpError, first_line
 from ...op_lists import BackendProfile
 from . import ort_registry
-from .load import load_onnx
+from .emulation import WHOLE_MODEL, emulate_low_precision
 
 _LOW = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}
 
@@ -50,7 +50,7 @@ class Execution:
         external data lives; `in_place`: `model` may be changed, saving a copy)."""
         if not self.emulate:
             return model
-        return emulate_low_precision(model, base_dir, in_place)
+        return emulate_low_precision(model, base_dir, WHOLE_MODEL, copy=not in_place).model
 
     def session(self, model: onnx.ModelProto | str, label: str, lean: bool = False):
         """An onnxruntime session for a model (proto or path); failures are one-line errors.
@@ -134,78 +134,6 @@ def _emulated(target: str, chosen_by: str, why: str) -> Execution:
                      f"onnxruntime CPU provider, {target} emulated: every op computes in fp32 "
                      f"and each {target} tensor is rounded to {target} where it is produced "
                      f"({why})", chosen_by=chosen_by)
-
-
-def emulate_low_precision(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None,
-                          in_place: bool = False) -> onnx.ModelProto:
-    """An fp32 copy of `model` that rounds every fp16/bf16 tensor to its dtype where it is
-    produced: op outputs are rounded with a cast to the low dtype and back; initializers stay in
-    their dtype (half the memory) and are read through a cast to fp32. Graph inputs become fp32:
-    feed them values already rounded (see `round_feeds`)."""
-    if in_place:
-        emulated = model
-    else:
-        emulated = onnx.ModelProto()
-        emulated.CopyFrom(model)
-    ir_model = load_onnx(emulated, base_dir)
-    f32 = onnx.TensorProto.FLOAT
-    codes = {name: code for code, name in _LOW.items()}
-    # Inner graphs first: re-adding an outer node copies its body, so bodies must be final by then.
-    for graph in reversed(list(ir_model.graph.walk_graphs())):
-        proto: onnx.GraphProto = graph.handle
-        position = {id(node): index for index, node in enumerate(graph.nodes)}
-        nodes: list[onnx.NodeProto] = []
-        declared_inputs = {info.name: info for info in proto.input}
-        #: node -> the casts of low-precision initializers it reads first: each cast runs right
-        #: before its first reader, so that the fp32 copies are not all alive at once.
-        widen_before: dict[int, list[onnx.NodeProto]] = {}
-        for tensor in proto.initializer:
-            if tensor.data_type in _LOW:
-                raw = f"{tensor.name}__amp_emulated"
-                cast = onnx.helper.make_node("Cast", [raw], [tensor.name], to=f32)
-                value = graph.values.get(tensor.name)
-                first = min((position[id(consumer)] for consumer, _ in value.uses
-                             if id(consumer) in position), default=None) \
-                    if value is not None else None
-                if first is not None:
-                    widen_before.setdefault(first, []).append(cast)
-                else:  # read by a body, or by nothing: at the start
-                    nodes.append(cast)
-                if tensor.name in declared_inputs:  # IR < 4 lists initializers as inputs
-                    declared_inputs[tensor.name].name = raw
-                tensor.name = raw
-        for index, node in enumerate(graph.nodes):
-            nodes.extend(widen_before.get(index, ()))
-            nodes.append(node.handle)
-            for slot, value in enumerate(node.outputs):
-                if value is None or value.dtype not in codes:
-                    continue
-                raw = f"{value.name}__amp_emulated"
-                node.handle.output[slot] = raw
-                code = codes[value.dtype]
-                if node.op_type == "Cast":  # the cast itself rounds; widen its result
-                    nodes.append(onnx.helper.make_node("Cast", [raw], [value.name], to=f32))
-                else:
-                    nodes.extend(_round_pair(raw, value.name, code))
-        del proto.node[:]
-        proto.node.extend(nodes)
-        for node in proto.node:
-            for attr in node.attribute:
-                if attr.HasField("t") and attr.t.data_type in _LOW:
-                    array = onnx.numpy_helper.to_array(attr.t).astype(np.float32)
-                    attr.t.CopyFrom(onnx.numpy_helper.from_array(array, attr.t.name))
-        for info in list(proto.input) + list(proto.output):
-            if info.type.tensor_type.elem_type in _LOW and not info.name.endswith(
-                    "__amp_emulated"):
-                info.type.tensor_type.elem_type = f32
-        del proto.value_info[:]
-    return emulated
-
-
-def _round_pair(raw: str, name: str, code: int) -> list[onnx.NodeProto]:
-    rounded = f"{raw}_rounded"
-    return [onnx.helper.make_node("Cast", [raw], [rounded], to=code),
-            onnx.helper.make_node("Cast", [rounded], [name], to=onnx.TensorProto.FLOAT)]
 
 
 def low_precision_inputs(model: onnx.ModelProto) -> dict[str, str]:
