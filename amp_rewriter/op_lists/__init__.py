@@ -34,6 +34,16 @@ TARGETS = ("fp16", "bf16")
 _DATA_DIR = Path(__file__).parent
 
 
+def refuse_unknown_keys(table: dict, allowed: Iterable[str], where: str) -> None:
+    """Raise AmpError naming `where` and every key of `table` that is not `allowed` (a typo in
+    a config or list file must not be ignored)."""
+    allowed = tuple(allowed)
+    unknown = sorted(set(table) - set(allowed))
+    if unknown:
+        raise AmpError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (expected "
+                       f"{', '.join(allowed)})")
+
+
 #: Keys of a `[[rules]]` entry in a config file.
 RULE_KEYS = ("op", "feeds", "fed_by", "through", "name", "precision", "class")
 
@@ -80,10 +90,7 @@ class PatternRule:
         """Parse one `[[rules]]` table; a bad entry raises AmpError naming it."""
         if not isinstance(entry, dict):
             raise AmpError(f"{where}: each [[rules]] entry must be a table")
-        unknown = sorted(set(entry) - set(RULE_KEYS))
-        if unknown:
-            raise AmpError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (expected "
-                           f"{', '.join(RULE_KEYS)})")
+        refuse_unknown_keys(entry, RULE_KEYS, where)
         op = entry.get("op")
         if not isinstance(op, str) or not op:
             raise AmpError(f"{where}: 'op' (the op type the rule applies to) is required")
@@ -171,10 +178,7 @@ class BackendProfile:
         where = f"{source}: [backends.{name}]"
         if not isinstance(table, dict):
             raise AmpError(f"{where} must be a table")
-        unknown = sorted(set(table) - set(PROFILE_KEYS))
-        if unknown:
-            raise AmpError(f"{where}: unknown key {unknown[0]!r} (expected one of "
-                           f"{', '.join(PROFILE_KEYS)})")
+        refuse_unknown_keys(table, PROFILE_KEYS, where)
         fields: dict[str, Any] = ({} if base is None else {
             f: getattr(base, f) for f in ("format", "description", "runtime", "device",
                                           "emulation", "kernel_source", "providers",
@@ -215,11 +219,8 @@ class BackendProfile:
             given = table.get(target, {})
             if not isinstance(given, dict):
                 raise AmpError(f"{where}: {target} must be a table")
-            unknown = sorted(set(given) - set(PROFILE_TARGET_KEYS))
-            if unknown:
-                raise AmpError(f"{source}: [backends.{name}.{target}]: unknown key "
-                               f"{unknown[0]!r} (expected one of "
-                               f"{', '.join(PROFILE_TARGET_KEYS)})")
+            refuse_unknown_keys(given, PROFILE_TARGET_KEYS,
+                                f"{source}: [backends.{name}.{target}]")
             for key in (*CLASSES, "no_kernel", "kernels"):
                 if key in given:
                     _profile_strings(given, key, f"{where}.{target}", [])
