@@ -56,7 +56,9 @@ class OnnxFormat(Format):
     def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
                  inputs: str | None, rtol: float, device: str | None = None) -> Validation:
         feeds = load_inputs(inputs) if inputs else random_inputs(read_model_file(input_path))
-        profile = find_profile(self.name, report.backend, options.overrides)
+        backend = ((report.backend if report is not None else None) or options.backend
+                   or self.default_backend(options.target))
+        profile = find_profile(self.name, backend, options.overrides)
         execution = select_execution(profile, options.target, device)
         # An emulation too big for memory goes beside the (staged) output, removed with it.
         comparisons, notes = validate_conversion(input_path, output_path, feeds, execution,
