@@ -36,6 +36,7 @@ from .options import (
 from .plots import diagnose_figure, plot_paths, precision_map_figure, save
 from .report import Report
 from .training import LossScaleRule
+from .training.update import UpdateOptions
 from .validation import default_rtol, load_inputs
 from .version import package_version
 
@@ -97,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "loss scaling for fp16")
     cli_flags(training, TrainingOptions)
     cli_flags(training, LossScaleRule)
+    cli_flags(training, UpdateOptions)
     auto = convert.add_argument_group(
         "accuracy-driven conversion (--auto): convert as much as possible while the metric "
         "holds on calibration data")
@@ -226,7 +228,8 @@ def _convert(args: argparse.Namespace) -> int:
     input_path = Path(args.input)
     fmt = formats.for_path(input_path)
     training_given = TrainingOptions(**cli_given(args, TrainingOptions),
-                                     rule=cli_given(args, LossScaleRule))
+                                     rule=cli_given(args, LossScaleRule),
+                                     update=cli_given(args, UpdateOptions))
     training = None
     if args.training:
         if args.validate:
@@ -311,7 +314,8 @@ def _run_auto(args: argparse.Namespace, auto: AutoOptions) -> int:
         if given:
             raise AmpError(f"{flag} does not combine with --auto (--auto verifies the result on "
                            f"its calibration data)")
-    if cli_given(args, TrainingOptions) or cli_given(args, LossScaleRule):
+    if cli_given(args, TrainingOptions) or cli_given(args, LossScaleRule) \
+            or cli_given(args, UpdateOptions):
         raise AmpError("training options do not combine with --auto")
     check_input_path(args.input)
     input_path = Path(args.input)
@@ -436,6 +440,16 @@ def _optimizer_line(optimizer: dict) -> str:
 
 
 def _training_line(training: dict) -> str:
+    stored = training.get("variables_stored_16bit") or {}
+    update = training.get("update") or {}
+    if stored:
+        dtypes = ", ".join(sorted({short_name(d) or d for d in stored.values()}))
+        return (f"{_scaling_line(training)}; {len(stored)} variables stored in {dtypes}, "
+                f"updates rounded {update.get('rounding')}")
+    return _scaling_line(training)
+
+
+def _scaling_line(training: dict) -> str:
     rule = training["loss_scale_rule"]
     gated = len(training["update_ops_gated"])
     if training.get("loss_scale_variable"):

@@ -20,6 +20,7 @@ from .flags import flag_field as _flag
 from .node_patterns import NodePattern
 from .op_lists import TARGETS, Overrides, backend_help
 from .training.rule import LossScaleRule
+from .training.update import UpdateOptions
 
 T = TypeVar("T")
 
@@ -154,10 +155,11 @@ class Options:
 
 @dataclass
 class TrainingOptions:
-    """The training rewrite's options (TensorFlow training graphs): what to rewrite and the loss
-    scale. `loss_scale` chooses the mode ("dynamic", "none", a fixed scale; None: the target's
-    default); `rule` holds the loss-scale rule's knobs the user set (their flags are declared on
-    `training.LossScaleRule`, with their defaults)."""
+    """The training rewrite's options (TensorFlow training graphs): what to rewrite, the loss
+    scale and the update. `loss_scale` chooses the mode ("dynamic", "none", a fixed scale; None:
+    the target's default); `rule` holds the loss-scale rule's knobs the user set (their flags are
+    declared on `training.LossScaleRule`, with their defaults) and `update` the update's
+    (`training.UpdateOptions`: weights, rounding, slots, rounding_seed, unscale, accumulate)."""
 
     loss: str | None = _flag(None, "--loss", "the loss (default: the tensor the gradients are "
                                              "taken of)", metavar="NAME")
@@ -167,35 +169,48 @@ class TrainingOptions:
         None, "--loss-scale", "dynamic (default for fp16), none (default for bf16) or a fixed "
         "scale", metavar="dynamic|none|VALUE")
     rule: dict[str, Any] = field(default_factory=dict)
+    update: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.rule) - set(LossScaleRule.knobs()))
         if unknown:
             raise AmpError(f"loss scale: no option {unknown[0]!r} (options: "
                            f"{', '.join(LossScaleRule.knobs())})")
+        unknown = sorted(set(self.update) - set(UpdateOptions.knobs()))
+        if unknown:
+            raise AmpError(f"update: no option {unknown[0]!r} (options: "
+                           f"{', '.join(UpdateOptions.knobs())})")
         self.rule = {name: value for name, value in self.rule.items() if value is not None}
+        self.update = {name: value for name, value in self.update.items() if value is not None}
 
     def loss_scale_rule(self, target: str) -> LossScaleRule:
         """The loss-scale rule these options ask for on `target`."""
         return LossScaleRule.from_spec(self.loss_scale, target, **self.rule)
+
+    def update_options(self) -> UpdateOptions:
+        """How the step updates its variables (weights, rounding, unscaling, accumulation)."""
+        return UpdateOptions(**self.update)
 
     def given_flags(self) -> list[str]:
         """The flags of the options that were set."""
         given = [f.metadata["cli"]["flag"] for f in dataclasses.fields(self)
                  if "cli" in f.metadata and getattr(self, f.name) is not None]
         return given + [f.metadata["cli"]["flag"] for f in dataclasses.fields(LossScaleRule)
-                        if f.name in self.rule]
+                        if f.name in self.rule] + [
+            f.metadata["cli"]["flag"] for f in dataclasses.fields(UpdateOptions)
+            if f.name in self.update]
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> tuple[TrainingOptions, dict[str, Any]]:
-        """The training options among an API call's keyword arguments (the rule's knobs by
-        name: `growth_interval=...`), and the rest."""
+        """The training options among an API call's keyword arguments (the rule's and the
+        update's knobs by name: `growth_interval=...`, `weights="fp16"`), and the rest."""
         mine = {name: kwargs[name] for name in ("loss", "train_op", "loss_scale")
                 if name in kwargs}
         knobs = {name: kwargs[name] for name in LossScaleRule.knobs() if name in kwargs}
+        update = {name: kwargs[name] for name in UpdateOptions.knobs() if name in kwargs}
         rest = {name: value for name, value in kwargs.items()
-                if name not in mine and name not in knobs}
-        return cls(**mine, rule=knobs), rest
+                if name not in mine and name not in knobs and name not in update}
+        return cls(**mine, rule=knobs, update=update), rest
 
 
 @dataclass

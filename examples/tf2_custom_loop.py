@@ -9,6 +9,12 @@ halves and training goes on.
 
     .venv/bin/python examples/tf2_custom_loop.py                   # 300 steps each
     .venv/bin/python examples/tf2_custom_loop.py --steps 100 --models mlp --json out.json
+    .venv/bin/python examples/tf2_custom_loop.py --weights 16bit   # fp16/bf16 weights too
+
+With --weights 16bit the fp16 and bf16 runs keep their weights in fp16 and bf16 values
+(`mixed_precision(..., weights=...)`: each update computed in fp32 and rounded stochastically);
+the tf.Variables stay float32 objects, so a TF2 checkpoint does not shrink (the TF1 rewrite
+stores them in 16 bits: scripts/training_weights.py).
 
 It prints test accuracy per run, the loss scale and skipped steps, and how many of the step's
 MatMul / Conv2D / Conv2DBackpropFilter / Conv2DBackpropInput ops run in low precision (from the
@@ -31,8 +37,10 @@ import digits_data  # noqa: E402  (sets TF's log level before TensorFlow loads)
 COMPUTE_OPS = ("MatMul", "Conv2D", "Conv2DBackpropFilter", "Conv2DBackpropInput")
 
 
-def train(model_name: str, precision: str, steps: int, inf_step: int) -> dict:
-    """One run: the pair's model and optimizer, `steps` steps of batch 64, test accuracy."""
+def train(model_name: str, precision: str, steps: int, inf_step: int,
+          weights16: bool = False) -> dict:
+    """One run: the pair's model and optimizer, `steps` steps of batch 64, test accuracy;
+    `weights16`: a rewritten run keeps its weights in its 16-bit type (stochastic rounding)."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -46,7 +54,9 @@ def train(model_name: str, precision: str, steps: int, inf_step: int) -> dict:
                  else keras.optimizers.Adam(1e-3))
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     step = tf.function(digits_data.keras_train_step(model, optimizer, loss_fn))
-    run = step if precision == "fp32" else mixed_precision(step, target=precision)
+    low_weights = precision if weights16 and precision != "fp32" else None
+    run = step if precision == "fp32" else mixed_precision(step, target=precision,
+                                                           weights=low_weights)
     stream = digits_data.batches(x_train, y_train, 64)
     unchanged = None
     start = time.perf_counter()
@@ -72,6 +82,13 @@ def train(model_name: str, precision: str, steps: int, inf_step: int) -> dict:
             else None
         result["loss_scale"] = float(run.loss_scale) if run.loss_scale is not None else None
         result["inf_step_left_every_variable_unchanged"] = unchanged
+        if low_weights is not None:
+            dtype = tf.as_dtype({"fp16": "float16", "bf16": "bfloat16"}[precision])
+            values = [v.numpy() for v in model.trainable_variables]
+            result["weights"] = low_weights
+            result["weights_hold_16bit_values"] = all(
+                np.array_equal(v, v.astype(dtype.as_numpy_dtype).astype(np.float32))
+                for v in values)
     return result
 
 
@@ -90,12 +107,16 @@ def main() -> int:
     parser = digits_data.arguments(__doc__, steps=300)
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--inf-step", type=int, default=50)
+    parser.add_argument("--weights", choices=("fp32", "16bit"), default="fp32",
+                        help="16bit: the fp16 and bf16 runs keep their weights in that type, "
+                             "each update computed in fp32 and rounded stochastically")
     args = parser.parse_args()
     results, ok = [], True
     for model_name in args.models.split(","):
         reference = None
         for precision in ("fp32", "fp16", "bf16"):
-            result = train(model_name, precision, args.steps, args.inf_step)
+            result = train(model_name, precision, args.steps, args.inf_step,
+                           args.weights == "16bit")
             results.append(result)
             if precision == "fp32":
                 reference = result["test_accuracy"]
@@ -106,8 +127,12 @@ def main() -> int:
             close = result["test_accuracy"] >= reference - 2.0
             skipped_right = precision != "fp16" or (
                 result["inf_step_left_every_variable_unchanged"] and result["skipped_steps"] == 1)
-            ok = ok and all_low and close and skipped_right
+            sixteen = result.get("weights_hold_16bit_values", True)
+            ok = ok and all_low and close and skipped_right and sixteen
             print(_summary(result, reference))
+            if "weights" in result:
+                print(f"  {precision} weights, stochastic rounding: every weight holds a "
+                      f"{precision} value: {sixteen}")
     return digits_data.finish(results, args.json, ok)
 
 

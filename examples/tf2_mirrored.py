@@ -9,6 +9,7 @@ halved), and after the last step the mirrored copies of every variable must be i
 
     .venv/bin/python examples/tf2_mirrored.py                     # 300 steps
     .venv/bin/python examples/tf2_mirrored.py --steps 8 --forms per_replica --json out.json
+    .venv/bin/python examples/tf2_mirrored.py --weights fp16      # fp16 weights, stochastic
 
 It prints per form the test accuracy (and fp32's), the skipped steps, the scale, and whether the
 copies agree; it exits 1 when a check fails or a form ends more than 2 points below fp32.
@@ -35,9 +36,11 @@ def _copies(variable) -> list:
     return [component.numpy().copy() for component in getattr(inner, "values", [inner])]
 
 
-def train(form: str, steps: int, bad_steps: dict[int, int], batch: int) -> dict:
+def train(form: str, steps: int, bad_steps: dict[int, int], batch: int,
+          weights: str = "fp32") -> dict:
     """One run: `form` is "fp32", "per_replica" or "whole"; `bad_steps` maps a step to the
-    replica whose shard gets an inf there."""
+    replica whose shard gets an inf there; `weights`: "fp16" keeps the weights in fp16 values
+    (each update rounded stochastically)."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -66,7 +69,7 @@ def train(form: str, steps: int, bad_steps: dict[int, int], batch: int) -> dict:
 
     amp_step = None
     if form == "per_replica":
-        amp_step = mixed_precision(step, target="fp16")
+        amp_step = mixed_precision(step, target="fp16", weights=weights)
 
         @tf.function
         def run(x, y):
@@ -75,7 +78,8 @@ def train(form: str, steps: int, bad_steps: dict[int, int], batch: int) -> dict:
         @tf.function
         def whole(x, y):
             return strategy.run(step, args=(x, y))
-        run = whole if form == "fp32" else mixed_precision(whole, target="fp16")
+        run = whole if form == "fp32" else mixed_precision(whole, target="fp16",
+                                                           weights=weights)
         amp_step = None if form == "fp32" else run
 
     stream = digits_data.batches(x_train, y_train, batch)
@@ -108,13 +112,19 @@ def train(form: str, steps: int, bad_steps: dict[int, int], batch: int) -> dict:
             "bad_steps_left_every_copy_unchanged": skipped_cleanly,
             "skipped_steps": int(amp_step.skipped_steps) if amp_step is not None else 0,
             "loss_scale": float(amp_step.loss_scale) if amp_step is not None else None,
-            "optimizer_steps": int(optimizer.iterations.numpy())}
+            "optimizer_steps": int(optimizer.iterations.numpy()),
+            "variables_stored_16bit": sorted(amp_step.report.training["variables_stored_16bit"])
+            if amp_step is not None and amp_step.report is not None else []}
 
 
 def main() -> int:
     parser = digits_data.arguments(__doc__, steps=300)
     parser.add_argument("--forms", default="per_replica,whole")
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--weights", choices=("fp32", "fp16"), default="fp32",
+                        help="fp16: the rewritten runs keep fp16 weights, rounded stochastically "
+                             "(the random bits keyed by step and variable, the same on each "
+                             "replica)")
     args = parser.parse_args()
     import tensorflow as tf
 
@@ -128,7 +138,7 @@ def main() -> int:
           f"{results[0]['copies_identical']} ({results[0]['seconds']} s)")
     ok = True
     for form in args.forms.split(","):
-        result = train(form, args.steps, bad_steps, args.batch)
+        result = train(form, args.steps, bad_steps, args.batch, args.weights)
         results.append(result)
         good = (result["copies_identical"] and all(result["bad_steps_left_every_copy_unchanged"])
                 and result["skipped_steps"] == len(bad_steps)

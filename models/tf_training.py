@@ -188,6 +188,23 @@ def batch_norm_graph() -> tf.Graph:
     return _special_graph(body)
 
 
+def classic_sum_graph(copies: int = 1000, start: float = 0.0, update: float = 1e-4,
+                      resource: bool = False) -> tf.Graph:
+    """The classic small-updates example: `copies` independent weights `w` (one variable of
+    shape [1, copies]) start at `start`, and each step of SGD adds `update` to every one (the
+    loss is -sum(x @ w) with x fed [[1]]: the gradient is -1, the learning rate `update`)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [1, 1], name="x")
+        w = tf.compat.v1.get_variable("w", [1, copies], tf.float32, use_resource=resource,
+                                      initializer=tf.compat.v1.constant_initializer(start))
+        loss = tf.identity(-tf.reduce_sum(tf.matmul(x, w)), name="loss")
+        tf.compat.v1.train.GradientDescentOptimizer(update).minimize(loss, name="train")
+        tf.compat.v1.global_variables_initializer()
+        tf.compat.v1.train.Saver()
+    return graph
+
+
 #: The other training graphs the tests build, by name: each has `x`, `y`, `loss`, `train` and
 #: `init` (sparse_* also `poison`, a multiplier that carries an inf past the row lookup).
 SPECIAL_GRAPHS = {

@@ -11,7 +11,9 @@ from collections.abc import Callable
 
 from ..errors import AmpError
 from ..ir import IRInvariantError, assert_sound, lint_enabled, nodes_created_by
+from ..training import accumulation as accumulation_passes  # noqa: F401  (and accumulation's)
 from ..training import passes as training_passes  # noqa: F401  (registers the training passes)
+from ..training import weights as weight_passes  # noqa: F401  (and those of 16-bit weights)
 from . import analysis, rewrite, structures  # noqa: F401  (importing them registers their passes)
 from .base import REGISTRY, Pass, PassContext, PassResult
 
@@ -36,8 +38,12 @@ _TF_PASSES = [
 TRAINING_PASSES = [
     "pin_training_path",
     "move_waited_writes",
+    "update_weights_in_fp32",
+    "store_weights_in_low_precision",
     "create_loss_scale_state",
     "scale_gradient_seeds",
+    "fold_unscale_into_optimizer",
+    "accumulate_gradients",
     "unscale_gradients",
     "check_gradients_finite",
     "gate_variable_writes",

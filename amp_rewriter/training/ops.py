@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..ir import Graph, Node, Value
+from ..ir.rounding import NEAREST
 
 #: Why the nodes a `TrainingOps` makes are fp32 (their pin's reason; they have no type groups).
 SCALER_REASON = "loss-scaling subgraph: fp32 by design"
@@ -35,11 +36,24 @@ class StateVariable:
     name: str
     value: Value
     initializer: Node | None
-    initial: np.ndarray
+    #: None for an accumulator, which reads as zeros until first written.
+    initial: np.ndarray | None
     #: The format's handle (TF: the VarHandleOp node and the names a MetaGraph lists).
     handle: Any = None
     #: The nodes that write it (`TrainingOps.assign`).
     writes: list[Node] = field(default_factory=list)
+
+
+@dataclass
+class StoredVariable:
+    """A variable the rewrite stores in a 16-bit dtype: the value that names it in the IR (a
+    reference or a handle), the dtype, the name its random bits are keyed by (the same for
+    every replica's copy of one variable) and the format's own handle on it."""
+
+    value: Value
+    dtype: str
+    name: str
+    handle: Any = None
 
 
 class PendingNodes:
@@ -67,8 +81,19 @@ class TrainingOps(Protocol):
         """A constant holding `value` (its dtype: float32, int32, bool)."""
         ...
 
-    def cast(self, value: Value, dtype: str, name: str) -> Value:
-        """`value` converted to `dtype` (the value itself when it has that dtype)."""
+    def cast(self, value: Value, dtype: str, name: str, rounding: str = NEAREST,
+             key: Value | None = None) -> Value:
+        """`value` converted to `dtype` (the value itself when it has that dtype), rounded as
+        `rounding` says (`ir.rounding`; a stochastic cast draws its bits from `key`, an int64
+        pair)."""
+        ...
+
+    def pack(self, values: list[Value], name: str) -> Value:
+        """A 1-D tensor of the scalars `values` (one dtype)."""
+        ...
+
+    def zeros_like(self, value: Value, name: str) -> Value:
+        """Zeros of `value`'s shape and dtype."""
         ...
 
     def multiply(self, a: Value, b: Value, name: str) -> Value:
@@ -122,6 +147,33 @@ class TrainingOps(Protocol):
 
     def assign(self, variable: StateVariable, value: Value, name: str) -> Node:
         """A node that writes `value` into `variable`."""
+        ...
+
+    def accumulator(self, like: Value, name: str) -> StateVariable:
+        """A variable of `like`'s shape and dtype that keeps its value between steps and reads
+        as zeros until first written (a gradient accumulator)."""
+        ...
+
+    def variable(self, value: Value, dtype: str) -> StoredVariable:
+        """The variable `value` names (a write's variable input), to be stored in `dtype`.
+        Raises AmpError when `value` names no variable the format can store so."""
+        ...
+
+    def update_in_fp32(self, write: Node, variables: dict[int, StoredVariable]
+                       ) -> dict[int, Value]:
+        """Make `write` update fp32 copies of the variables its input slots `variables` name,
+        each copy made from an fp32 view of the variable; returns each copy's value after the
+        write (the variables themselves are not written)."""
+        ...
+
+    def write_variable(self, variable: StoredVariable, value: Value, name: str) -> Node:
+        """A node that writes `value` (of the variable's dtype) into `variable`."""
+        ...
+
+    def store_variable(self, variable: StoredVariable) -> None:
+        """Store `variable` in its dtype: its storage, its initializer (rounded to nearest),
+        its checkpoint entry and every read (which now gives that dtype; the precision passes
+        cast it where an fp32 reader needs it)."""
         ...
 
     def gate(self, flag: Value, name: str) -> Node:

@@ -9,18 +9,27 @@ They run before the precision passes (pipeline `tf-training`), each with one job
 - `create_loss_scale_state` makes the scaler's state (scale and counters, joining the graph's
   initializers), or the constant scale of a fixed rule;
 - `scale_gradient_seeds` multiplies each seed by the scale (the same as scaling the loss);
-- `unscale_gradients` multiplies each gradient by 1/scale in fp32 where it leaves the backward
-  pass, before any aggregation, clipping or optimizer reads it;
-- `check_gradients_finite` computes one all-finite flag over the unscaled gradients and every
-  aggregation of them;
-- `gate_variable_writes` makes every variable write wait for the format's gate on that flag;
-- `update_loss_scale` writes the rule's next state (`LossScaleRule.step`, node for node) and
-  makes the step wait for it;
+- `fold_unscale_into_optimizer` decides where 1/scale goes (`UpdateOptions.unscale`) and, when
+  it is the optimizer, multiplies each update's learning rate or epsilon by the power of the
+  gradients' factor that leaves the step unchanged (`ScaleFold`);
+- `accumulate_gradients` (training/accumulation.py, with `accumulate` > 1) sums the gradients
+  of a window of micro-steps into fp32 accumulators that the optimizer path reads instead;
+- `unscale_gradients` multiplies each gradient (or window sum) by 1/(scale x micro-steps) in
+  fp32 where it leaves the backward pass, before any aggregation, clipping or optimizer reads
+  it, unless that was folded into the optimizer;
+- `check_gradients_finite` computes one all-finite flag over those gradients and every
+  aggregation of them (and, accumulating, over every micro-step of the window);
+- `gate_variable_writes` makes every variable write wait for the format's gate on that flag
+  (and, accumulating, on the window's last micro-step);
+- `update_loss_scale` writes the rule's next state (`LossScaleRule.step`, node for node, once
+  per window) and makes the step wait for it;
 - `release_step_results` makes what the step returns on every step (a TF2 function's return
   values) wait for the ops' `settle` node instead of for the gated writes, so a bad step still
   returns them.
 
-With the rule's mode "none" only the first two do anything (no scale, no check, no gate).
+The passes of 16-bit weights (training/weights.py) run between `move_waited_writes` and
+`create_loss_scale_state`. With the rule's mode "none" and no accumulation the scaler's passes
+do nothing (no scale, no check, no gate).
 """
 
 from __future__ import annotations
@@ -32,9 +41,10 @@ import numpy as np
 from ..errors import AmpError
 from ..ir import FLOAT32, Node, Value, decisions
 from ..passes.base import PassContext, register_pass
-from .ops import StateVariable, TrainingOps
-from .plan import TrainingPlan, nodes_after, nodes_before
+from .ops import StateVariable, StoredVariable, TrainingOps
+from .plan import GradientExit, TrainingPlan, nodes_after, nodes_before
 from .rule import LossScaleRule
+from .update import UpdateOptions
 
 LOSS_REASON = "the loss stays fp32"
 GRADIENT_SUM_REASON = ("adds up the gradients of a variable used more than once: gradients "
@@ -53,6 +63,7 @@ class TrainingContext:
     plan: TrainingPlan
     rule: LossScaleRule
     ops: TrainingOps
+    update_options: UpdateOptions = field(default_factory=UpdateOptions)
     #: The scale a step uses (a state variable's value, or a constant for a fixed rule).
     scale: Value | None = None
     scale_state: StateVariable | None = None
@@ -69,10 +80,43 @@ class TrainingContext:
     released: list[str] = field(default_factory=list)
     #: Every node the training passes added, in the order they were made.
     added: list[Node] = field(default_factory=list)
+    #: The variables stored in 16 bits, and the step counter their random bits are keyed by.
+    stored: list[StoredVariable] = field(default_factory=list)
+    rounding_step: StateVariable | None = None
+    #: Where 1/scale went ("gradients" or "optimizer"), why, and each input it was folded into
+    #: (write, input, multiplier).
+    unscale: str = "gradients"
+    unscale_reason: str = ""
+    folded: list[tuple[str, str, float]] = field(default_factory=list)
+    #: The gradients the optimizer path reads where they leave the backward pass (None: the
+    #: plan's frontier; accumulating: each window's sums).
+    gradients: list[GradientExit] | None = None
+    window: AccumulationWindow | None = None
 
     def states(self) -> list[StateVariable]:
         """The scaler's state variables (none for a fixed or absent scale)."""
         return [s for s in (self.scale_state, self.good_steps, self.bad_steps) if s is not None]
+
+    def gradient_exits(self) -> list[GradientExit]:
+        """The gradients the optimizer path reads, where they leave the backward pass."""
+        return self.plan.frontier if self.gradients is None else self.gradients
+
+    @property
+    def checks(self) -> bool:
+        """Whether steps are checked for non-finite gradients and gated (a loss scale, or a
+        window of micro-steps whose writes wait for its end)."""
+        return self.rule.scales or self.window is not None
+
+
+@dataclass
+class AccumulationWindow:
+    """What `accumulate_gradients` made that the later passes read: whether this micro-step
+    ends the window (writes apply, the scaler updates) and whether every micro-step of the
+    window so far had finite gradients."""
+
+    boundary: Value
+    finite: Value
+    state: list[StateVariable] = field(default_factory=list)
 
 
 def training_of(ctx: PassContext) -> TrainingContext:
@@ -83,7 +127,9 @@ def training_of(ctx: PassContext) -> TrainingContext:
     return ctx.training
 
 
-def _commit(training: TrainingContext) -> int:
+def commit(training: TrainingContext) -> int:
+    """Put the nodes the format's ops made into the graph; returns how many (the training
+    passes' count of what they changed)."""
     added = training.ops.commit()
     training.added.extend(added)
     return len(added)
@@ -135,7 +181,7 @@ def create_loss_scale_state(ctx: PassContext) -> tuple[int, list[str]]:
     initial = np.float32(rule.initial_scale)
     if not rule.dynamic:
         training.scale = ops.constant(np.asarray(initial), "scale")
-        return _commit(training), [f"fixed scale {rule.initial_scale:g}"]
+        return commit(training), [f"fixed scale {rule.initial_scale:g}"]
     training.scale_state = ops.state_variable("scale", np.asarray(initial))
     training.good_steps = ops.state_variable("good_steps", np.asarray(0, np.int32))
     if rule.counts_bad_steps:
@@ -144,7 +190,7 @@ def create_loss_scale_state(ctx: PassContext) -> tuple[int, list[str]]:
     initializers = [s.initializer for s in training.states() if s.initializer is not None]
     for group in training.plan.initializers:
         group.add_control_inputs(initializers)
-    changed = _commit(training)
+    changed = commit(training)
     ctx.model.graph.sort_nodes()
     return changed, [f"state: {', '.join(s.name for s in training.states())}"]
 
@@ -168,20 +214,106 @@ def scale_gradient_seeds(ctx: PassContext) -> tuple[int, list[str]]:
         scaled = ops.multiply(one, ops.cast(scale, _dtype(one), "scale_seeds/scale"),
                               "scale_seeds/scaled")
         seed.node.set_input(seed.slot, scaled)
-    _commit(training)
+    commit(training)
     return len(training.plan.seeds), []
+
+
+@register_pass("fold_unscale_into_optimizer")
+def fold_unscale_into_optimizer(ctx: PassContext) -> tuple[int, list[str]]:
+    """Decide where 1/scale goes (`--unscale`) and, for the optimizer, multiply each update's
+    learning rate or epsilon by the power of the gradients' factor that leaves its step as it
+    was (one scalar product per input instead of one product per gradient)."""
+    training = training_of(ctx)
+    if not training.rule.scales:
+        return 0, []
+    mode, reason = _unscale_choice(training)
+    training.unscale, training.unscale_reason = mode, reason
+    if mode != "optimizer":
+        return 0, [f"1/scale multiplies the gradients: {reason}"]
+    ops, factor = training.ops, _gradient_factor(training)
+    folded: dict[tuple[int, int], Value] = {}
+    for write in training.plan.writes:
+        fold = write.scale_fold
+        if fold is None or not write.gradient_slots:
+            continue
+        ctx.focus = write.node
+        value = write.node.inputs[fold.slot]
+        assert value is not None
+        multiplier = float(np.float32(np.float64(factor) ** fold.power))
+        product = folded.get((id(value), fold.power))
+        if product is None:
+            constant = ops.constant(np.asarray(multiplier, np.float32), "unscale/fold")
+            product = ops.multiply(value, ops.cast(constant, _dtype(value), "unscale/fold"),
+                                   "unscale/folded")
+            folded[(id(value), fold.power)] = product
+        write.node.set_input(fold.slot, product)
+        training.folded.append((write.node.name, fold.what, multiplier))
+    commit(training)
+    return len(training.folded), [f"1/scale folded into {len(training.folded)} updates: "
+                                  f"{reason}"]
+
+
+def _gradient_factor(training: TrainingContext) -> float:
+    """What the gradients the optimizer reads are multiplied by: the fixed scale, times the
+    window's micro-steps when they are summed."""
+    return float(np.float32(training.rule.initial_scale)) * training.update_options.accumulate
+
+
+def _unscale_choice(training: TrainingContext) -> tuple[str, str]:
+    """("gradients" or "optimizer", why) for `--unscale`; AmpError when `optimizer` is asked
+    for and cannot be done."""
+    asked, rule, plan = training.update_options.unscale, training.rule, training.plan
+    if asked == "gradients":
+        return "gradients", "--unscale gradients"
+    obstacle = ""
+    if rule.dynamic:
+        obstacle = ("the loss scale is dynamic: the optimizer's slots would hold gradients of "
+                    "different scales")
+    elif not plan.linear_gradient_path:
+        obstacle = ("the gradients reach the updates through more than sums and means "
+                    "(clipping, or a second reader)")
+    else:
+        unfit = [w.node for w in plan.writes if w.gradient_slots and w.scale_fold is None]
+        if unfit:
+            obstacle = (f"{unfit[0].name} ({unfit[0].op_type}) has no exact fold (see "
+                        f"--unscale in the README)")
+    if obstacle and asked == "optimizer":
+        raise AmpError(f"--unscale optimizer: {obstacle}")
+    if obstacle:
+        return "gradients", obstacle
+    factor = _gradient_factor(training)
+    if asked == "auto" and np.frexp(factor)[0] != 0.5:
+        return "gradients", (f"the gradients' factor {factor:g} is not a power of two: folding "
+                             f"would round")
+    keeping = [w.node for w in plan.writes if w.gradient_slots and w.state_slots]
+    if asked == "auto" and keeping:
+        # exact for the weights, but the optimizer's state would hold scaled gradients: the
+        # checkpoint's momentum, m and v would change (--unscale optimizer accepts that)
+        return "gradients", (f"{keeping[0].name} ({keeping[0].op_type}) keeps optimizer state, "
+                             f"which would hold gradients times {factor:g}")
+    exact = "exact: a power of two" if np.frexp(factor)[0] == 0.5 else "within rounding"
+    return "optimizer", f"--unscale {asked}: a fixed factor {factor:g} ({exact})"
 
 
 @register_pass("unscale_gradients")
 def unscale_gradients(ctx: PassContext) -> tuple[int, list[str]]:
-    """Multiply each gradient by 1/scale in fp32 where it leaves the backward pass: every
-    reader outside it (aggregation, clipping, the optimizer) reads the unscaled gradient."""
+    """Multiply each gradient by 1/scale (1/(scale x micro-steps) for a window's sum) in fp32
+    where it leaves the backward pass: every reader outside it (aggregation, clipping, the
+    optimizer) reads the unscaled gradient. Nothing when that was folded into the optimizer."""
     training = training_of(ctx)
-    if not training.rule.scales:
+    steps = training.update_options.accumulate
+    if training.unscale == "optimizer" or (not training.rule.scales and steps == 1):
         return 0, []
     ops = training.ops
-    inverse = ops.reciprocal(_scale(training), "unscale/inverse_scale")
-    for exit_ in training.plan.frontier:
+    if not training.rule.scales:
+        inverse = ops.constant(np.asarray(1.0 / steps, np.float32), "unscale/inverse_steps")
+    elif steps == 1:
+        inverse = ops.reciprocal(_scale(training), "unscale/inverse_scale")
+    else:
+        window = ops.multiply(_scale(training), ops.constant(np.asarray(steps, np.float32),
+                                                             "unscale/steps"), "unscale/window")
+        inverse = ops.reciprocal(window, "unscale/inverse_scale")
+    for exit_ in training.gradient_exits():
         gradient = exit_.value
         ctx.focus = gradient.producer
         unscaled = ops.multiply(gradient, ops.cast(inverse, _dtype(gradient), "unscale/inverse"),
@@ -189,32 +321,41 @@ def unscale_gradients(ctx: PassContext) -> tuple[int, list[str]]:
         for reader, slot in exit_.readers:
             reader.set_input(slot, unscaled)
         training.unscaled.append(unscaled)
-    _commit(training)
+    commit(training)
     return len(training.unscaled), []
 
 
 @register_pass("check_gradients_finite")
 def check_gradients_finite(ctx: PassContext) -> tuple[int, list[str]]:
-    """One all-finite flag over every unscaled gradient and every aggregation of them (towers,
-    replicas): a non-finite gradient anywhere makes the whole step bad."""
+    """One all-finite flag over every gradient the optimizer path reads and every aggregation
+    of them (towers, replicas): a non-finite gradient anywhere makes the whole step bad; a
+    window is bad when any of its micro-steps was."""
     training = training_of(ctx)
-    if not training.rule.scales:
+    if not training.checks:
         return 0, []
-    checked = training.unscaled + training.plan.aggregations
-    training.all_finite = training.ops.all_finite(checked, "check/all_finite")
-    _commit(training)
+    checked = (training.unscaled or [e.value for e in training.gradient_exits()]) \
+        + training.plan.aggregations
+    flag = training.ops.all_finite(checked, "check/all_finite")
+    if training.window is not None:
+        flag = training.ops.both(flag, training.window.finite, "check/window_finite")
+    training.all_finite = flag
+    commit(training)
     return len(checked), []
 
 
 @register_pass("gate_variable_writes")
 def gate_variable_writes(ctx: PassContext) -> tuple[int, list[str]]:
     """Make every variable write (optimizer updates, slots, assigns, scatters, step counters)
-    wait for the gate on the all-finite flag: a bad step writes nothing but the scaler's state."""
+    wait for the gate on the all-finite flag (and on the window's end, accumulating): a bad
+    step writes nothing but the scaler's state."""
     training = training_of(ctx)
-    if not training.rule.scales or training.all_finite is None:
+    if not training.checks or training.all_finite is None:
         return 0, []
-    training.gate = training.ops.gate(training.all_finite, "gate/apply")
-    _commit(training)
+    flag = training.all_finite
+    if training.window is not None:
+        flag = training.ops.both(flag, training.window.boundary, "gate/window_ends")
+    training.gate = training.ops.gate(flag, "gate/apply")
+    commit(training)
     for write in training.plan.writes:
         write.node.add_control_input(training.gate)
     ctx.model.graph.sort_nodes()
@@ -223,8 +364,9 @@ def gate_variable_writes(ctx: PassContext) -> tuple[int, list[str]]:
 
 @register_pass("update_loss_scale")
 def update_loss_scale(ctx: PassContext) -> tuple[int, list[str]]:
-    """Write the rule's next scale and counters (`LossScaleRule.step`, op for op) and make the
-    step wait for it; a fixed scale only makes the step wait for the flag."""
+    """Write the rule's next scale and counters (`LossScaleRule.step`, op for op; accumulating,
+    at each window's end only) and make the step wait for it; a fixed scale only makes the
+    step wait for the flag."""
     training = training_of(ctx)
     rule, ops, plan = training.rule, training.ops, training.plan
     if not rule.scales or training.all_finite is None:
@@ -233,12 +375,19 @@ def update_loss_scale(ctx: PassContext) -> tuple[int, list[str]]:
     if not rule.dynamic:
         if finite.producer is not None:
             plan.step.add_control_input(finite.producer)
+            ctx.model.graph.sort_nodes()  # a step node made before the flag runs after it
         return 0, []
     assert training.scale_state is not None and training.good_steps is not None
     scale, good = training.scale_state.value, training.good_steps.value
 
     def number(value: float | int, dtype: type, name: str) -> Value:
         return ops.constant(np.asarray(value, dtype), f"update/{name}")
+
+    def once_per_window(new: Value, old: Value) -> Value:
+        """`new` at a window's end, `old` within it (the state counts windows)."""
+        if training.window is None:
+            return new
+        return ops.select(training.window.boundary, new, old, "update/at_window_end")
 
     zero, one = number(0, np.int32, "zero"), number(1, np.int32, "one")
     good_next = ops.add(good, one, "update/good_next")
@@ -265,15 +414,19 @@ def update_loss_scale(ctx: PassContext) -> tuple[int, list[str]]:
                                                    "update/at_hysteresis"), "update/back_off")
         new_bad = ops.select(ops.either(finite, back_off, "update/bad_reset"), zero, bad_next,
                              "update/new_bad_steps")
-        writes.append(ops.assign(training.bad_steps, new_bad, "update/assign_bad_steps"))
+        writes.append(ops.assign(training.bad_steps, once_per_window(new_bad,
+                                                                     training.bad_steps.value),
+                                 "update/assign_bad_steps"))
     scale_if_bad = ops.select(back_off, backed_off, scale, "update/scale_if_bad")
     new_scale = ops.select(finite, scale_if_good, scale_if_bad, "update/new_scale")
     counting = ops.both(finite, ops.negate(grow, "update/no_growth"), "update/counting")
     new_good = ops.select(counting, good_next, zero, "update/new_good_steps")
-    writes.append(ops.assign(training.scale_state, new_scale, "update/assign_scale"))
-    writes.append(ops.assign(training.good_steps, new_good, "update/assign_good_steps"))
+    writes.append(ops.assign(training.scale_state, once_per_window(new_scale, scale),
+                             "update/assign_scale"))
+    writes.append(ops.assign(training.good_steps, once_per_window(new_good, good),
+                             "update/assign_good_steps"))
     training.update = ops.group(writes, "update/update")
-    changed = _commit(training)
+    changed = commit(training)
     plan.step.add_control_input(training.update)
     ctx.model.graph.sort_nodes()
     return changed, []
@@ -297,7 +450,7 @@ def release_step_results(ctx: PassContext) -> tuple[int, list[str]]:
     def settled() -> Node:
         if training.settled is None:
             training.settled = training.ops.settle(gate, writes, "settle/settled")
-            _commit(training)
+            commit(training)
         return training.settled
 
     pending = [v.producer for v in plan.results if v.producer is not None]

@@ -46,16 +46,33 @@ class GradientExit:
     readers: list[tuple[Node, int]]
 
 
+@dataclass(frozen=True)
+class ScaleFold:
+    """How an optimizer update takes gradients multiplied by a factor c: it makes the same step
+    as with the plain gradients when its input `slot` is multiplied by c**`power` (SGD's and
+    momentum's learning rate: -1; Adam's epsilon: 1; RMSProp's, under the square root: 2).
+    `what` names that input for the report."""
+
+    slot: int
+    power: int
+    what: str
+
+
 @dataclass
 class VariableWrite:
     """A node that writes a variable: its kind (`WRITE_KINDS`), the input that names the
-    variable (its handle or reference; None when the front end cannot tell) and the gradient
-    inputs it reads (an optimizer update's `grad`)."""
+    variable (its handle or reference; None when the front end cannot tell), the gradient
+    inputs it reads (an optimizer update's `grad`), the inputs naming the optimizer state it
+    writes too (momentum, Adam's m and v), whether the variable is a trainable weight, and how
+    the update can absorb a factor on its gradients (None: it cannot, exactly)."""
 
     node: Node
     kind: str
     variable_slot: int | None = None
     gradient_slots: tuple[int, ...] = ()
+    state_slots: tuple[int, ...] = ()
+    weight: bool = False
+    scale_fold: ScaleFold | None = None
 
     @property
     def reads(self) -> list[Value]:
@@ -99,6 +116,10 @@ class TrainingPlan:
     caller_waits: bool = False
     #: The loss is neither what the gradients are taken of nor computed from it (a warning).
     loss_unrelated: bool = False
+    #: Every frontier gradient reaches the writes' gradient inputs only through sums, means
+    #: and copies, and nothing else reads it: a factor on the gradients reaches the updates
+    #: unchanged (what folding the loss scale into the optimizer needs).
+    linear_gradient_path: bool = False
 
     def problems(self) -> list[str]:
         """What makes this plan one the passes cannot work on ([] when it is sound): nodes

@@ -10,6 +10,7 @@ import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -57,6 +58,8 @@ TF_CHECK_RULES = (
                                               "underflows in the type it is cast to"),
     CheckRule("optimizer_constant_overflow", "no optimizer constant overflows in the type it "
                                              "is cast to"),
+    CheckRule("swallowed_update", "no 16-bit weight is updated with round-to-nearest by steps "
+                                  "smaller than half an ulp of its values"),
     *COMMON_CHECK_RULES,
 )
 
@@ -127,6 +130,7 @@ def check_tf_graph(path: str | os.PathLike, target: str | None = None,
                          cost=model_cost(_node_precisions(metas), TF_RULES.compute_ops))
     for meta in metas:
         _check_optimizer(meta, target, result)
+        _check_swallowed_updates(meta, result)
     lists = load_tf_lists(target, backend, overrides)
     for graph, model in _graph_irs(metas):
         problems, notes = deny_op_findings(model.graph.walk_nodes(), lists, TF_RULES, target,
@@ -283,3 +287,164 @@ def _check_optimizer(meta: meta_graph_pb2.MetaGraphDef, target: str, result: Che
             elif v != 0 and float(_in_dtype(v, target).reshape(())) == 0:
                 result.notes.append(f"{where} would underflow in {target}; it is fp32 here and "
                                     f"amp-rewriter keeps optimizer constants fp32")
+
+
+#: Variables `_check_swallowed_updates` looks at, and the ops that write one.
+_VARIABLE_OPS = frozenset({"VariableV2", "Variable", "VarHandleOp", "TemporaryVariable"})
+_ASSIGNS = frozenset({"Assign", "AssignVariableOp"})
+#: Ops between a variable and what reads or fills it.
+_READS = frozenset({"Identity", "Snapshot", "ReadVariableOp", "Cast", "DestroyTemporaryVariable",
+                    "Assign"})
+_RANDOM_OPS = frozenset({"RandomUniform", "TruncatedNormal", "RandomStandardNormal"})
+
+
+def _low_dtype(nd) -> str | None:
+    """"fp16"/"bf16" when a variable node stores a 16-bit float."""
+    return _LOW_TF_DTYPES.get(nd.attr["dtype"].type) if "dtype" in nd.attr else None
+
+
+def _back_to(nodes: dict, ref: str, ops: frozenset[str]) -> tuple[Any, bool]:
+    """Follow `ref` back through reads and casts to a node of `ops`: (it or None, whether a
+    Cast was on the way)."""
+    cast = False
+    nd = nodes.get(_producer(ref))
+    for _ in range(16):
+        if nd is None or nd.op in ops:
+            return nd, cast
+        if nd.op not in _READS or not nd.input:
+            return None, cast
+        cast = cast or nd.op == "Cast"
+        nd = nodes.get(_producer(nd.input[0]))
+    return None, cast
+
+
+def _typical_magnitude(nodes: dict, ref: str) -> float | None:
+    """A typical |value| of a variable's initial value (a constant: the median of its nonzero
+    magnitudes; a random initializer `random * a + b`: half its reach), or None."""
+    nd = nodes.get(_producer(ref))
+    for _ in range(8):
+        if nd is None or nd.op not in ("Identity", "Cast") or not nd.input:
+            break
+        nd = nodes.get(_producer(nd.input[0]))
+    if nd is None:
+        return None
+    if nd.op == "Const":
+        value = _const_value(nd)
+        if value is not None and value.dtype.name == "bfloat16":
+            value = value.astype(np.float32)  # numpy's kind of bfloat16 is not "f"
+        if value is None or value.dtype.kind != "f":
+            return None
+        magnitudes = np.abs(value[value != 0].astype(np.float64))
+        return float(np.median(magnitudes)) if magnitudes.size else None
+    if nd.op in ("Add", "AddV2") and len(nd.input) == 2:
+        scaled, offset = nodes.get(_producer(nd.input[0])), nodes.get(_producer(nd.input[1]))
+        if scaled is None or scaled.op != "Mul" or len(scaled.input) != 2:
+            return None
+        random = nodes.get(_producer(scaled.input[0]))
+        factor = _number(nodes, scaled.input[1])
+        shift = _number(nodes, nd.input[1]) if offset is not None else None
+        if random is None or random.op not in _RANDOM_OPS or factor is None or shift is None:
+            return None
+        if random.op == "RandomUniform":  # uniform in [shift, shift + factor)
+            return max(abs(shift), abs(shift + factor)) / 2
+        return abs(shift) + 0.8 * abs(factor)  # the mean |x| of a normal is 0.8 sigma
+    return None
+
+
+def _number(nodes: dict, ref: str) -> float | None:
+    """The scalar a constant (or the difference of two, as random_uniform's max - min) holds."""
+    nd = nodes.get(_producer(ref))
+    if nd is not None and nd.op == "Sub" and len(nd.input) == 2:
+        a, b = _number(nodes, nd.input[0]), _number(nodes, nd.input[1])
+        return None if a is None or b is None else a - b
+    value, _, _ = _trace_constant(nodes, ref)
+    if value is None or value.dtype.kind != "f" or value.size != 1:
+        return None
+    return float(np.asarray(value, np.float64).reshape(()))
+
+
+def _rounds_to_nearest_from(nodes: dict, ref: str, scratch: str) -> bool:
+    """Whether `ref` is a plain Cast of what variable `scratch` holds."""
+    cast = nodes.get(_producer(ref))
+    if cast is None or cast.op != "Cast" or not cast.input:
+        return False
+    source, _ = _back_to(nodes, cast.input[0], _VARIABLE_OPS)
+    return source is not None and source.name == scratch
+
+
+def _learning_rate(nodes: dict, ref: str) -> float | None:
+    """The learning rate an update reads: a constant, or one that --unscale optimizer
+    multiplied by 1/scale (Mul(learning rate, fold)): then the one before the multiply, since
+    the gradients it meets are scaled by as much."""
+    nd = nodes.get(_producer(ref))
+    if nd is not None and nd.op == "Mul" and nd.input and "/unscale/" in nd.name:
+        return _number(nodes, nd.input[0])
+    return _number(nodes, ref)
+
+
+def _half_ulp(magnitude: float, low: str) -> float:
+    """Half the spacing of the 16-bit type `low` at `magnitude`."""
+    mantissa = 10 if low == "fp16" else 7
+    exponent = max(math.floor(math.log2(magnitude)), -14 if low == "fp16" else -126)
+    return 2.0 ** (exponent - mantissa) / 2
+
+
+def _check_swallowed_updates(meta: meta_graph_pb2.MetaGraphDef, result: CheckResult) -> None:
+    """16-bit weights written back with round-to-nearest (a plain Cast from fp32: --weights
+    with --rounding nearest) or updated by a 16-bit kernel, whose step, estimated statically,
+    is below half an ulp of their typical value: such updates are swallowed. The step is the
+    learning rate (Adam's and RMSProp's normalized steps are about that; SGD's is lr x |g|,
+    taken with |g| about 1), divided by 1 - momentum for momentum; the typical value comes from
+    the variable's initializer."""
+    nodes = {nd.name: nd for nd in meta.graph_def.node}
+    writers: dict[str, list] = {}
+    for nd in meta.graph_def.node:
+        if nd.op in _ASSIGNS and len([i for i in nd.input if not i.startswith("^")]) == 2:
+            writers.setdefault(_producer(nd.input[0]), []).append(nd)
+    for nd in meta.graph_def.node:
+        args = write_args(nd.op)
+        if args is None or not args.is_optimizer_update:
+            continue
+        data_inputs = [ref for ref in nd.input if not ref.startswith("^")]
+        roles = {arg: ref for (arg, _), ref in zip(args.args, data_inputs)}
+        by_role = {role: ref for (_, role), ref in zip(args.args, data_inputs)}
+        if "var" not in roles or LEARNING_RATE not in by_role:
+            continue
+        learning_rate = _learning_rate(nodes, by_role[LEARNING_RATE])
+        if learning_rate is None or learning_rate <= 0:
+            continue
+        step = learning_rate
+        momentum = _number(nodes, roles["momentum"]) if "momentum" in roles else None
+        if momentum is not None and 0 <= momentum < 1:
+            step /= 1 - momentum
+        variable, _ = _back_to(nodes, roles["var"], _VARIABLE_OPS)
+        if variable is None:
+            continue
+        stored, how = variable, f"{nd.op} updates it in 16 bits"
+        if _low_dtype(variable) is None:  # an fp32 scratch copy filled from a 16-bit variable?
+            fills = writers.get(variable.name, [])
+            source = _back_to(nodes, fills[0].input[1], _VARIABLE_OPS)[0] if fills else None
+            if source is None or _low_dtype(source) is None:
+                continue
+            stored = source
+            write_backs = [w for w in writers.get(stored.name, [])
+                           if _rounds_to_nearest_from(nodes, w.input[1], variable.name)]
+            if not write_backs:
+                continue  # not rounded to nearest (stochastic rounding's bit ops)
+            how = f"its write-back {write_backs[0].name} rounds to nearest"
+        low = _low_dtype(stored)
+        assert low is not None
+        # the initializer (`<variable>/Assign`; a saver's `save/Assign` restores instead)
+        magnitudes = [_typical_magnitude(nodes, w.input[1]) for w in writers.get(stored.name, [])
+                      if w.name.endswith("/Assign")]
+        magnitude = next((m for m in magnitudes if m is not None), None)
+        if magnitude is None or magnitude <= 0:
+            continue
+        half_ulp = _half_ulp(magnitude, low)
+        if step < half_ulp:
+            result.problems.append({
+                "kind": "swallowed_update", "node": nd.name, "variable": stored.name,
+                "message": f"{low} weight {stored.name}: {how}, and its steps (about "
+                           f"{step:.3g}, from learning rate {learning_rate:g}) are below half an "
+                           f"ulp ({half_ulp:.3g}) of its typical value {magnitude:.3g}: they are "
+                           f"swallowed; use --rounding stochastic or fp32 master weights"})

@@ -46,6 +46,7 @@ from .files import (
 )
 from .lists import default_backend, load_tf_lists
 from .load import default_fetches, load_function, load_graphdef
+from .rounding import lower_rounding_casts
 from .rules import TF_RULES
 from .weights import (
     VariableRanges,
@@ -148,6 +149,7 @@ def rewrite_graphdef_ir(graph_def: graph_pb2.GraphDef, options: Options,
         names = ValueNames(ir_model)
         training = plan_training(ir_model) if plan_training is not None else None
         report = _run(ir_model, lists, options, "main", pipeline, pins, training=training)
+        lower_rounding_casts(ir_model)  # the IR's stochastic Casts, as TensorFlow ops
         converted = emit_graphdef(ir_model)
     report.summary["outputs"] = fetches
     report.warnings = _warnings(options, report, ir_model.handle.unknown_ops)
@@ -171,6 +173,7 @@ def rewrite_function_ir(fdef: function_pb2.FunctionDef,
         training = plan_training(ir_model) if plan_training is not None else None
         report = _run(ir_model, lists, options, fdef.signature.name, pipeline,
                       training=training)
+        lower_rounding_casts(ir_model)  # the IR's stochastic Casts, as TensorFlow ops
     report.warnings = _warnings(options, report, ir_model.handle.unknown_ops)
     record_bf16_host_check(report, lists.profile)
     return ir_model, report

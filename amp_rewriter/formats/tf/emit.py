@@ -3,7 +3,9 @@
 Every loaded node keeps its NodeDef; its data and control inputs are written from the IR's edges
 and its type attributes from the dtypes the IR now gives the values bound to them, so
 retargeted casts (`DstT`), casts whose source changed (`SrcT`) and painted groups all follow one
-rule. A function's control outputs (`control_ret`) come from the graph's `control_outputs`.
+rule; an attribute a pass set on it (`Node.attrs`: a variable's `dtype`) replaces the
+NodeDef's. A function's control outputs (`control_ret`) come from the graph's
+`control_outputs`.
 
 A node a pass added is written from its OpDef: its op, data and control inputs, the type
 attributes its inputs' and outputs' dtypes bind (`T`, `dtype`, `N`, list(type) attributes),
@@ -32,6 +34,7 @@ from tensorflow.core.framework import (
 
 from ...ir import Graph, IRError, LazyTensor, Model, Node, Value, present, unique_name
 from ...ir.dtypes import NUMPY_DTYPES
+from ...ir.rounding import NEAREST, ROUNDING_ATTR, rounding_of
 from .load import OpDefs, Port, TfGraphSource, dtype_enum, expand_ports
 
 _INVALID = re.compile(r"[^A-Za-z0-9_./>-]")
@@ -122,9 +125,10 @@ _ATTR_WRITERS: dict[str, Callable[[attr_value_pb2.AttrValue, Any], None]] = {
     "list(shape)": lambda a, v: a.list.shape.extend(_shape_attr(x) for x in v),
 }
 
-#: The IR's own attribute of its cast op (the target dtype): TF writes it as `DstT`, the dtype
-#: of the cast's output.
-_IR_CAST_ATTRS = frozenset({"to"})
+#: The IR's own attributes of its cast op: the target dtype (TF writes it as `DstT`, the dtype
+#: of the cast's output) and the rounding mode (a stochastic cast is lowered before it is
+#: written: formats/tf/rounding.py).
+_IR_CAST_ATTRS = frozenset({"to", ROUNDING_ATTR})
 
 
 def _arg_counts(node: Node, op_def: op_def_pb2.OpDef, args, total: int) -> list[int]:
@@ -250,13 +254,29 @@ class _Emitter:
                     types[i] = enum
             elif nd.attr[attr].type != enum:
                 nd.attr[attr].type = enum
+        if node.attrs:
+            self._set_attrs(node, nd)
         return nd
+
+    def _set_attrs(self, node: Node, nd: node_def_pb2.NodeDef) -> None:
+        """Attributes a pass set on a loaded node (a variable stored in another dtype) replace
+        the NodeDef's."""
+        op_def = self.opdefs.get(node.op_type)
+        kinds = {attr.name: attr.type for attr in op_def.attr} if op_def is not None else {}
+        for name, value in node.attrs.items():
+            if name not in kinds:
+                raise IRError(f"{node.name} ({node.op_type}): no attribute {name!r} in its OpDef")
+            nd.attr[name].Clear()
+            _ATTR_WRITERS[kinds[name]](nd.attr[name], value)
 
     def added(self, node: Node) -> node_def_pb2.NodeDef:
         """The NodeDef of a node a pass added, written from its OpDef (see the module doc)."""
         op_def = self.opdefs.get(node.op_type)
         if op_def is None:
             raise IRError(f"{node.name}: TensorFlow has no op {node.op_type!r}")
+        if node.op_type == "Cast" and rounding_of(node.attrs) != NEAREST:
+            raise IRError(f"{node.name}: a {rounding_of(node.attrs)} rounding Cast is written "
+                          f"only once lowered (formats/tf/rounding.py)")
         nd = node_def_pb2.NodeDef(name=self.node_name(node), op=node.op_type)
         nd.input.extend(self.ref(present(v)) for v in node.inputs)
         nd.input.extend(self.waits(node.control_inputs))

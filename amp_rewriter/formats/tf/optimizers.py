@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...training.plan import ScaleFold
+
 #: What a data input of a write is.
 VARIABLE = "variable"            # the variable written (a reference or a resource handle)
 SLOT = "slot"                    # optimizer state written with it (Adam's m and v, momentum)
@@ -75,6 +77,19 @@ _FAMILIES: dict[str, tuple[tuple[str, str], ...]] = {
                         ("momentum", HYPERPARAMETER), ("epsilon", EPSILON), ("grad", GRADIENT)),
 }
 
+#: How each family's update takes gradients multiplied by c (`ScaleFold`): the input to multiply
+#: and the power of c that leaves the step unchanged, when its slots start at zero. SGD and
+#: momentum (both forms; Nesterov too) are linear in the gradient: lr / c. Adam, AMSGrad and
+#: AdaMax divide m by sqrt(v) or max|g|, both scaled by c, plus epsilon: epsilon * c. RMSProp
+#: divides by sqrt(ms + epsilon), ms scaled by c^2: epsilon * c^2. The others have no such
+#: fold (Adagrad's accumulator starts above zero; FTRL's and the proximal ones' l1/l2
+#: shrinkage, Adadelta's and AddSign/PowerSign's updates are not homogeneous in the gradient).
+SCALE_FOLDS: dict[str, tuple[str, int]] = {
+    "GradientDescent": (LEARNING_RATE, -1), "Momentum": (LEARNING_RATE, -1),
+    "KerasMomentum": (LEARNING_RATE, -1), "Adam": (EPSILON, 1), "AdamWithAmsgrad": (EPSILON, 1),
+    "AdaMax": (EPSILON, 1), "RMSProp": (EPSILON, 2), "CenteredRMSProp": (EPSILON, 2),
+}
+
 #: The forms TensorFlow has of each family: "" (ApplyX, reference variables), "Resource",
 #: "Sparse", "ResourceSparse".
 _ALL_FORMS = ("", "Resource", "Sparse", "ResourceSparse")
@@ -109,6 +124,8 @@ class WriteArgs:
     op: str
     kind: str
     args: tuple[tuple[str, str], ...]
+    #: The optimizer family of an update kernel ("Adam" for ResourceSparseApplyAdam).
+    family: str = ""
 
     def slots(self, role: str) -> tuple[int, ...]:
         """The input slots with `role`."""
@@ -144,7 +161,7 @@ def _table() -> dict[str, WriteArgs]:
         for form in _FORMS[family]:
             op = f"{form}Apply{family}"
             table[op] = WriteArgs(op, "optimizer_update",
-                                  _sparse(args) if "Sparse" in form else args)
+                                  _sparse(args) if "Sparse" in form else args, family)
     for op in _ASSIGN_OPS:
         variable = "resource" if op.endswith("VariableOp") else "ref"
         table[op] = WriteArgs(op, "assign", ((variable, VARIABLE), ("value", VALUE)))
@@ -168,3 +185,16 @@ def is_optimizer_update(op: str) -> bool:
     """Whether `op` is an optimizer's update kernel (ApplyAdam, ResourceSparseApplyFtrl, ...)."""
     args = WRITE_ARGS.get(op)
     return args is not None and args.is_optimizer_update
+
+
+def scale_fold(op: str) -> ScaleFold | None:
+    """How update kernel `op` can take gradients multiplied by a factor (`SCALE_FOLDS`; None
+    for other ops and families without an exact fold)."""
+    args = WRITE_ARGS.get(op)
+    fold = SCALE_FOLDS.get(args.family) if args is not None else None
+    if args is None or fold is None:
+        return None
+    role, power = fold
+    slot = args.slot(role)
+    assert slot is not None, f"{op} has no {role} input"
+    return ScaleFold(slot, power, role.replace("_", " "))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...ir import FLOAT32, LOW_PRECISION_DTYPES, Graph, LazyTensor, Node, Value, convert_array
+from ...ir.rounding import NEAREST, rounding_of
 from ..base import ConstantRecord, PassContext, register_pass
 from .building import CAST, remove_everywhere
 from .insert_casts import required_dtype
@@ -130,7 +131,8 @@ def convert_constants(ctx: PassContext) -> tuple[int, list[str]]:
             if node.op_type in fill_attrs and node.outputs and node.outputs[0] is not None:
                 converted += _convert_fill_value(node, fill_attrs[node.op_type], ctx)
                 continue
-            if node.op_type != CAST or node.inputs[0] is None:
+            if node.op_type != CAST or node.inputs[0] is None \
+                    or rounding_of(node.attrs) != NEAREST:
                 continue
             source, output = node.inputs[0], node.outputs[0]
             assert output is not None

@@ -11,6 +11,7 @@ Casts that become unused disappear.
 from __future__ import annotations
 
 from ...ir import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, Node, Value
+from ...ir.rounding import NEAREST, rounding_of
 from ..base import PassContext, register_pass
 from .building import CAST
 
@@ -35,8 +36,10 @@ def chain_is_exact(source: str | None, middle: str, target: str) -> bool:
 
 
 def cast_target(node: Node) -> str | None:
-    """The dtype a cast node produces, or None when `node` is not a cast of the default domain."""
-    if node.op_type != CAST or node.domain not in ("", "ai.onnx"):
+    """The dtype a cast node produces, or None when `node` is not a cast of the default domain
+    that rounds to nearest (a stochastic rounding cast is never folded: it draws its bits)."""
+    if node.op_type != CAST or node.domain not in ("", "ai.onnx") \
+            or rounding_of(node.attrs) != NEAREST:
         return None
     out = node.outputs[0] if node.outputs else None
     return out.dtype if out is not None else None

@@ -36,6 +36,7 @@ initial values.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,7 @@ from ....errors import AmpError
 from ....options import Options, TrainingOptions
 from ....report import Report
 from ....training import LossScaleRule
+from ....training.update import UpdateOptions
 from .step import RewrittenStep, rewrite_inference_function, rewrite_step_function
 
 #: What marks a summary as a scalar for TensorBoard (its scalars plugin).
@@ -226,6 +228,41 @@ class _RewrittenFunction(tf.Module):
         self.rewrites += 1
 
 
+#: The loss scaler's state variables, which a MixedPrecisionStep makes up front.
+_SCALER_STATES = ("scale", "good_steps", "bad_steps")
+#: What a distribution strategy appends to a replica's copy of a variable's name.
+_REPLICA_SUFFIX = re.compile(r"/replica_\d+$")
+
+
+def captured_variable_names(concrete: Any) -> tuple[dict[str, str], frozenset[str]]:
+    """The names of the variables a traced step captures, by the argument of the body that
+    takes their handle: a name without the replica suffix, numbered by its occurrence among
+    the variables of one replica, so that every replica's copy of a variable gets the same name
+    (16-bit weights' random bits are keyed by it) and no two variables of a replica share one;
+    and the arguments of the trainable ones (the weights, not an optimizer's slots)."""
+    arguments = [arg.name for arg in concrete.function_def.signature.input_arg]
+    captured = list(concrete.captured_inputs)
+    by_handle = {id(v.handle): v for v in concrete.graph.variables}
+    names: dict[str, str] = {}
+    trainable: set[str] = set()
+    seen: dict[tuple[str, str], int] = {}
+    first = len(arguments) - len(captured)
+    for argument, handle in zip(arguments[first:], captured, strict=True):
+        variable = by_handle.get(id(handle))
+        if variable is None:
+            continue
+        full = variable.name.partition(":")[0]
+        base = _REPLICA_SUFFIX.sub("", full)
+        replica = full[len(base):]
+        occurrence = seen.get((base, replica), 0)
+        seen[(base, replica)] = occurrence + 1
+        clean = re.sub(r"[^A-Za-z0-9_./-]", "_", base).lstrip("./-_") or "variable"
+        names[argument] = clean if occurrence == 0 else f"{clean}_{occurrence}"
+        if variable.trainable:
+            trainable.add(argument)
+    return names, frozenset(trainable)
+
+
 def _state_variable(initial: Any, dtype: tf.DType, name: str) -> tf.Variable:
     """A plain resource variable, whatever strategy scope is active (ResourceVariable's own
     constructor does not go through the variable creators that make distributed variables)."""
@@ -242,9 +279,14 @@ class MixedPrecisionStep(_RewrittenFunction):
     skipped for a non-finite gradient; `report` is the last trace's Report (`explain` reads
     it)."""
 
-    def __init__(self, step: Any, options: Options, rule: LossScaleRule):
+    def __init__(self, step: Any, options: Options, rule: LossScaleRule,
+                 update: UpdateOptions | None = None):
         super().__init__(step, options, "mixed_precision_step")
         self.rule = rule
+        self.update = update or UpdateOptions()
+        #: The other state variables a rewrite asked for (16-bit weights' step counter, the
+        #: accumulation window's micro-step and flag), made at the first rewrite that does.
+        self.update_state: dict[str, tf.Variable] = {}
         self.loss_scale: tf.Variable | tf.Tensor | None = None
         self.good_steps: tf.Variable | None = None
         self.bad_steps: tf.Variable | None = None
@@ -262,15 +304,23 @@ class MixedPrecisionStep(_RewrittenFunction):
 
     def rewrite(self, concrete: Any) -> RewrittenStep:
         library = concrete.graph.as_graph_def().library
-        rewritten = rewrite_step_function(concrete.function_def, library, self._options,
-                                          self.rule)
+        names, trainable = captured_variable_names(concrete)
+        rewritten = rewrite_step_function(
+            concrete.function_def, library, self._options, self.rule, self.update,
+            variable_names=names, trainable=trainable,
+            resource_prefix=f"{concrete.function_def.signature.name}_{id(self):x}")
+        for name in rewritten.states:
+            if name not in _SCALER_STATES and name not in self.update_state:
+                initial = rewritten.initials[name]
+                self.update_state[name] = _state_variable(
+                    initial, tf.as_dtype(initial.dtype), name)
         self._states = rewritten.states
         self._recorded(rewritten.report)
         return RewrittenStep(rewritten.function_def, concrete)
 
     def state_handles(self) -> list[Any]:
         variables = {"scale": self.loss_scale, "good_steps": self.good_steps,
-                     "bad_steps": self.bad_steps}
+                     "bad_steps": self.bad_steps, **self.update_state}
         handles = []
         for name in self._states:
             variable = variables[name]
@@ -315,9 +365,11 @@ class MixedPrecisionFunction(_RewrittenFunction):
 STEP_OPTIONS = ("backend", "allow", "infer", "deny", "clear", "keep_nodes", "config", "clamp")
 
 
-def step_options(target: str, options: dict[str, Any]) -> tuple[Options, LossScaleRule]:
-    """The conversion options and the loss-scale rule of a `mixed_precision` call's keyword
-    arguments; AmpError names an unknown or misplaced one, or a bad value."""
+def step_options(target: str, options: dict[str, Any]
+                 ) -> tuple[Options, LossScaleRule, UpdateOptions]:
+    """The conversion options, the loss-scale rule and the update options of a
+    `mixed_precision` call's keyword arguments; AmpError names an unknown or misplaced one, or a
+    bad value."""
     training, rest = TrainingOptions.from_kwargs(options)
     if training.loss is not None or training.train_op is not None:
         raise AmpError("loss and train_op name the parts of a TF1 graph: a TF2 step's loss is "
@@ -326,9 +378,10 @@ def step_options(target: str, options: dict[str, Any]) -> tuple[Options, LossSca
     if unknown:
         raise AmpError(f"no option {unknown[0]!r} for a train step (options: "
                        f"{', '.join(STEP_OPTIONS)}, loss_scale, "
-                       f"{', '.join(LossScaleRule.knobs())})")
+                       f"{', '.join(LossScaleRule.knobs())}, "
+                       f"{', '.join(UpdateOptions.knobs())})")
     converted = Options(target=target, **rest)
-    return converted, training.loss_scale_rule(converted.target)
+    return converted, training.loss_scale_rule(converted.target), training.update_options()
 
 
 def mixed_precision(step: Any, target: str = "fp16", **options: Any) -> MixedPrecisionStep:
@@ -343,11 +396,15 @@ def mixed_precision(step: Any, target: str = "fp16", **options: Any) -> MixedPre
             bf16 default; allow, infer, deny, clear, keep_nodes, config, clamp) and the
             loss-scale rule: loss_scale ("dynamic", the fp16 default; "none", the bf16 default;
             or a fixed number), initial_scale (2**15), growth_interval (2000), growth_factor
-            (2), backoff_factor (0.5), min_scale (1), hysteresis (1).
+            (2), backoff_factor (0.5), min_scale (1), hysteresis (1); and the update: weights
+            ("fp32", or "fp16"/"bf16": the weights hold 16-bit values, each update computed in
+            fp32 and rounded; the tf.Variables stay float32), rounding ("stochastic", the 16-bit
+            default, or "nearest"), slots, rounding_seed, unscale ("auto", "gradients",
+            "optimizer") and accumulate (N micro-steps per applied step).
 
     Returns:
         A `MixedPrecisionStep`: call it as the step; `loss_scale`, `good_steps`,
         `skipped_steps` are its variables, `report` the last trace's Report.
     """
-    converted, rule = step_options(target, options)
-    return MixedPrecisionStep(step, converted, rule)
+    converted, rule, update = step_options(target, options)
+    return MixedPrecisionStep(step, converted, rule, update)

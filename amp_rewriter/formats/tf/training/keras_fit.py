@@ -75,8 +75,8 @@ def enable(model: Any, target: str = "fp16", **options: Any) -> MixedPrecisionSt
         raise AmpError("compile the model (optimizer and loss) before amp_rewriter.keras.enable")
     if isinstance(model.train_step, MixedPrecisionStep):
         raise AmpError("amp_rewriter.keras.enable was already called on this model")
-    converted, rule = step_options(target, options)
-    train_step = MixedPrecisionStep(model.train_step, converted, rule)
+    converted, rule, update = step_options(target, options)
+    train_step = MixedPrecisionStep(model.train_step, converted, rule, update)
     replacements = {"train_step": train_step,
                     "test_step": MixedPrecisionFunction(model.test_step, converted),
                     "predict_step": MixedPrecisionFunction(model.predict_step, converted)}

@@ -26,6 +26,12 @@ target does not mind; a function that must return a live value joins the branche
 In a TF2 function body (`FunctionTrainingOps`) a state variable is a resource argument the
 caller passes (a captured tf.Variable, initialized before the first call), read once with
 ReadVariableOp and written with AssignVariableOp: no lazy read, no initializer in the body.
+Gradient accumulators are the body's own resources (VarHandleOp, shared name under the
+rewrite's prefix, read lazily as in a graph). A weight "stored in 16 bits" there is the
+caller's float32 tf.Variable: the update runs on an fp32 scratch copy as in a graph and the
+write-back is rounded to the 16-bit type and cast back to float32, exactly, so the variable
+only ever holds 16-bit values (the same numbers as 16-bit storage, without its memory saving:
+the tf.Variable objects are the caller's).
 """
 
 from __future__ import annotations
@@ -34,10 +40,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ....ir import FP32, Model, Node, Value, decisions, present
+from ....ir import FLOAT32, FP32, Model, Node, Value, decisions, present
+from ....ir.rounding import NEAREST, ROUNDING_ATTR
 from ....passes.rewrite.building import array_constant, fill_node
-from ....training.ops import SCALER_REASON, PendingNodes, StateVariable
+from ....training.ops import SCALER_REASON, PendingNodes, StateVariable, StoredVariable
 from ..load import value_name
+from .variables import TfStoredNodes, TfVariableStore, stored_variable
 
 #: Where the loss-scaling nodes live (names of the scaler's variables: `amp_loss_scale/scale`).
 SCOPE = "amp_loss_scale"
@@ -48,9 +56,10 @@ class TfVariableNodes:
     """The nodes a TF1 MetaGraph lists for one of the scaler's variables (a VariableDef)."""
 
     handle: Node
-    initializer: Node
-    snapshot: Node
-    initial_value: Value
+    #: None for an accumulator (no initializer: it reads as zeros until written).
+    initializer: Node | None
+    snapshot: Node | None
+    initial_value: Value | None
 
 
 class TfTrainingOps(PendingNodes):
@@ -60,10 +69,13 @@ class TfTrainingOps(PendingNodes):
         super().__init__(model.graph)
         self.model, self.scope = model, scope
         self.variables: list[StateVariable] = []
+        self.store = TfVariableStore(self)
 
     # -- building -------------------------------------------------------------------------
-    def _node(self, op: str, inputs: list[Value], dtypes: list[str], name: str, *,
-              waits: list[Node] | None = None, attrs: dict[str, object] | None = None) -> Node:
+    def make(self, op: str, inputs: list[Value], dtypes: list[str], name: str, *,
+             waits: list[Node] | None = None, attrs: dict[str, object] | None = None) -> Node:
+        """A node of TF op `op` reading `inputs`, with outputs of `dtypes`, named `name` under
+        the scope, waiting for `waits`; pending until `commit`."""
         node = Node(self.model.unique_name(f"{self.scope}/{name}"), op, "", self.graph)
         outputs = []
         for slot, dtype in enumerate(dtypes):
@@ -77,50 +89,64 @@ class TfTrainingOps(PendingNodes):
         self.pending.append(node)
         return node
 
-    def _value(self, op: str, inputs: list[Value], dtype: str, name: str, *,
-               waits: list[Node] | None = None, **attrs: object) -> Value:
-        return present(self._node(op, inputs, [dtype], name, waits=waits, attrs=attrs)
+    def op(self, op: str, inputs: list[Value], dtype: str, name: str, *,
+           waits: list[Node] | None = None, **attrs: object) -> Value:
+        """The one output (of `dtype`) of a new node of TF op `op` (see `make`)."""
+        return present(self.make(op, inputs, [dtype], name, waits=waits, attrs=attrs)
                        .outputs[0])
 
     # -- values ---------------------------------------------------------------------------
     def constant(self, value: np.ndarray, name: str) -> Value:
         return array_constant(self.model, self.graph, f"{self.scope}/{name}", np.asarray(value))
 
-    def cast(self, value: Value, dtype: str, name: str) -> Value:
+    def cast(self, value: Value, dtype: str, name: str, rounding: str = NEAREST,
+             key: Value | None = None) -> Value:
         if value.dtype == dtype:
             return value
-        return self._value("Cast", [value], dtype, name, to=dtype)
+        if rounding == NEAREST:
+            return self.op("Cast", [value], dtype, name, to=dtype)
+        if key is None:
+            raise ValueError(f"a {rounding} rounding cast needs its key")
+        # the IR's rounding Cast: formats/tf/rounding.py lowers it before the graph is written
+        return present(self.make("Cast", [value, key], [dtype], name,
+                                 attrs={"to": dtype, ROUNDING_ATTR: rounding}).outputs[0])
+
+    def pack(self, values: list[Value], name: str) -> Value:
+        return self.op("Pack", values, present_dtype(values[0]), name, axis=0)
+
+    def zeros_like(self, value: Value, name: str) -> Value:
+        return self.op("ZerosLike", [value], present_dtype(value), name)
 
     def multiply(self, a: Value, b: Value, name: str) -> Value:
-        return self._value("Mul", [a, b], present_dtype(a), name)
+        return self.op("Mul", [a, b], present_dtype(a), name)
 
     def add(self, a: Value, b: Value, name: str) -> Value:
-        return self._value("AddV2", [a, b], present_dtype(a), name)
+        return self.op("AddV2", [a, b], present_dtype(a), name)
 
     def reciprocal(self, a: Value, name: str) -> Value:
-        return self._value("Reciprocal", [a], present_dtype(a), name)
+        return self.op("Reciprocal", [a], present_dtype(a), name)
 
     def maximum(self, a: Value, b: Value, name: str) -> Value:
-        return self._value("Maximum", [a, b], present_dtype(a), name)
+        return self.op("Maximum", [a, b], present_dtype(a), name)
 
     def at_least(self, a: Value, b: Value, name: str) -> Value:
-        return self._value("GreaterEqual", [a, b], "bool", name)
+        return self.op("GreaterEqual", [a, b], "bool", name)
 
     def both(self, a: Value, b: Value, name: str) -> Value:
-        return self._value("LogicalAnd", [a, b], "bool", name)
+        return self.op("LogicalAnd", [a, b], "bool", name)
 
     def either(self, a: Value, b: Value, name: str) -> Value:
-        return self._value("LogicalOr", [a, b], "bool", name)
+        return self.op("LogicalOr", [a, b], "bool", name)
 
     def negate(self, a: Value, name: str) -> Value:
-        return self._value("LogicalNot", [a], "bool", name)
+        return self.op("LogicalNot", [a], "bool", name)
 
     def select(self, condition: Value, if_true: Value, if_false: Value, name: str) -> Value:
-        return self._value("SelectV2", [condition, if_true, if_false], present_dtype(if_true),
+        return self.op("SelectV2", [condition, if_true, if_false], present_dtype(if_true),
                            name)
 
     def is_finite(self, a: Value, name: str) -> Value:
-        return self._value("IsFinite", [a], "bool", name)
+        return self.op("IsFinite", [a], "bool", name)
 
     def all_finite(self, values: list[Value], name: str) -> Value:
         if not values:
@@ -130,63 +156,91 @@ class TfTrainingOps(PendingNodes):
         flags = []
         for value in values:
             finite = self.is_finite(value, f"{name}/is_finite")
-            flat = self._value("Reshape", [finite, flatten], "bool", f"{name}/flat")
-            flags.append(self._value("All", [flat, first_axis], "bool", f"{name}/finite"))
+            flat = self.op("Reshape", [finite, flatten], "bool", f"{name}/flat")
+            flags.append(self.op("All", [flat, first_axis], "bool", f"{name}/finite"))
         if len(flags) == 1:
             return flags[0]
-        packed = self._value("Pack", flags, "bool", f"{name}/flags", axis=0)
-        return self._value("All", [packed, first_axis], "bool", name)
+        packed = self.op("Pack", flags, "bool", f"{name}/flags", axis=0)
+        return self.op("All", [packed, first_axis], "bool", name)
 
     # -- state, gate, group ---------------------------------------------------------------
     def state_variable(self, name: str, initial: np.ndarray) -> StateVariable:
         dtype = initial.dtype.name
-        handle = self._node("VarHandleOp", [], ["resource"], name,
+        handle = self.make("VarHandleOp", [], ["resource"], name,
                             attrs={"dtype": dtype, "shape": (), "container": ""})
         handle.set_attr("shared_name", handle.name)
         initial_value = self.constant(initial, f"{name}/Initializer/initial_value")
         resource = present(handle.outputs[0])
-        initializer = self._node("AssignVariableOp", [resource, initial_value], [],
+        initializer = self.make("AssignVariableOp", [resource, initial_value], [],
                                  f"{name}/Assign")
-        snapshot = self._node("ReadVariableOp", [resource], [dtype], f"{name}/Read/ReadVariableOp")
-        read = f"{name}_read"
-        is_set = self._value("VarIsInitializedOp", [resource], "bool", f"{read}/is_initialized")
-        switch = self._node("Switch", [is_set, is_set], ["bool", "bool"], f"{read}/switch")
-        unset = self._node("Identity", [present(switch.outputs[0])], ["bool"], f"{read}/unset")
-        set_ = self._node("Identity", [present(switch.outputs[1])], ["bool"], f"{read}/set")
-        stored = self._value("ReadVariableOp", [resource], dtype, f"{read}/stored", waits=[set_])
-        fallback = self._value("Identity", [initial_value], dtype, f"{read}/fallback",
-                               waits=[unset])
-        merge = self._node("Merge", [fallback, stored], [dtype, "int32"], f"{read}/merge")
-        value = self._value("Identity", [present(merge.outputs[0])], dtype, f"{read}/value")
+        snapshot = self.make("ReadVariableOp", [resource], [dtype], f"{name}/Read/ReadVariableOp")
+        value = self._lazy_read(resource, dtype, f"{name}_read", initial_value)
         variable = StateVariable(name, value, initializer, initial,
                                  TfVariableNodes(handle, initializer, snapshot, initial_value))
         self.variables.append(variable)
         return variable
 
+    def accumulator(self, like: Value, name: str) -> StateVariable:
+        dtype = present_dtype(like)
+        handle = self.make("VarHandleOp", [], ["resource"], name,
+                           attrs={"dtype": dtype, "shape": None, "container": ""})
+        handle.set_attr("shared_name", handle.name)
+        resource = present(handle.outputs[0])
+        value = self._lazy_read(resource, dtype, f"{name}_read",
+                                self.zeros_like(like, f"{name}/zeros"))
+        return StateVariable(name, value, None, None, TfVariableNodes(handle, None, None, None))
+
+    def _lazy_read(self, resource: Value, dtype: str, read: str, fallback_value: Value
+                   ) -> Value:
+        """The variable's value once it is initialized, else `fallback_value` (TF1 cond's
+        pivots on VarIsInitializedOp, see the module docstring)."""
+        is_set = self.op("VarIsInitializedOp", [resource], "bool", f"{read}/is_initialized")
+        switch = self.make("Switch", [is_set, is_set], ["bool", "bool"], f"{read}/switch")
+        unset = self.make("Identity", [present(switch.outputs[0])], ["bool"], f"{read}/unset")
+        set_ = self.make("Identity", [present(switch.outputs[1])], ["bool"], f"{read}/set")
+        stored = self.op("ReadVariableOp", [resource], dtype, f"{read}/stored", waits=[set_])
+        fallback = self.op("Identity", [fallback_value], dtype, f"{read}/fallback",
+                           waits=[unset])
+        merge = self.make("Merge", [fallback, stored], [dtype, "int32"], f"{read}/merge")
+        return self.op("Identity", [present(merge.outputs[0])], dtype, f"{read}/value")
+
+    def variable(self, value: Value, dtype: str) -> StoredVariable:
+        return stored_variable(value, dtype)
+
+    def update_in_fp32(self, write: Node, variables: dict[int, StoredVariable]
+                       ) -> dict[int, Value]:
+        return self.store.update_in_fp32(write, variables)
+
+    def write_variable(self, variable: StoredVariable, value: Value, name: str) -> Node:
+        return self.store.write(variable, value, name)
+
+    def store_variable(self, variable: StoredVariable) -> None:
+        self.store.store(variable)
+
     def assign(self, variable: StateVariable, value: Value, name: str) -> Node:
         handle: TfVariableNodes = variable.handle
-        write = self._node("AssignVariableOp", [present(handle.handle.outputs[0]), value], [],
+        write = self.make("AssignVariableOp", [present(handle.handle.outputs[0]), value], [],
                            name)
         variable.writes.append(write)
         return write
 
     def gate(self, flag: Value, name: str) -> Node:
-        switch = self._node("Switch", [flag, flag], ["bool", "bool"], f"{name}/switch")
-        return self._node("Identity", [present(switch.outputs[1])], ["bool"], name)
+        switch = self.make("Switch", [flag, flag], ["bool", "bool"], f"{name}/switch")
+        return self.make("Identity", [present(switch.outputs[1])], ["bool"], name)
 
     def group(self, nodes: list[Node], name: str) -> Node:
-        return self._node("NoOp", [], [], name, waits=nodes)
+        return self.make("NoOp", [], [], name, waits=nodes)
 
     def settle(self, gate: Node, writes: list[Node], name: str) -> Node:
         # the gate's Switch: its false output is live exactly when the gate is dead
         switch = present(gate.inputs[0]).producer
         if switch is None or switch.op_type != "Switch":
             raise ValueError(f"{gate.name}: not a gate made by TfTrainingOps.gate")
-        skipped = self._value("Identity", [present(switch.outputs[0])], "bool",
+        skipped = self.op("Identity", [present(switch.outputs[0])], "bool",
                               f"{name}/skipped")
-        applied = self._value("Identity", [present(gate.outputs[0])], "bool", f"{name}/applied",
+        applied = self.op("Identity", [present(gate.outputs[0])], "bool", f"{name}/applied",
                               waits=writes)
-        return self._node("Merge", [skipped, applied], ["bool", "int32"], name)
+        return self.make("Merge", [skipped, applied], ["bool", "int32"], name)
 
 
 def present_dtype(value: Value) -> str:
@@ -200,10 +254,15 @@ class FunctionTrainingOps(TfTrainingOps):
     """`TfTrainingOps` for a TF2 function body: each state variable is a new resource argument
     (appended to the function's arguments, in the order made), read once per call."""
 
-    def __init__(self, model: Model, scope: str = SCOPE):
+    def __init__(self, model: Model, scope: str = SCOPE, *, resource_prefix: str = "",
+                 variable_names: dict[str, str] | None = None):
         super().__init__(model, scope)
         #: The resource arguments added, in order: the caller passes its variables' handles.
         self.arguments: list[Value] = []
+        #: What the body's own resources (gradient accumulators) are named under.
+        self.resource_prefix = resource_prefix or scope
+        #: The captured variables' names by argument name (16-bit weights' random keys).
+        self.variable_names = dict(variable_names or {})
 
     def state_variable(self, name: str, initial: np.ndarray) -> StateVariable:
         dtype = initial.dtype.name
@@ -213,12 +272,41 @@ class FunctionTrainingOps(TfTrainingOps):
         self.graph.add_value(argument)
         self.graph.add_input(argument)
         self.arguments.append(argument)
-        value = self._value("ReadVariableOp", [argument], dtype, f"{name}/read")
+        value = self.op("ReadVariableOp", [argument], dtype, f"{name}/read")
         variable = StateVariable(name, value, None, initial, argument)
         self.variables.append(variable)
         return variable
 
     def assign(self, variable: StateVariable, value: Value, name: str) -> Node:
-        write = self._node("AssignVariableOp", [variable.handle, value], [], name)
+        if isinstance(variable.handle, TfVariableNodes):  # the body's own (an accumulator)
+            return super().assign(variable, value, name)
+        write = self.make("AssignVariableOp", [variable.handle, value], [], name)
         variable.writes.append(write)
         return write
+
+    def accumulator(self, like: Value, name: str) -> StateVariable:
+        # a resource of the body's own (the caller cannot know a gradient's shape before the
+        # rewrite), named after this rewrite so that two steps never share one
+        variable = super().accumulator(like, name)
+        nodes: TfVariableNodes = variable.handle
+        nodes.handle.set_attr("shared_name", f"{self.resource_prefix}/{nodes.handle.name}")
+        return variable
+
+    def variable(self, value: Value, dtype: str) -> StoredVariable:
+        # a captured variable: its argument's name, or the name the caller gave it (the same
+        # for every replica's copy, so that their random bits agree)
+        if value.dtype not in (None, "resource") or value.producer is not None:
+            return super().variable(value, dtype)
+        name = self.variable_names.get(value.name, value.name)
+        return StoredVariable(value, dtype, name, TfStoredNodes(None, False, None))
+
+    def update_in_fp32(self, write: Node, variables: dict[int, StoredVariable]
+                       ) -> dict[int, Value]:
+        return self.store.update_in_fp32(write, variables, view_dtype=FLOAT32)
+
+    def write_variable(self, variable: StoredVariable, value: Value, name: str) -> Node:
+        # the caller's variable stays float32: it holds the rounded value, exactly
+        return self.store.write(variable, self.cast(value, FLOAT32, f"{name}/exact"), name)
+
+    def store_variable(self, variable: StoredVariable) -> None:
+        return  # the caller's tf.Variable keeps its float32 storage (see the module docstring)

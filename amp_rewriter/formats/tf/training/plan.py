@@ -27,7 +27,7 @@ from ....training.plan import (
     nodes_after,
     nodes_before,
 )
-from ..optimizers import COUNTING_OPS, GRADIENT, VARIABLE, write_args
+from ..optimizers import COUNTING_OPS, GRADIENT, SLOT, VARIABLE, scale_fold, write_args
 
 #: tf.gradients' name scopes: `gradients/`, `gradients_1/`, `tower_0/gradients/`, ...
 GRADIENT_SCOPE = re.compile(r"(?:^|/)gradients(?:_\d+)?/")
@@ -35,6 +35,15 @@ GRADIENT_SCOPE = re.compile(r"(?:^|/)gradients(?:_\d+)?/")
 AGGREGATION_OPS = frozenset({"AddN", "AccumulateNV2", "Add", "AddV2", "CollectiveReduce",
                              "CollectiveReduceV2", "CollectiveReduceV3", "NcclAllReduce",
                              "CollectiveAllReduceV2"})
+#: Ops through which a factor on the gradients reaches their readers unchanged (sums, copies,
+#: reshapes, sparse gradients' gathers and segment sums); Mul and RealDiv when the other operand
+#: is no gradient.
+_LINEAR_OPS = frozenset({"Identity", "Snapshot", "AddN", "Add", "AddV2", "AccumulateNV2", "Sub",
+                         "Neg", "Reshape", "ExpandDims", "Squeeze", "ConcatV2", "Pack", "Unpack",
+                         "Transpose", "Gather", "GatherV2", "UnsortedSegmentSum",
+                         "CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3",
+                         "NcclAllReduce", "CollectiveAllReduceV2"}) | AGGREGATION_OPS
+_SCALING_OPS = frozenset({"Mul", "RealDiv", "Div"})
 #: Sums tf.gradients makes of the gradients of a value read more than once.
 _GRADIENT_SUM_OPS = frozenset({"AddN", "AccumulateNV2"})
 #: Initializer ops whose `*/Assign` nodes a NoOp groups into an init op.
@@ -94,8 +103,11 @@ def _differentiated(seeds: list[GradientSeed], scopes: list[str],
     return found
 
 
-def write_of(node: Node) -> VariableWrite | None:
-    """The variable write `node` is, from the optimizer tables (None when it writes none)."""
+def write_of(node: Node, trainable: frozenset[str] | None = None) -> VariableWrite | None:
+    """The variable write `node` is, from the optimizer tables (None when it writes none). Its
+    variable is a weight when the graph lists it as trainable (`trainable`, the names of the
+    MetaGraph's trainable variables) or, without that list, when an optimizer kernel updates
+    it."""
     args = write_args(node.op_type)
     if args is None:
         return None
@@ -104,11 +116,64 @@ def write_of(node: Node) -> VariableWrite | None:
     if node.op_type in COUNTING_OPS and value is not None and value.dtype is not None \
             and value.dtype.startswith(("int", "uint")):
         kind = "step_counter"
-    return VariableWrite(node, kind, args.slot(VARIABLE), args.slots(GRADIENT))
+    variable_slot = args.slot(VARIABLE)
+    variable = node.inputs[variable_slot] if variable_slot is not None else None
+    producer = variable.producer if variable is not None else None
+    if trainable is not None:
+        weight = producer is not None and producer.name in trainable and kind != "step_counter"
+    else:
+        weight = args.is_optimizer_update
+    fold = scale_fold(node.op_type)
+    return VariableWrite(node, kind, variable_slot, args.slots(GRADIENT), args.slots(SLOT),
+                         weight=weight,
+                         scale_fold=fold if fold is not None and _slots_start_at_zero(
+                             node, args.slots(SLOT)) else None)
 
 
-def find_training_plan(model: Model, loss: str | None, train_op: str) -> TrainingPlan:
-    """The plan of the TF1 training step that `train_op` runs (see the module docstring).
+def _slots_start_at_zero(node: Node, slots: tuple[int, ...]) -> bool:
+    """Whether every optimizer state the update keeps starts at zero (a factor on the gradients
+    then scales the state by the same factor from the first step: TF1's RMSProp starts its mean
+    square at one, which no factor follows)."""
+    for slot in slots:
+        variable = node.inputs[slot]
+        producer = variable.producer if variable is not None else None
+        if producer is None:
+            return False
+        initial = [reader.inputs[1] for reader, port in present_uses(producer)
+                   if reader.op_type in _INITIALIZER_OPS and port == 0
+                   and reader.name.endswith("/Assign") and len(reader.inputs) > 1]
+        if len(initial) != 1 or not _is_zero_fill(initial[0]):
+            return False
+    return True
+
+
+def present_uses(node: Node) -> list[tuple[Node, int]]:
+    """The (reader, slot) pairs of `node`'s first output (none when it has no output)."""
+    return list(node.outputs[0].uses) if node.outputs and node.outputs[0] is not None else []
+
+
+def _is_zero_fill(value: Value | None) -> bool:
+    """Whether `value` is all zeros: a constant of zeros, or Fill(shape, 0)."""
+    if value is None:
+        return False
+    producer = value.producer
+    if producer is not None and producer.op_type == "Fill" and len(producer.inputs) == 2:
+        value = producer.inputs[1]
+        if value is None:
+            return False
+    if value.const is None:
+        return False
+    try:
+        data = np.asarray(value.const.numpy())
+    except Exception:  # a malformed constant: not a known zero
+        return False
+    return data.size > 0 and not np.any(data)
+
+
+def find_training_plan(model: Model, loss: str | None, train_op: str,
+                       trainable: frozenset[str] | None = None) -> TrainingPlan:
+    """The plan of the TF1 training step that `train_op` runs (see the module docstring);
+    `trainable` names the graph's trainable variables (a MetaGraph's collection) when known.
 
     Raises AmpError when a name is unknown or the graph has no gradients or no variable writes.
     """
@@ -133,7 +198,7 @@ def find_training_plan(model: Model, loss: str | None, train_op: str) -> Trainin
     if not exits:
         raise AmpError(f"no gradient reaches an update of train op {train_op!r}: not a "
                        f"training graph?")
-    writes = [w for w in map(write_of, closure) if w is not None]
+    writes = [w for w in (write_of(node, trainable) for node in closure) if w is not None]
     plan = assemble_plan(step, seeds, exits, loss_node, differentiated, writes, in_scope,
                          region=closure, initializers=_initializer_groups(graph.nodes,
                                                                           set(closure)))
@@ -190,17 +255,46 @@ def assemble_plan(step: Node, seeds: list[GradientSeed], exits: list[GradientExi
                     and node.op_type in AGGREGATION_OPS
                     for value in node.outputs if value is not None
                     and value.dtype in FLOAT_DTYPES]
+    frontier = [e for e in exits if e.value.dtype in FLOAT_DTYPES]
     loss_value = present(loss_node.outputs[0]) if loss_node.outputs else None
     if loss_value is None:
         raise AmpError(f"loss {loss_node.name!r} ({loss_node.op_type}) has no output")
     return TrainingPlan(
-        loss=loss_value, step=step, seeds=seeds,
-        frontier=[e for e in exits if e.value.dtype in FLOAT_DTYPES],
+        loss=loss_value, step=step, seeds=seeds, frontier=frontier,
         aggregations=aggregations, writes=gated,
         compute=[n for n in graph.nodes if n in compute], optimizer_path=optimizer_path,
         gradient_sums=_gradient_sums(exits, in_scope), differentiated=differentiated,
         deferred=deferred, initializers=initializers or [],
-        loss_unrelated=bool(differentiated) and loss_node not in nodes_after(differentiated))
+        loss_unrelated=bool(differentiated) and loss_node not in nodes_after(differentiated),
+        linear_gradient_path=_linear_to_writes(frontier, gated))
+
+
+def _linear_to_writes(frontier: list[GradientExit], writes: list[VariableWrite]) -> bool:
+    """Whether every frontier gradient reaches only the writes' gradient inputs, and only
+    through `_LINEAR_OPS` (a factor on the gradients then reaches the updates unchanged)."""
+    ends = {(id(w.node), slot) for w in writes for slot in w.gradient_slots}
+    derived: dict[int, Value] = {id(e.value): e.value for e in frontier}
+    stack = list(derived.values())
+    while stack:  # everything computed from the gradients before the writes
+        for reader, slot in stack.pop().uses:
+            if (id(reader), slot) in ends:
+                continue
+            for output in reader.outputs:
+                if output is not None and id(output) not in derived:
+                    derived[id(output)] = output
+                    stack.append(output)
+    for value in derived.values():
+        for reader, slot in value.uses:
+            if (id(reader), slot) in ends or reader.op_type in _LINEAR_OPS:
+                continue
+            if reader.op_type not in _SCALING_OPS:
+                return False
+            if reader.op_type != "Mul" and slot != 0:
+                return False  # dividing by a gradient
+            if any(id(v) in derived for i, v in enumerate(reader.inputs)
+                   if i != slot and v is not None):
+                return False  # a gradient times a gradient
+    return True
 
 
 def present_graph(node: Node) -> Graph:

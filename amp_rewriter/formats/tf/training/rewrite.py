@@ -64,6 +64,7 @@ class TrainingRewrite:
     bad_steps: str | None = None
     all_finite: str | None = None
     init_op: str | None = None
+    micro_step: str | None = None
 
 
 def as_meta_graph(source) -> meta_graph_pb2.MetaGraphDef:
@@ -99,6 +100,23 @@ def _collection_train_op(meta: meta_graph_pb2.MetaGraphDef) -> str:
     return names[0]
 
 
+def _trainable_variables(meta: meta_graph_pb2.MetaGraphDef) -> frozenset[str] | None:
+    """The node names of the MetaGraph's trainable variables (None when it lists none: a bare
+    GraphDef)."""
+    key = tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES
+    if key not in meta.collection_def:
+        return None
+    names = set()
+    for entry in meta.collection_def[key].bytes_list.value:
+        try:
+            definition = variable_pb2.VariableDef.FromString(entry)
+        except Exception:  # a damaged entry: it names no variable
+            continue
+        if definition.variable_name:
+            names.add(node_name(definition.variable_name))
+    return frozenset(names)
+
+
 def _loss_port(loss) -> int:
     """The output index the caller named ("loss:1" -> 1; a node name or None -> 0)."""
     name = getattr(loss, "name", loss)
@@ -121,6 +139,9 @@ def _add_local_variables(meta: meta_graph_pb2.MetaGraphDef, ops: TfTrainingOps) 
     names = {nd.name for nd in meta.graph_def.node}
     for state in ops.variables:
         nodes: TfVariableNodes = state.handle
+        # the scaler's state variables all have these (only an accumulator has none, and it
+        # is not listed: it reads as zeros until written)
+        assert nodes.initializer and nodes.snapshot and nodes.initial_value
         listed = (nodes.handle.name, nodes.initializer.name, nodes.snapshot.name,
                   nodes.initial_value.name)
         missing = [name for name in listed if name not in names]
@@ -158,14 +179,17 @@ def rewrite_training_meta_graph(source: Any, options: Options, training: Trainin
             raise AmpError(f"{what} {name!r}: no such node in the graph")
     contexts: list[TrainingContext] = []
 
+    update = training.update_options()
+    trainable = _trainable_variables(meta)
+
     def plan_training(model: Model) -> TrainingContext:
-        plan = find_training_plan(model, loss_name, train_op_name)
+        plan = find_training_plan(model, loss_name, train_op_name, trainable)
         if not any(value is plan.loss for value in model.graph.outputs):
             model.graph.add_output(plan.loss)  # a loss found in the graph is fetched too
         problems = plan.problems()
         if problems:
             raise AmpError(f"internal: the training plan is unsound: {problems[0]}")
-        contexts.append(TrainingContext(plan, rule, TfTrainingOps(model)))
+        contexts.append(TrainingContext(plan, rule, TfTrainingOps(model), update))
         return contexts[-1]
 
     fetches = list(dict.fromkeys(([loss_name] if loss_name else []) + [train_op_name]
@@ -201,6 +225,8 @@ def _names(context: TrainingContext, loss_node: str, loss_port: int) -> dict[str
     variables (None where the rule has none)."""
     names: dict[str, str | None] = {"loss": f"{loss_node}:{loss_port}",
                                     "train_op": context.plan.step.name}
+    if context.window is not None:
+        names["micro_step"] = _tensor_name(context.window.state[0].value)
     if not context.rule.scales:
         return names
 
@@ -235,6 +261,12 @@ def training_summary(context: TrainingContext, report: Report) -> dict[str, Any]
         "finite_checks": len(context.unscaled) + len(plan.aggregations) if scales else 0,
         "nodes_pinned_fp32": sum(1 for n in report.nodes
                                  if n.get("class") == "fp32" and n["name"] in optimizer_path),
+        "update": context.update_options.as_dict(),
+        "variables_stored_16bit": {v.name: v.dtype for v in context.stored},
+        "unscale": {"where": context.unscale, "reason": context.unscale_reason,
+                    "folded": [{"update": write, "input": what, "multiplier": multiplier}
+                               for write, what, multiplier in context.folded]},
+        "accumulators": [_tensor_name(e.value) for e in context.gradients or []],
     }
 
 
@@ -274,7 +306,8 @@ def rewrite_training_graph(
                            loss_scale_variable=names.get("loss_scale_variable"),
                            good_steps_variable=names.get("good_steps_variable"),
                            bad_steps=names.get("bad_steps_variable"),
-                           all_finite=names.get("all_finite"))
+                           all_finite=names.get("all_finite"),
+                           micro_step=names.get("micro_step"))
 
 
 def convert_training_file(input_path: Path, output_path: Path, options: Options,

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from tensorflow.core.framework import function_pb2
 from tensorflow.python.eager.polymorphic_function import atomic_function, function_type_utils
 from tensorflow.python.framework import function_def_to_graph
@@ -33,6 +34,7 @@ from ....options import Options
 from ....report import Report
 from ....training import LossScaleRule
 from ....training.passes import TrainingContext
+from ....training.update import UpdateOptions
 from .. import convert as tf_convert
 from ..emit import emit_function
 from .ops import FunctionTrainingOps
@@ -53,22 +55,33 @@ class StepRewrite:
     report: Report
     states: list[str]
     returns_flag: bool
+    #: Each state variable's initial value, by name (the caller makes the variables).
+    initials: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def rewrite_step_function(fdef: function_pb2.FunctionDef,
                           library: function_pb2.FunctionDefLibrary, options: Options,
-                          rule: LossScaleRule) -> StepRewrite:
-    """The mixed-precision rewrite of a train step's body (see the module docstring)."""
+                          rule: LossScaleRule, update: UpdateOptions | None = None,
+                          variable_names: dict[str, str] | None = None,
+                          trainable: frozenset[str] | None = None,
+                          resource_prefix: str = "") -> StepRewrite:
+    """The mixed-precision rewrite of a train step's body (see the module docstring);
+    `update`: how it updates its variables (16-bit weights, unscaling, accumulation);
+    `variable_names`: the captured variables' names by argument name (the random keys of
+    16-bit weights); `trainable`: the arguments of the trainable ones (None: every variable an
+    update writes from the gradients); `resource_prefix`: what the body's own resources are
+    named under."""
     contexts: list[TrainingContext] = []
     called = frozenset(f.signature.name for f in library.function)
 
     def plan_training(model: Model) -> TrainingContext:
-        ops = FunctionTrainingOps(model)
-        plan = find_step_plan(model, ops, called)
+        ops = FunctionTrainingOps(model, resource_prefix=resource_prefix,
+                                  variable_names=variable_names)
+        plan = find_step_plan(model, ops, called, trainable)
         problems = plan.problems()
         if problems:
             raise AmpError(f"internal: the training plan is unsound: {problems[0]}")
-        contexts.append(TrainingContext(plan, rule, ops))
+        contexts.append(TrainingContext(plan, rule, ops, update or UpdateOptions()))
         return contexts[-1]
 
     model, report = tf_convert.rewrite_function_ir(fdef, library, options, "tf-training",
@@ -81,6 +94,12 @@ def rewrite_step_function(fdef: function_pb2.FunctionDef,
                        f"{options.target}: it has no float32 compute ops (MatMul, Conv2D, ...) "
                        f"to convert")
     flag = context.all_finite
+    if flag is not None and context.window is not None:
+        # the caller counts skipped steps: accumulating, only a window's end applies or skips
+        within = ops.negate(context.window.boundary, "report/within_window")
+        flag = ops.either(flag, within, "report/applied_or_within_window")
+        ops.commit()
+        model.graph.sort_nodes()
     if flag is not None:
         model.graph.add_output(flag)
     out = emit_function(model)
@@ -93,7 +112,8 @@ def rewrite_step_function(fdef: function_pb2.FunctionDef,
         "results_released": sorted(context.released),
         **training_summary(context, report),
     }
-    return StepRewrite(out, report, [state.name for state in ops.variables], flag is not None)
+    return StepRewrite(out, report, [state.name for state in ops.variables], flag is not None,
+                       {state.name: np.asarray(state.initial) for state in ops.variables})
 
 
 def rewrite_inference_function(fdef: function_pb2.FunctionDef,

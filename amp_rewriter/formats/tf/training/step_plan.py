@@ -120,10 +120,11 @@ def _opaque(node: Node, library: frozenset[str]) -> bool:
     return node.op_type in _CALL_OPS or node.op_type in library or not node.has_schema
 
 
-def find_step_plan(model: Model, ops: TfTrainingOps, library: frozenset[str] = frozenset()
-                   ) -> TrainingPlan:
+def find_step_plan(model: Model, ops: TfTrainingOps, library: frozenset[str] = frozenset(),
+                   trainable: frozenset[str] | None = None) -> TrainingPlan:
     """The plan of a traced train step's function body (see the module docstring); `ops` makes
-    the step node, `library` names the functions the body may call.
+    the step node, `library` names the functions the body may call, `trainable` the arguments
+    that take trainable variables' handles (None: not known).
 
     Raises AmpError when the body takes no gradient with a tape, applies none of its gradients,
     or applies them where the plan cannot see (a nested function, tf.cond, a custom op)."""
@@ -144,6 +145,13 @@ def find_step_plan(model: Model, ops: TfTrainingOps, library: frozenset[str] = f
                        f"tf.cond): apply the gradients in the step's own body with a plain "
                        f"optimizer")
     writes = [w for w in map(write_of, nodes) if w is not None]
+    for write in writes:
+        # a trainable variable written from the gradients (an optimizer's update,
+        # assign_sub(lr * g)) is a weight; the optimizer's slots and counters are not
+        variable = write.node.inputs[write.variable_slot] \
+            if write.variable_slot is not None else None
+        write.weight = write.node in readers and write.kind != "step_counter" \
+            and variable is not None and (trainable is None or variable.name in trainable)
     step = ops.group([], "step")
     ops.commit()
     graph.set_control_output(STEP_KEY, step)
