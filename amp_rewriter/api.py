@@ -16,25 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from . import formats
-from .fileio import OutputTransaction
-from .options import AutoOptions, Options, files_read, split_kwargs
+from .options import DEFAULT_TARGET, AutoOptions, Options, files_read, split_kwargs
 from .report import Report
 
 
-def _format_of(model_or_path: Any) -> str:
-    """"onnx" or "tf" for an in-memory model (by its proto type) or a path."""
-    if isinstance(model_or_path, (str, os.PathLike)):
-        return formats.detect(model_or_path)
-    module = type(model_or_path).__module__
-    if module.startswith("onnx"):
-        return "onnx"
-    if module.startswith("tensorflow"):
-        return "tf"
-    raise TypeError(f"expected an onnx.ModelProto, a TensorFlow GraphDef or a path, got "
-                    f"{type(model_or_path).__name__}")
-
-
-def convert(model_or_path: Any, target: str = "fp16", backend: str | None = None,
+def convert(model_or_path: Any, target: str = DEFAULT_TARGET, backend: str | None = None,
             **options: Any) -> tuple[Any, Report]:
     """Convert an fp32 model to mixed precision in memory; the input is never modified.
 
@@ -42,22 +28,19 @@ def convert(model_or_path: Any, target: str = "fp16", backend: str | None = None
         model_or_path: an onnx.ModelProto or .onnx path (returns a ModelProto), or a TensorFlow
             GraphDef or .pb/.pbtxt path (returns a GraphDef; name the fetches with `outputs`).
         target: "fp16" or "bf16".
-        backend: ONNX "ort-cuda" (default) or "ort-cpu"; TensorFlow "tf-gpu" or "tf-cpu"
-            (default by target).
+        backend: a backend profile (see `amp-rewriter convert --help`; default: the format's
+            for the target).
         **options: the other fields of `Options` (keep_io_types, clamp, allow, infer, deny,
-            clear, keep_nodes, config, outputs, check); ONNX also takes base_dir, the folder a
-            ModelProto's external data is relative to.
+            clear, keep_nodes, config, outputs, check); base_dir: the folder an in-memory
+            model's own files (ONNX's external data) are relative to.
 
     Returns:
         The converted model and the Report of every decision.
     """
-    if _format_of(model_or_path) == "onnx":
-        from .formats.onnx import convert as convert_onnx
-        return convert_onnx(model_or_path, target, backend, **options)
-    from .formats.tf import convert_graph_def, read_graphdef
-    graph_def = (read_graphdef(model_or_path)
-                 if isinstance(model_or_path, (str, os.PathLike)) else model_or_path)
-    return convert_graph_def(graph_def, Options(target=target, backend=backend, **options))
+    base_dir = options.pop("base_dir", None)
+    fmt = formats.for_model_or_path(model_or_path)
+    return fmt.convert(model_or_path, Options(target=target, backend=backend, **options),
+                       Path(base_dir) if base_dir is not None else None)
 
 
 def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
@@ -70,18 +53,7 @@ def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
     the Report. Keyword arguments are the fields of `Options`.
     """
     input_path = Path(input_path)
-    fmt = formats.for_path(input_path)
-    parsed = Options(**options)
-    with OutputTransaction([(input_path, "the input model"), *files_read(parsed.config)],
-                           lambda: fmt.input_files(input_path)) as outputs:
-        staged = fmt.stage_output(outputs, output_path, input_path, parsed)
-        if fmt.name == "onnx":
-            from .formats.onnx import convert_model_file
-            model, report = convert_model_file(input_path, staged, parsed)
-        else:
-            model, report = None, fmt.convert_file(input_path, staged, parsed)
-        outputs.commit()
-    return model, report
+    return formats.for_path(input_path).convert_to(input_path, output_path, Options(**options))
 
 
 def convert_auto(input_path: str | os.PathLike, output_path: str | os.PathLike,
@@ -103,9 +75,8 @@ def convert_auto(input_path: str | os.PathLike, output_path: str | os.PathLike,
     conversion = Options(**rest)
     input_path = Path(input_path)
     fmt = formats.for_path(input_path)
-    reads = [(input_path, "the input model"),
-             *files_read(conversion.config, inputs, auto.metric)]
-    with OutputTransaction(reads, lambda: fmt.input_files(input_path)) as outputs:
+    with fmt.transaction(input_path,
+                         files_read(conversion.config, inputs, auto.metric)) as outputs:
         staged = fmt.stage_output(outputs, output_path, input_path, conversion)
         runner = fmt.accuracy_runner(input_path, conversion)
         report, _ = run_auto(runner, staged, [str(p) for p in inputs] if inputs else None, auto,

@@ -23,6 +23,7 @@ from .cost import summary_line
 from .errors import AmpError, CheckFailed, ConvertedModelFailed
 from .fileio import OutputTransaction, check_input_path, read_input_bytes, write_atomically
 from .ir import short_name
+from .op_lists import Overrides, backend_help
 from .options import (
     AutoOptions,
     Options,
@@ -69,9 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     cli_flags(convert, Options)
     convert.add_argument("--report", metavar="JSON", help="write the decisions as JSON")
     convert.add_argument("--validate", action="store_true",
-                         help="run both models on the CPU (onnxruntime or TensorFlow) and "
-                              "compare outputs; ONNX ops without a low-precision CPU kernel "
-                              "are emulated (fp32 compute, low-precision outputs rounded)")
+                         help="run both models on the backend profile's runtime (onnxruntime "
+                              "or TensorFlow) and compare outputs; on the CPU, ONNX ops "
+                              "without a low-precision CPU kernel are emulated (fp32 compute, "
+                              "low-precision outputs rounded)")
     convert.add_argument("--inputs", metavar="FILE|DIR", nargs="+",
                          help="--validate: one .npz keyed by input / placeholder name; --auto: "
                               "calibration batches: .npz files, folders of them, Polygraphy "
@@ -79,9 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--rtol", type=float, default=None,
                          help="largest relative error --validate accepts (fp16 2e-2, bf16 1e-1)")
     convert.add_argument("--device", choices=DEVICES, default=None,
-                         help="where --validate runs the converted model: cpu (default: ops "
-                              "without a low-precision CPU kernel are emulated) or cuda "
-                              "(onnxruntime-gpu and a GPU)")
+                         help="where --validate runs the converted model: cpu (ops without a "
+                              "low-precision CPU kernel are emulated) or cuda (onnxruntime-gpu "
+                              "and a GPU); default: where the backend profile runs (its "
+                              "providers when this runtime has them, else the CPU, emulated)")
     convert.add_argument("--quiet", action="store_true",
                          help="print only errors (no summary, no progress bars)")
     convert.add_argument("--plot", metavar="FILE.png|svg", action="append",
@@ -128,8 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                             ".pb, .pbtxt; training graphs included) or a SavedModel directory "
                             "(or its saved_model.pb)")
     check.add_argument("--target", default=None, help="fp16 or bf16 (default: detected)")
-    check.add_argument("--backend", default=None,
-                       help="ONNX ort-cuda (default) or ort-cpu; TensorFlow tf-gpu or tf-cpu")
+    check.add_argument("--backend", default=None, help=backend_help())
+    check.add_argument("--config", metavar="TOML",
+                       help="the config file convert had: its backend profiles and op-class "
+                            "moves")
     check.add_argument("--reference", metavar="FP32_MODEL",
                        help="the fp32 model (same format) to compare constants and outputs with")
     check.add_argument("--inputs", metavar="NPZ",
@@ -137,8 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "default: seeded random ones)")
     check.add_argument("--rtol", type=float, default=None,
                        help="largest relative error --reference accepts (fp16 2e-2, bf16 1e-1)")
-    check.add_argument("--device", choices=DEVICES, default="cpu",
-                       help="where --reference runs the model: cpu (default) or cuda")
+    check.add_argument("--device", choices=DEVICES, default=None,
+                       help="where --reference runs the model: cpu or cuda (default: where "
+                            "the backend profile runs)")
     check.add_argument("--report", metavar="JSON", help="write the findings as JSON")
     check.add_argument("--format", choices=CHECK_FORMATS, default="text",
                        help="what stdout gets: text (default) or the JSON of --report")
@@ -168,12 +174,6 @@ def _add_auto_flag(parser: argparse._ArgumentGroup, flag: str) -> None:
 def _check_rtol(rtol: float | None) -> None:
     if rtol is not None and not rtol >= 0:  # also refuses nan
         raise AmpError(f"--rtol must be a number >= 0, got {rtol}")
-
-
-def _input_entry(path: Path, what: str = "input") -> tuple[Path, str]:
-    """A model path as an input file the outputs must not overwrite (found without parsing)."""
-    kind = "SavedModel" if formats.is_saved_model_dir(path) else "model"
-    return path, f"the {what} {kind}"
 
 
 def _extra_inputs(args: argparse.Namespace) -> list[tuple[Path, str]]:
@@ -246,14 +246,13 @@ def _convert(args: argparse.Namespace) -> int:
     library_warnings: list[str] = []
     # Everything the run writes is staged beside its destination and moved into place only
     # when the whole run succeeded (validation included): a failed run changes nothing.
-    with OutputTransaction([_input_entry(input_path), *_extra_inputs(args)],
-                           lambda: fmt.input_files(input_path)) as outputs:
+    with fmt.transaction(input_path, _extra_inputs(args)) as outputs:
         staged = fmt.stage_output(outputs, args.output, input_path, options)
         staged_report = outputs.stage(args.report, "--report") if args.report else None
         staged_plots = [(outputs.stage(argument, "--plot"), path)
                         for argument, path in zip(args.plot or [], plots)]
         with _warnings_as_lines(library_warnings):
-            report = fmt.convert_file(input_path, staged, options, training)
+            report = fmt.convert_file(input_path, staged, options, training)[1]
         report.warnings.extend(library_warnings)
         status = _validate(args, fmt, report, options, staged) if args.validate else 0
         if status:
@@ -325,8 +324,7 @@ def _run_auto(args: argparse.Namespace, auto: AutoOptions) -> int:
     options = dataclasses.replace(from_cli(args, Options), precision_map=bool(plots))
     say = None if args.quiet else (lambda line: print(line, flush=True))
     # Staged like a plain conversion: the model and the report appear together or not at all.
-    with OutputTransaction([_input_entry(input_path), *_extra_inputs(args)],
-                           lambda: fmt.input_files(input_path)) as outputs:
+    with fmt.transaction(input_path, _extra_inputs(args)) as outputs:
         staged = fmt.stage_output(outputs, args.output, input_path, options)
         staged_report = outputs.stage(args.report, "--report") if args.report else None
         staged_plots = [(outputs.stage(argument, "--plot"), path)
@@ -371,8 +369,7 @@ def _run_diagnose(args: argparse.Namespace) -> int:
     # --json and the pictures are outputs like any other: checked against everything the run
     # reads before the run starts, all written once the measurement is through, none when it
     # fails.
-    with OutputTransaction([_input_entry(model), *_extra_inputs(args)],
-                           lambda: fmt.input_files(model)) as outputs:
+    with fmt.transaction(model, _extra_inputs(args)) as outputs:
         staged_json = outputs.stage(args.json, "--json") if args.json else None
         staged_plots = [(outputs.stage(argument, "--plot"), path)
                         for argument, path in zip(args.plot or [], plots)]
@@ -400,8 +397,7 @@ def _validate(args: argparse.Namespace, fmt: formats.base.Format, report: Report
     rtol = default_rtol(options.target) if args.rtol is None else args.rtol
     try:
         validation = fmt.validate(Path(args.input), converted, report, options,
-                                  args.inputs[0] if args.inputs else None, rtol,
-                                  args.device or "cpu")
+                                  args.inputs[0] if args.inputs else None, rtol, args.device)
     except ConvertedModelFailed as exc:
         raise ConvertedModelFailed(f"validation failed: the converted model does not run: {exc}; "
                                    f"nothing was written ({args.output} is as it was)") from None
@@ -467,16 +463,6 @@ def _scaling_line(training: dict) -> str:
     return "loss scaling: none"
 
 
-def _check_target(argument: str) -> Path:
-    """The model a `check` argument names: a SavedModel's saved_model.pb stands for its folder
-    (what a pre-commit hook passes when a SavedModel changes)."""
-    path = Path(argument)
-    if path.name in ("saved_model.pb", "saved_model.pbtxt") \
-            and formats.is_saved_model_dir(path.parent):
-        return path.parent
-    return path
-
-
 def _run_check(args: argparse.Namespace) -> int:
     if args.inputs and not args.reference:
         raise AmpError("--inputs only makes sense with --reference (they feed both models)")
@@ -485,7 +471,7 @@ def _run_check(args: argparse.Namespace) -> int:
     if args.reference and len(args.models) > 1:
         raise AmpError("--reference compares one model with its fp32 original: give one model")
     _check_rtol(args.rtol)
-    models = [_check_target(argument) for argument in args.models]
+    models = [formats.model_path(argument) for argument in args.models]
     for model in models:
         check_input_path(model)
     if args.reference:
@@ -495,9 +481,10 @@ def _run_check(args: argparse.Namespace) -> int:
     if reference is not None and formats.detect(reference) != model_formats[0].name:
         raise AmpError(f"--reference {reference} is not a {model_formats[0].name} model like "
                        f"{models[0]}")
-    reads = [_input_entry(model, "checked") for model in models] + _extra_inputs(args)
+    reads = [fmt.input_entry(model, "checked") for model, fmt in zip(models, model_formats)]
+    reads += _extra_inputs(args)
     if reference is not None:
-        reads.append(_input_entry(reference, "reference"))
+        reads.append(model_formats[0].input_entry(reference, "reference"))
 
     def every_file_read() -> list[tuple[Path, str]]:
         files = [entry for model, fmt in zip(models, model_formats)
@@ -514,9 +501,10 @@ def _run_check(args: argparse.Namespace) -> int:
             ("--report", args.report), ("--junit", args.junit), ("--summary", args.summary),
             (f"${STEP_SUMMARY_VARIABLE}", step_summary)) if path}
         checked = []
+        overrides = Overrides.from_config(args.config) if args.config else None
         for model, fmt in zip(models, model_formats):
             result = fmt.check(model, args.target, args.backend, reference, args.rtol,
-                               args.inputs, args.device)
+                               args.inputs, args.device, overrides)
             checked.append(ci.CheckedModel(str(model), result, fmt.check_rules,
                                            args.reference))
             if args.format == "text":
@@ -562,7 +550,7 @@ def _run_explain(args: argparse.Namespace) -> int:
 
     source = Path(args.source)
     check_input_path(source)
-    if formats.detect(source) == "tf" or source.suffix == ".onnx":
+    if formats.model_format(source) is not None:
         report = formats.for_path(source).explain(source, from_cli(args, Options))
     else:
         given = cli_given(args, Options)

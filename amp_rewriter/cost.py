@@ -27,8 +27,9 @@ ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 def inserted_casts(model: Model) -> list[Node]:
-    """The casts the conversion added (the model's own casts have a handle to their proto)."""
-    return [n for n in model.graph.walk_nodes() if n.op_type == "Cast" and n.handle is None]
+    """The casts the conversion's passes added."""
+    return [n for n in model.graph.walk_nodes()
+            if n.op_type == "Cast" and n.created_by is not None]
 
 
 def _is_low(node: Node) -> bool:
@@ -131,6 +132,15 @@ def casts_by_reason(model: Model) -> dict[str, int]:
     roots = _Roots()
     counts = Counter(_cast_reason(cast, roots) for cast in inserted_casts(model))
     return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+def inserted_cast_entries(model: Model) -> list[dict[str, str]]:
+    """Each inserted cast with the pass that inserted it and `_cast_reason`, in graph order:
+    the report's `cost.inserted_casts`, which `explain` reads for a cast's name."""
+    roots = _Roots()
+    return [{"name": cast.name, "inserted_by": cast.created_by or "",
+             "to": (cast.outputs[0].dtype or "") if cast.outputs[0] is not None else "",
+             "reason": _cast_reason(cast, roots)} for cast in inserted_casts(model)]
 
 
 def bytes_moved(tensors: Iterable[tuple[str | None, tuple[int, ...] | None, int, int]]

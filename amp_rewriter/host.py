@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import AmpError
 from .fileio import open_input
+from .op_lists import RUNTIMES, BackendProfile
 
 if TYPE_CHECKING:
     from .report import Report
@@ -27,8 +28,6 @@ CPUINFO_VARIABLE = "AMP_REWRITER_CPUINFO"
 #: The flags that mean native bf16 arithmetic, by the cpuinfo line that lists them.
 X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 ARM_BF16_FLAGS = ("bf16",)
-#: The backends whose bf16 kernels run on the CPU.
-CPU_BACKENDS = ("tf-cpu", "ort-cpu")
 #: The most of a CPU description read (a machine with hundreds of cores lists a few MB).
 CPUINFO_LIMIT = 16 << 20
 
@@ -81,17 +80,18 @@ def cpu_bf16_check() -> dict[str, Any]:
     return check
 
 
-def bf16_speed_warning(target: str, backend: str, low_precision_nodes: int
+def bf16_speed_warning(target: str, profile: BackendProfile, low_precision_nodes: int
                        ) -> tuple[dict[str, Any] | None, str | None]:
-    """(the host check for the report, one warning line) for a bf16 conversion on a CPU
-    backend: the warning when the CPU has no native bf16 and the conversion put nodes in bf16;
-    (None, None) for other conversions."""
-    if target != "bf16" or backend not in CPU_BACKENDS:
+    """(the host check for the report, one warning line) for a bf16 conversion for a backend
+    profile whose device is the CPU: the warning when the CPU has no native bf16 and the
+    conversion put nodes in bf16; (None, None) for other conversions."""
+    if target != "bf16" or profile.device != "cpu":
         return None, None
+    backend = profile.name
     check = cpu_bf16_check()
     if check["native_bf16"] is not False or low_precision_nodes == 0:
         return check, None
-    runtime = "TensorFlow" if backend == "tf-cpu" else "onnxruntime"
+    runtime = RUNTIMES[profile.runtime]
     wanted = " or ".join(check["looked_for"])
     examples = (_ARM_EXAMPLES if tuple(check["looked_for"]) == ARM_BF16_FLAGS
                 else _X86_EXAMPLES)
@@ -106,10 +106,10 @@ _X86_EXAMPLES = "Intel Cooper Lake, Sapphire Rapids and newer; AMD Zen 4 and new
 _ARM_EXAMPLES = "Armv8.6-A and newer, such as Neoverse V1 and N2"
 
 
-def record_bf16_host_check(report: Report) -> None:
-    """Put the host check of a bf16 conversion for a CPU backend in `report.host`, and its
-    warning, if any, among the report's warnings."""
-    report.host, warning = bf16_speed_warning(report.target, report.backend,
+def record_bf16_host_check(report: Report, profile: BackendProfile) -> None:
+    """Put the host check of a bf16 conversion for a CPU backend (`profile`, the report's) in
+    `report.host`, and its warning, if any, among the report's warnings."""
+    report.host, warning = bf16_speed_warning(report.target, profile,
                                               report.summary.get("low_precision_nodes", 0))
     if warning is not None:
         report.warnings.append(warning)

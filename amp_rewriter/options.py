@@ -18,12 +18,14 @@ from typing import Any, TypeVar
 from .errors import AmpError
 from .flags import flag_field as _flag
 from .node_patterns import NodePattern
-from .op_lists import TARGETS, Overrides
+from .op_lists import TARGETS, Overrides, backend_help
 from .training.rule import LossScaleRule
 from .training.update import UpdateOptions
 
 T = TypeVar("T")
 
+#: The target of every entry point (CLI, Python API, every format) when none is given.
+DEFAULT_TARGET = "fp16"
 #: `--external-data` layouts (ONNX outputs): see formats/onnx/emit.py.
 EXTERNAL_LAYOUTS = ("single", "per-tensor", "inline")
 
@@ -34,10 +36,8 @@ class Options:
     """What a conversion does, for every format (fields a format does not use are refused by
     that format when set)."""
 
-    target: str = _flag("fp16", "--target", "fp16 (default) or bf16")
-    backend: str | None = _flag(
-        None, "--backend", "whose kernels the op lists assume: ONNX ort-cuda (default) or "
-        "ort-cpu; TensorFlow tf-gpu (default for fp16) or tf-cpu (default for bf16)")
+    target: str = _flag(DEFAULT_TARGET, "--target", f"fp16 or bf16 (default {DEFAULT_TARGET})")
+    backend: str | None = _flag(None, "--backend", backend_help())
     #: TensorFlow GraphDefs: the fetch tensors ("y" or "y:1"); ONNX models name their outputs.
     outputs: list[str] | None = _flag(
         None, "--outputs", "TensorFlow GraphDefs: the fetch nodes or tensors (y or y:1), "
@@ -53,8 +53,9 @@ class Options:
                              metavar="OP", kind="list")
     keep_nodes: list[str] = _flag([], "--keep-node", "pin matching nodes to fp32 (repeatable)",
                                   metavar="NAME_OR_REGEX", kind="list")
-    config: str | os.PathLike | None = _flag(None, "--config",
-                                             "op-list overrides from a TOML file", metavar="TOML")
+    config: str | os.PathLike | None = _flag(
+        None, "--config", "op-list overrides, pattern rules and backend profiles from a TOML "
+        "file", metavar="TOML")
     keep_io_types: bool = _flag(True, "--keep-io-types",
                                 "keep graph inputs/outputs fp32 (default); --no-keep-io-types "
                                 "lets them take the low-precision dtype", kind="switch",

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, overload
 
-from .cost import casts_by_reason, compute_ops_left_fp32
+from .cost import casts_by_reason, compute_ops_left_fp32, inserted_cast_entries
 from .errors import AmpError
 from .fileio import read_input_text
 from .ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, Node, short_name
@@ -142,11 +142,6 @@ def _with_text_ids(record: tuple, table: Any) -> tuple:
             tuple([(table[g_name], table[g_precision], table[g_kind], table[g_reason],
                     via_node, None if via_group is None else table[via_group])
                    for g_name, g_precision, g_kind, g_reason, via_node, via_group in groups]))
-
-
-def node_entry(node: Node, graph_name: str) -> dict[str, Any]:
-    """One node's precision, class and reasons, as the report's JSON shows them."""
-    return _entry(node_record(node, graph_name))
 
 
 #: Records per packed block of `NodeEntries`.
@@ -325,8 +320,8 @@ def build_report(ctx: PassContext, original_nodes: Sequence[Node], results: list
     kept = sum(1 for c in ctx.constants if c.action == "kept_fp32")
     # Casts only: a set of every node would take ~100 MB at a million nodes.
     final_casts = [n for n in ctx.model.graph.walk_nodes() if n.op_type == "Cast"]
-    new_casts = sum(1 for n in final_casts if n.handle is None)
-    final_ids = {id(n) for n in final_casts if n.handle is not None}
+    new_casts = sum(1 for n in final_casts if n.created_by is not None)
+    final_ids = {id(n) for n in final_casts if n.created_by is None}
     original_casts = [n for n in original_nodes if n.op_type == "Cast"]
     summary = {
         "nodes": len(entries),
@@ -346,7 +341,8 @@ def build_report(ctx: PassContext, original_nodes: Sequence[Node], results: list
                                       if c.action in ("converted", "clamped")),
     }
     cost = {"compute_ops": compute_ops_left_fp32(ctx.model, ctx.rules.compute_ops),
-            "casts_by_reason": casts_by_reason(ctx.model)}
+            "casts_by_reason": casts_by_reason(ctx.model),
+            "inserted_casts": inserted_cast_entries(ctx.model)}
     cells = (precision_map(ctx.model, ctx.rules.compute_ops, graph_name)
              if ctx.options.precision_map else None)
     return Report(ctx.options.target, ctx.options.backend or "", summary, entries,
@@ -430,6 +426,12 @@ def explain_text(report: Report, node_name: str) -> str:
     gets every match, each under its graph, and the `GRAPH/NODE` form that picks one.
     """
     entries = find_nodes(report, node_name)
+    inserted = [cast for cast in (report.cost or {}).get("inserted_casts", [])
+                if cast["name"] == node_name]
+    if not entries and inserted:
+        return "\n".join(f"{cast['name']} (Cast to {cast['to']}): inserted by pass "
+                         f"{cast['inserted_by']}\n  reason:    {cast['reason']}"
+                         for cast in inserted)
     if not entries:
         close = [n["name"] for n in report.nodes if node_name.lower() in n["name"].lower()][:5]
         hint = f" (did you mean: {', '.join(close)})" if close else ""

@@ -17,8 +17,8 @@ from .errors import AmpError
 from .ir import DENY, LOW_PRECISION_DTYPES, LazyTensor, Node
 from .ir.dtypes import NUMPY_DTYPES
 from .op_lists import OpLists
-from .passes.analysis.structures import tanh_gelu_cube
 from .passes.base import FormatRules
+from .passes.structures.tanh_gelu import tanh_gelu_cube
 from .report import CheckRule
 
 #: OutputComparison.computed for an output that some emulated op fed.

@@ -220,7 +220,8 @@ def check(reference: Path, candidate: Path, feed: dict[str, np.ndarray], atol: f
     import onnx
     import onnxruntime as ort
 
-    from amp_rewriter.formats.onnx.execution import emulate_low_precision, round_feeds
+    from amp_rewriter.formats.onnx.emulation import WHOLE_MODEL, emulate_low_precision
+    from amp_rewriter.formats.onnx.execution import round_feeds
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -230,7 +231,8 @@ def check(reference: Path, candidate: Path, feed: dict[str, np.ndarray], atol: f
     # An all-fp32 result runs as it is: emulation rebuilds the graph (without its value_info),
     # which changes onnxruntime's fusions and so the fp32 summation order, and with atol 1e-8
     # that alone fails np.allclose on near-zero outputs.
-    emulated = emulate_low_precision(model) if has_fp16(candidate) else model
+    emulated = (emulate_low_precision(model, policy=WHOLE_MODEL).model if has_fp16(candidate)
+                else model)
     results = {}
     for label, session_model, feeds in (
             ("emulated", emulated, round_feeds(model, feed)),

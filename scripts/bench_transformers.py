@@ -431,7 +431,7 @@ def measure(path: Path, feeds: dict[str, np.ndarray], reference: dict[str, np.nd
     """Static measures plus the emulated and the plain CPU run against fp32."""
     import onnx
 
-    from amp_rewriter.formats.onnx.validate import emulate_rounding
+    from amp_rewriter.formats.onnx.emulation import EVERY_NODE, emulate_low_precision
 
     result = analyse(path, feeds)
     try:
@@ -440,7 +440,7 @@ def measure(path: Path, feeds: dict[str, np.ndarray], reference: dict[str, np.nd
     except Exception as exc:  # noqa: BLE001
         result["loads_in_ort"] = str(exc).strip().splitlines()[0][:160]
     try:
-        emulated = emulate_rounding(onnx.load(str(path)))
+        emulated = emulate_low_precision(onnx.load(str(path)), policy=EVERY_NODE).model
         result["emulated"] = compare(reference, run_model(emulated, feeds))
     except Exception as exc:  # noqa: BLE001
         result["emulated"] = {"error": str(exc).strip().splitlines()[0][:160]}

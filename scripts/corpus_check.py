@@ -24,14 +24,14 @@ and classifies the result (first failing stage wins):
     ort_fail            the fp32 original runs in ORT CPU, the converted model does not load/run
     ort_missing_kernel  as ort_fail, but a hand-made low-precision copy of the failing op alone
                         fails the same way (NOT_IMPLEMENTED): an ORT CPU limitation, not ours
-    emulation_fail      bf16 only: amp_rewriter.formats.onnx.validate.emulate_bfloat16 raised, or its model
+    emulation_fail      bf16 only: amp_rewriter.formats.onnx.emulation.emulate_low_precision raised, or its model
                         does not load/run
     mismatch            outputs differ from fp32: max|a-b|/max|a| above the tolerance, NaN/Inf where
                         fp32 is finite, integer/bool outputs that differ, or a different structure
     nondeterministic    outputs differ, but so do two runs of the fp32 original (random ops)
     timeout, worker_died  the case ran past --timeout, or killed its worker (a segfault)
 
-bf16 models run emulated (`emulate_bfloat16`), since ORT's CPU provider lacks bf16 kernels.
+bf16 models run emulated (`emulate_low_precision`, every node), since ORT's CPU provider lacks bf16 kernels.
 
 `--mode allow-all` additionally moves every op type of the model into the allow list (the
 documented `allow=` override), which forces low precision wherever a schema allows it: a stress test
@@ -643,7 +643,8 @@ def check_case(model_path: str, target: str = "fp16", backend: str = "ort-cuda",
                     message=f"fp32 original does not {stage} in ORT CPU: {error}")
     candidate = converted
     if target == "bf16":
-        from amp_rewriter.formats.onnx.validate import emulate_bfloat16, has_bfloat16
+        from amp_rewriter.formats.onnx.emulation import EVERY_NODE, emulate_low_precision
+        from amp_rewriter.formats.onnx.validate import has_bfloat16
         record["bf16_in_model"] = has_bfloat16_anywhere(converted)
         if (record["bf16_in_model"] and not has_bfloat16(converted)
                 and not has_bfloat16_anywhere(original)):
@@ -656,7 +657,7 @@ def check_case(model_path: str, target: str = "fp16", backend: str = "ort-cuda",
                 return done("ort_fail", stage=f"ort_{stage}",
                             message=f"bf16 model (ort-cpu profile) does not {stage}: {error}")
         try:
-            candidate = emulate_bfloat16(converted)
+            candidate = emulate_low_precision(converted, policy=EVERY_NODE).model
         except Exception as exc:  # noqa: BLE001
             return done("emulation_fail", stage="emulate", exc_type=type(exc).__name__,
                         message=_first_line(exc), where=_amp_frame(exc),

@@ -250,9 +250,9 @@ def run_as_fp16(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list
     """Run an fp16 model with real fp16 rounding and overflow: every fp16 tensor is rounded
     where it is produced (fp32 compute, as GPU kernels do), since ORT's CPU provider would run
     fp16 ops without a CPU kernel in fp32 and drop the casts around them."""
-    from amp_rewriter.formats.onnx.validate import emulate_rounding
+    from amp_rewriter.formats.onnx.emulation import EVERY_NODE, emulate_low_precision
 
-    return run(emulate_rounding(model), feeds)
+    return run(emulate_low_precision(model, policy=EVERY_NODE).model, feeds)
 
 
 def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:

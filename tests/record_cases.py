@@ -90,6 +90,6 @@ def install() -> None:
                 kwargs[key] = getattr(value, "name", value)  # tensors and ops by name
         _record(cases, "tf_training", source, kwargs)
 
-    _wrap(tf_convert, "convert_graph_def", graphdef_case)
+    _wrap(tf_convert, "rewrite_graphdef", graphdef_case)
     _wrap(tf_convert, "convert_saved_model_dir", saved_model_case)
     _wrap(training, "rewrite_training_meta_graph", training_case)

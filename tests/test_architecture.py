@@ -166,3 +166,21 @@ def test_docs_name_paths_that_exist_and_every_pass():
         assert f"`{name}`" in architecture, name
     for pipeline in PIPELINES:
         assert f"`{pipeline}`" in architecture, pipeline
+
+
+def test_the_readme_diagram_lists_the_passes_of_each_pipeline():
+    """README's "How it decides" diagram: one drawing per pipeline, named by its input file,
+    listing that pipeline's passes in order, no more and no fewer."""
+    from amp_rewriter.passes import PIPELINES, REGISTRY
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## How it decides", 1)[1]
+    block = section.split("```", 2)[1]
+    drawings = {"model.onnx": "onnx", "graph.pb": "tf"}
+    found: dict[str, list[str]] = {}
+    for drawing in block.strip().split("\n\n"):
+        source = drawing.split()[0]
+        assert source in drawings, f"a drawing for an unknown input {source!r}"
+        found[drawings[source]] = [word for word in re.findall(r"[a-z0-9_]+", drawing)
+                                   if word in REGISTRY]
+    assert found == {name: PIPELINES[name] for name in drawings.values()}

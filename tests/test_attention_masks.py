@@ -1,4 +1,4 @@
-"""The attention-mask rule (amp_rewriter/passes/analysis/attention_masks.py) on tiny graphs run in
+"""The attention-mask rule (amp_rewriter/passes/structures/attention_masks.py) on tiny graphs run in
 onnxruntime against fp32: masks built from -3.4e38 run the scores path in fp16 with a saturated
 sum, and every case of the proof holds on real numbers: partially and fully masked rows, two masks
 added, large negative scores; masks the rule cannot take keep the constant-range rule.

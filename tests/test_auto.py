@@ -22,7 +22,7 @@ from amp_rewriter.accuracy.calibration import CalibrationSet
 from amp_rewriter.accuracy.measure import measure
 from amp_rewriter.accuracy.runner import ProbePlan
 from amp_rewriter.formats.onnx.accuracy import OnnxRunner
-from amp_rewriter.formats.onnx.execution import emulate_low_precision
+from amp_rewriter.formats.onnx.emulation import WHOLE_MODEL, emulate_low_precision
 from amp_rewriter.options import AutoOptions, Options
 
 TOLERANCE = 1e-2
@@ -225,7 +225,7 @@ def _max_relative(model_path, converted_path, folder) -> float:
     options = ort.SessionOptions()
     options.log_severity_level = 3
     reference = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
-    emulated = emulate_low_precision(onnx.load(str(converted_path)))
+    emulated = emulate_low_precision(onnx.load(str(converted_path)), policy=WHOLE_MODEL).model
     candidate = ort.InferenceSession(emulated.SerializeToString(), options,
                                      providers=["CPUExecutionProvider"])
     worst = 0.0

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import onnx
+from conftest import run_in_process
 from onnx import TensorProto, helper
 
 from models import BUILDERS
@@ -124,3 +125,18 @@ def test_validate_rtol_zero_fails_with_exit_1_and_typos_warn(tmp_path: Path) -> 
                      "--rtol", "0", "--deny", "Matmul")
     assert result.returncode == 1
     assert "did you mean MatMul" in result.stderr
+
+
+def test_the_report_and_explain_name_the_pass_that_inserted_each_cast(tmp_path: Path,
+                                                                       capsys) -> None:
+    source = _write(BUILDERS["cnn"](), tmp_path / "m.onnx")
+    report = tmp_path / "r.json"
+    assert run_in_process(capsys, "convert", source, tmp_path / "o.onnx", "--report", report)[0] == 0
+    data = json.loads(report.read_text())
+    casts = data["cost"]["inserted_casts"]
+    assert len(casts) == data["summary"]["casts_inserted"] > 0
+    assert {cast["inserted_by"] for cast in casts} == {"insert_casts"}
+    code, out, _ = run_in_process(capsys, "explain", report, casts[0]["name"])
+    assert code == 0
+    assert f"{casts[0]['name']} (Cast to {casts[0]['to']}): inserted by pass insert_casts" in out
+    assert casts[0]["reason"] in out

@@ -19,7 +19,7 @@ import pytest
 from conftest import CliRunner, describe_run
 from onnx import TensorProto
 
-from amp_rewriter.formats.onnx.validate import emulate_bfloat16
+from amp_rewriter.formats.onnx.emulation import EVERY_NODE, emulate_low_precision
 from models import BUILDERS, MODEL_NAMES
 from models.cnn import TINY_EXAMPLE_PATH, build_tiny_model
 from models.custom_op import CUSTOM_DOMAIN, CUSTOM_NODE_NAME, CUSTOM_OP
@@ -216,7 +216,7 @@ def test_bf16_conversion(converted, name: str) -> None:
     # so the numbers are checked on the emulated model that `--validate` runs: fp32 compute with
     # every bf16 tensor rounded to bf16 where it is produced.
     emulated_path = conversion.output.with_name(conversion.output.stem + "_emulated.onnx")
-    onnx.save_model(emulate_bfloat16(output), str(emulated_path))
+    onnx.save_model(emulate_low_precision(output, policy=EVERY_NODE).model, str(emulated_path))
     assert_outputs_close(conversion.source, emulated_path, name, RELATIVE_TOLERANCE["bf16"])
 
 

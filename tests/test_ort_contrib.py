@@ -20,8 +20,9 @@ from onnx import TensorProto
 import amp_rewriter
 from amp_rewriter.cli import main
 from amp_rewriter.formats.onnx import ort_registry
+from amp_rewriter.formats.onnx.emulation import EVERY_NODE, emulate_low_precision
 from amp_rewriter.formats.onnx.load import load_onnx
-from amp_rewriter.formats.onnx.validate import emulate_low_precision, validate_conversion
+from amp_rewriter.formats.onnx.validate import validate_conversion
 from amp_rewriter.op_lists import _read_list_file
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -295,7 +296,7 @@ def test_emulation_agrees_with_a_real_fp16_cpu_kernel(op):
     feeds = ort_cpu_kernels.feeds_for(op, np.float16)
     assert validate_ready(model)
     real = run(model, feeds)[0].astype(np.float32)
-    emulation = emulate_low_precision(model, emulate_all=True)
+    emulation = emulate_low_precision(model, policy=EVERY_NODE)
     assert len(emulation.emulated) == 1
     emulated = run(emulation.model, feeds)[0].astype(np.float32)
     step = float(np.spacing(np.float16(np.abs(real).max())))

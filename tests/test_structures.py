@@ -1,4 +1,4 @@
-"""Structural rules (amp_rewriter/passes/analysis/structures.py) on tiny graphs: tanh-GELU's cube
+"""Structural rules (amp_rewriter/passes/structures/) on tiny graphs: tanh-GELU's cube
 in low precision, index math kept fp32, and the config's producer/consumer pattern rules.
 Converted models run with real fp16 rounding (`run_as_fp16`) against fp32 in onnxruntime.
 """

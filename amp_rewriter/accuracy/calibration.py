@@ -32,9 +32,6 @@ from ..fileio import read_input_text
 
 Batch = dict[str, np.ndarray]
 
-#: How many random batches stand in for calibration data when the user gives none.
-RANDOM_BATCHES = 4
-
 
 @dataclass(frozen=True)
 class InputSpec:
@@ -140,11 +137,6 @@ class CalibrationSet:
     def __iter__(self) -> Iterator[Batch]:
         for source in self._sources:
             yield check_batch(source.read(), self.specs, source.label)
-
-    def check_all(self) -> None:
-        """Read and check every batch once (before any output is written), then let them go."""
-        for _batch in self:
-            pass
 
     @classmethod
     def from_paths(cls, paths: Sequence[str | os.PathLike], specs: Sequence[InputSpec]

@@ -34,7 +34,7 @@ class Ref:
 def resolve(value: Value, original_name: Callable[[Value], str | None]) -> Ref:
     """Follow the casts the conversion inserted back to the fp32 model's tensor."""
     source = value
-    while (source.producer is not None and source.producer.handle is None
+    while (source.producer is not None and source.producer.created_by is not None
            and source.producer.op_type == CAST and source.producer.inputs[0] is not None):
         source = source.producer.inputs[0]
     if value.const is not None or source.const is not None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import gc
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -377,7 +377,3 @@ def auto_convert(runner: ModelRunner, calibration: CalibrationSet, metric: Metri
 def _number(value: float) -> float | str:
     return value if math.isfinite(value) else "inf"
 
-
-def describe_pins(pins: Mapping[str, Pin]) -> list[str]:
-    """One line per pinned node, for the CLI."""
-    return [f"  {name}: {pin.reason}" for name, pin in pins.items()]

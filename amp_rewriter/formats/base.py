@@ -1,6 +1,7 @@
 """The contract every format package fulfils, so the CLI and the API never name a format's
-details: a format converts a file, validates a conversion, checks a converted model and
-explains a model, all with the same `Options`."""
+details: a format converts a model in memory or a file, validates a conversion, checks a
+converted model and explains a model, all with the same `Options`; `convert_to` is the one
+transaction around a conversion that writes a file."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from .. import op_lists
 from ..errors import AmpError
-from ..fileio import Companions, OutputTransaction
-from ..options import Options, TrainingOptions
+from ..fileio import Companions, InputFiles, OutputTransaction
+from ..op_lists import Overrides
+from ..options import Options, TrainingOptions, files_read
 from ..passes.base import FormatRules
 from ..report import CheckResult, CheckRule, Report
 from ..validation import Validation
@@ -32,29 +35,45 @@ class Format(ABC):
     #: What `check` looks for (the kinds of its problems), for reports that list what passed.
     check_rules: tuple[CheckRule, ...] = ()
 
-    @abstractmethod
     def default_backend(self, target: str) -> str:
-        """The backend profile used when the user names none."""
+        """The backend profile used when the user names none (the format's list file says)."""
+        return op_lists.default_backend(self.name, target)
+
+    @abstractmethod
+    def accepts(self, model: object) -> bool:
+        """Whether `model` is an in-memory model of this format (its library's message type)."""
+
+    @abstractmethod
+    def convert(self, model: Any, options: Options, source_dir: Path | None = None
+                ) -> tuple[Any, Report]:
+        """Convert in memory: `model` is an in-memory model of the format (left unmodified)
+        or the path of a model file; returns the converted model and the report. `source_dir`:
+        the folder the model's own files (ONNX's external data) are relative to, when `model`
+        is in memory."""
 
     @abstractmethod
     def convert_file(self, input_path: Path, output_path: Path, options: Options,
-                     training: TrainingOptions | None = None) -> Report:
+                     training: TrainingOptions | None = None) -> tuple[Any, Report]:
         """Convert `input_path` and write the result to `output_path`, a fresh path in the
         private folder of an `OutputTransaction` (which moves it, and any file written beside
-        it, into place at commit); the input is never touched."""
+        it, into place at commit); the input is never touched. Returns the converted model
+        when the format holds it in memory anyway (ONNX's ModelProto), else None, and the
+        report. A format without training graphs refuses `training`."""
 
     @abstractmethod
     def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
-                 inputs: str | None, rtol: float, device: str = "cpu") -> Validation:
+                 inputs: str | None, rtol: float, device: str | None = None) -> Validation:
         """Run the fp32 and converted models on the same inputs and compare their outputs
-        (the converted one on `device`: "cpu", or "cuda" where the format supports it)."""
+        (the converted one where the backend profile runs, or on `device`: "cpu", or "cuda"
+        where the format supports it)."""
 
     @abstractmethod
     def check(self, path: Path, target: str | None, backend: str | None,
               reference: Path | None, rtol: float | None, inputs: str | None = None,
-              device: str = "cpu") -> CheckResult:
+              device: str | None = None, overrides: Overrides | None = None) -> CheckResult:
         """Lint a converted model for CI; with `reference`, also compare outputs (on `inputs`,
-        an .npz, or seeded random ones), running them on `device`."""
+        an .npz, or seeded random ones), running them where the backend profile runs (or on
+        `device`). `overrides`: the config's profiles and class moves, as convert had them."""
 
     @abstractmethod
     def explain(self, source: Path, options: Options) -> Report:
@@ -63,7 +82,31 @@ class Format(ABC):
     def input_files(self, input_path: Path) -> list[tuple[Path, str]]:
         """Every file (or folder) reading `input_path` involves, with what it is to the user:
         outputs must never overwrite them."""
-        return [(input_path, "the input model")]
+        return [self.input_entry(input_path)]
+
+    def input_entry(self, path: Path, what: str = "input") -> tuple[Path, str]:
+        """A model path as an input the outputs must not overwrite, found without parsing it
+        (`what`: "input", "checked", "reference")."""
+        return path, f"the {what} model"
+
+    def transaction(self, input_path: Path,
+                    more_reads: InputFiles = ()) -> OutputTransaction:
+        """The `OutputTransaction` of a run that reads the model at `input_path` (and
+        `more_reads`: a config, --inputs, a metric file): the files parsing the model finds
+        (external data) are looked for only when a destination exists already."""
+        return OutputTransaction([self.input_entry(input_path), *more_reads],
+                                 lambda: self.input_files(input_path))
+
+    def convert_to(self, input_path: Path, output: str | os.PathLike, options: Options,
+                   training: TrainingOptions | None = None) -> tuple[Any, Report]:
+        """Convert `input_path` and write the result at `output` (with what the format writes
+        beside it): all of it or, on failure, nothing, never over a file the run reads; the
+        entry point of every API function that writes a converted model."""
+        with self.transaction(input_path, files_read(options.config)) as outputs:
+            staged = self.stage_output(outputs, output, input_path, options)
+            result = self.convert_file(input_path, staged, options, training)
+            outputs.commit()
+        return result
 
     def output_kind(self, input_path: Path) -> str:
         """"file", or "dir" when converting `input_path` writes a directory."""

@@ -15,6 +15,7 @@ from .core import (
     TypeGroup,
     Value,
     ValueNames,
+    nodes_created_by,
     present,
     unique_name,
 )
@@ -32,7 +33,8 @@ from .lint import IRInvariantError, assert_sound, lint, lint_enabled
 from .tensors import LazyTensor, RangeCheck, check_range, convert_array
 
 __all__ = ["ALLOW", "CLEAR", "DENY", "FP32", "INFER", "Graph", "IRError", "Model", "Node",
-           "TypeGroup", "Value", "ValueNames", "present", "unique_name", "BFLOAT16", "FLOAT16",
+           "TypeGroup", "Value", "ValueNames", "nodes_created_by", "present", "unique_name",
+           "BFLOAT16", "FLOAT16",
            "FLOAT32", "FLOAT64", "FLOAT_DTYPES", "LOW_PRECISION_DTYPES", "TARGET_DTYPES",
            "short_name", "decisions", "IRInvariantError", "assert_sound", "lint", "lint_enabled",
            "LazyTensor",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -39,6 +40,28 @@ ALLOW, INFER, DENY, CLEAR, FP32 = "allow", "infer", "deny", "clear", "fp32"
 #: What a node without attributes or subgraphs holds: one shared, read-only empty mapping
 #: instead of two empty dicts per node (128 bytes, times a million nodes).
 _NONE: Mapping[str, Any] = MappingProxyType({})
+
+
+#: The pass inserting nodes now (innermost last): what `Node.created_by` records.
+_creator: list[str] = []
+
+
+@contextmanager
+def nodes_created_by(pass_name: str) -> Iterator[None]:
+    """While this lasts, nodes a graph's insertion methods add are recorded as made by
+    `pass_name` (the pass manager wraps each pass in it)."""
+    _creator.append(pass_name)
+    try:
+        yield
+    finally:
+        _creator.pop()
+
+
+def _mark_created(node: Node) -> None:
+    """Record the running pass as the maker of a node a graph adds, unless it has a proto
+    (the model's own node) or a maker already."""
+    if _creator and node.created_by is None and node.handle is None:
+        node.created_by = _creator[-1]
 
 
 class IRError(Exception):
@@ -83,8 +106,11 @@ class Value:
         return f"Value({self.name!r}, {self.dtype})"
 
     @property
-    def is_initializer(self) -> bool:
-        return self.const is not None and self.producer is None
+    def known_constant(self) -> LazyTensor | None:
+        """The value's data when it is known and fixed, so that a pass may read and fold it
+        (an initializer no caller can replace by feeding an input, a Constant node's output);
+        else None."""
+        return None if self.overridable else self.const
 
     @property
     def is_used(self) -> bool:
@@ -212,7 +238,8 @@ class Node:
     __slots__ = ("name", "op_type", "domain", "inputs", "outputs", "attrs", "subgraphs",
                  "type_groups", "input_group", "output_group", "graph", "handle", "op_class",
                  "class_reason", "class_kind", "order", "has_schema", "pin_reason", "pin_kind",
-                 "pin_barrier", "scopes", "edges_changed", "control_inputs", "control_users")
+                 "pin_barrier", "scopes", "edges_changed", "control_inputs", "control_users",
+                 "created_by")
 
     def __init__(self, name: str, op_type: str, domain: str = "", graph: Graph | None = None):
         self.name = name
@@ -257,6 +284,9 @@ class Node:
         #: renamed since the node was built (`add_input` and `add_output` build it): an
         #: emitter compares the names of such nodes only with their proto's.
         self.edges_changed = False
+        #: The pass that inserted the node (set when the graph's insertion methods add it while
+        #: a pass runs, see `nodes_created_by`); None for the model's own nodes.
+        self.created_by: str | None = None
 
     def __repr__(self) -> str:
         return f"Node({self.name!r}, {self.op_type})"
@@ -521,6 +551,7 @@ class Graph:
     def append_node(self, node: Node) -> None:
         """Add a node at the end (its inputs must already be produced)."""
         node.graph = self
+        _mark_created(node)
         self.nodes.append(node)
 
     def insert_nodes(self, after: dict[int, list[Node]] | None = None,
@@ -529,13 +560,18 @@ class Graph:
         """Insert many nodes in one sweep: `after` / `before` map id(anchor node) -> nodes to
         put right after / before it (in order); `at_start` go before every node."""
         after, before = after or {}, before or {}
-        nodes = list(at_start)
+        start = list(at_start)
+        nodes = list(start)
         for node in self.nodes:
             nodes.extend(before.get(id(node), ()))
             nodes.append(node)
             nodes.extend(after.get(id(node), ()))
         for node in nodes:
             node.graph = self
+        if _creator:
+            for node in [*start, *(n for new in after.values() for n in new),
+                         *(n for new in before.values() for n in new)]:
+                _mark_created(node)
         self.nodes = nodes
 
     def insert_after(self, anchor: Node, new_nodes: Iterable[Node]) -> None:
@@ -548,6 +584,7 @@ class Graph:
         new = list(new_nodes)
         for node in new:
             node.graph = self
+            _mark_created(node)
         self.nodes[index:index] = new
 
     def remove_nodes(self, doomed: Iterable[Node]) -> int:

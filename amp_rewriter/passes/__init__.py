@@ -1,4 +1,5 @@
-"""Passes over the IR: analysis/ decides precisions, rewrite/ applies them. Every pass is
+"""Passes over the IR: analysis/ decides precisions, rewrite/ applies them, structures/ holds
+one module per structural rule (its recognition, plan and rewrite). Every pass is
 registered by name (`REGISTRY`); pipelines are lists of those names (`PIPELINES`). Nothing here
 imports onnx or tensorflow: a format's op names reach the passes through `FormatRules`."""
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from ..ir import LazyTensor, Model, Node, RangeCheck, TypeGroup, Value, decisions
+from ..ir import LazyTensor, Model, Node, RangeCheck, decisions
 from ..ir.dtypes import TARGET_DTYPES
 from ..ir.tensors import tensor_range, tensor_ranges
 from ..op_lists import OpLists
@@ -35,7 +35,7 @@ class FormatRules:
         fused attention), as `Node.qualified_op`: the report's summary counts how many of them run
         in low precision (what decides the speed-up) and its cost summary those left fp32, and why.
 
-    The structural rules (passes/analysis/structures.py, attention_masks.py) read:
+    The structural rules (passes/structures/) read:
 
     arithmetic: op -> its role ("add", "sub", "mul", "div", "pow", "tanh", "softmax", "sqrt",
         "rsqrt", "reciprocal", "mean", "square", "cast"), for patterns written in roles rather
@@ -138,66 +138,19 @@ class StructureRecord:
     added: list[str] = field(default_factory=list)
 
 
-@dataclass
-class SaturationPlan:
-    """An attention mask the analysis accepted: where its sums may carry -inf in low precision
-    (`region`), and the Softmax inputs to saturate when any of it runs low precision."""
-
-    sinks: list[Node]
-    region: list[TypeGroup]
-    record: StructureRecord
-    #: The mask's constants (initializer names, or "node.value" for a fill value): the
-    #: constant-range rule leaves them to this plan.
-    constants: list[str] = field(default_factory=list)
-
-
-@dataclass
-class RescalePlan:
-    """An RMS norm whose mean square runs in low precision on a rescaled row (planned by
-    `recognize_rms_norm`, built by `rescale_rms_statistics` once the painting has put x in low
-    precision and the square fp32)."""
-
-    x: Value
-    square: Node
-    mean: Node
-    record: StructureRecord
-    eps: float = 0.0
-    #: The scaling step and the nodes from the mean to the inverse root it reads (+eps, root,
-    #: inverse; nearest the step first) when the whole statistic runs in low precision; empty:
-    #: +eps, root and inverse stay fp32 on one value per row.
-    step: Node | None = None
-    after_mean: list[Node] = field(default_factory=list)
+class StructurePlan(Protocol):
+    """What a structural rule's analysis plans for its rewrite pass (passes/structures/)."""
 
     @property
     def anchor(self) -> Node:
         """The node the rewrite's nodes go before (and a failure is blamed on)."""
-        return self.mean
 
+    def planned_nodes(self) -> list[Node]:
+        """The nodes the rewrite works on: `convert_constants` leaves the casts of the
+        constants they read, which the rewrite expects."""
 
-#: With an RMS norm's inverse root in low precision, the clipped max|x| is at least this many
-#: sqrt(eps): s >= sqrt(eps) / 16 then, and (sqrt(eps) / s)^2 <= 2^8 (see rescale_rms). The
-#: floor must itself be a finite number of the target, which bounds eps.
-INVERSE_FLOOR = 8.0
-
-
-@dataclass
-class RotaryPlan:
-    """A rotary embedding's angle, integer positions times constant frequencies read only by
-    Cos and Sin, that is reduced modulo 2*pi in integers (planned by `recognize_rotary_angles`,
-    built by `reduce_rotary_angles` once the painting has put the product in low precision)."""
-
-    #: The integer positions the model casts to float.
-    positions: Value
-    #: positions (as floats) x frequencies.
-    product: Node
-    #: The constant frequencies.
-    frequencies: Value
-    record: StructureRecord
-
-    @property
-    def anchor(self) -> Node:
-        """The node the rewrite's nodes go before (and a failure is blamed on)."""
-        return self.product
+    def kept_constants(self) -> list[str]:
+        """Constants the rule takes care of: the constant-range rule leaves them to it."""
 
 
 def _every_op(op: str) -> bool:
@@ -222,13 +175,9 @@ class PassContext:
     focus: Node | None = None
     #: Structural rules applied (attention masks, tanh-GELU cubes, index math, pattern rules).
     structures: list[StructureRecord] = field(default_factory=list)
-    #: Attention masks whose masked sums get saturated before their Softmax (see
-    #: passes/analysis/attention_masks.py).
-    saturations: list[SaturationPlan] = field(default_factory=list)
-    #: RMS norms whose mean square is rescaled into low precision (see RescalePlan).
-    rescales: list[RescalePlan] = field(default_factory=list)
-    #: Rotary angles reduced modulo 2*pi in integers (see RotaryPlan).
-    rotaries: list[RotaryPlan] = field(default_factory=list)
+    #: What a structural rule's analysis plans for its rewrite pass, by rule (each rule's
+    #: module in passes/structures/ reads and writes its own list).
+    plans: dict[str, list[StructurePlan]] = field(default_factory=dict)
     #: ids of nodes a user's pattern rule decided: structural rules leave them as the user said.
     user_rule_nodes: set[int] = field(default_factory=set)
     #: Whether the model may hold an op a rewrite would add (ONNX: the op exists at the model's

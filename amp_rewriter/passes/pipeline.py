@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..errors import AmpError
-from ..ir import IRInvariantError, assert_sound, lint_enabled
+from ..ir import IRInvariantError, assert_sound, lint_enabled, nodes_created_by
 from ..training import accumulation as accumulation_passes  # noqa: F401  (and accumulation's)
 from ..training import passes as training_passes  # noqa: F401  (registers the training passes)
 from ..training import weights as weight_passes  # noqa: F401  (and those of 16-bit weights)
-from . import analysis, rewrite  # noqa: F401  (importing them registers their passes)
+from . import analysis, rewrite, structures  # noqa: F401  (importing them registers their passes)
 from .base import REGISTRY, Pass, PassContext, PassResult
 
 #: TensorFlow graphs: the decisions, Grappler's loop rule between them and the rewrite, the
@@ -106,7 +106,8 @@ def run_pipeline(ctx: PassContext, pipeline: str | list[str],
         if on_pass is not None:
             on_pass(step.name)
         try:
-            results.append(step(ctx))
+            with nodes_created_by(step.name):
+                results.append(step(ctx))
         except (AmpError, PassError, IRInvariantError):
             raise
         except Exception as exc:

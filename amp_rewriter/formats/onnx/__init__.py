@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
+
+import onnx
 
 from ...accuracy.runner import ModelRunner
 from ...errors import AmpError
 from ...fileio import Companions
+from ...op_lists import Overrides, find_profile
 from ...options import Options, TrainingOptions
 from ...report import CheckResult, Report
 from ...validation import Validation, load_inputs
 from ..base import Format
 from .check import ONNX_CHECK_RULES, check_model
 from .convert import (
-    DEFAULT_BACKEND,
     convert,
     convert_file,
     convert_model,
@@ -23,6 +26,7 @@ from .convert import (
     input_files,
 )
 from .emit import data_files
+from .execution import select_execution
 from .load import read_model_file
 from .rules import ONNX_RULES
 from .shapes import activation_traffic
@@ -36,20 +40,28 @@ class OnnxFormat(Format):
     rules = ONNX_RULES
     check_rules = ONNX_CHECK_RULES
 
-    def default_backend(self, target: str) -> str:
-        return DEFAULT_BACKEND
+    def accepts(self, model: object) -> bool:
+        return isinstance(model, onnx.ModelProto)
+
+    def convert(self, model: Any, options: Options, source_dir: Path | None = None
+                ) -> tuple[onnx.ModelProto, Report]:
+        return convert_model(model, options, source_dir)
 
     def convert_file(self, input_path: Path, output_path: Path, options: Options,
-                     training: TrainingOptions | None = None) -> Report:
+                     training: TrainingOptions | None = None) -> tuple[onnx.ModelProto, Report]:
         if training is not None:
             raise AmpError("--training is for TensorFlow training graphs (.meta, .pb, .pbtxt)")
-        return convert_model_file(input_path, output_path, options)[1]
+        return convert_model_file(input_path, output_path, options)
 
     def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
-                 inputs: str | None, rtol: float, device: str = "cpu") -> Validation:
+                 inputs: str | None, rtol: float, device: str | None = None) -> Validation:
         feeds = load_inputs(inputs) if inputs else random_inputs(read_model_file(input_path))
+        backend = ((report.backend if report is not None else None) or options.backend
+                   or self.default_backend(options.target))
+        profile = find_profile(self.name, backend, options.overrides)
+        execution = select_execution(profile, options.target, device)
         # An emulation too big for memory goes beside the (staged) output, removed with it.
-        comparisons, notes = validate_conversion(input_path, output_path, feeds, device,
+        comparisons, notes = validate_conversion(input_path, output_path, feeds, execution,
                                                  scratch=output_path.parent,
                                                  inputs_given=inputs is not None)
         if inputs and report is not None and report.cost is not None:  # at the sizes really run
@@ -59,9 +71,8 @@ class OnnxFormat(Format):
 
     def check(self, path: Path, target: str | None, backend: str | None,
               reference: Path | None, rtol: float | None, inputs: str | None = None,
-              device: str = "cpu") -> CheckResult:
-        return check_model(path, target, backend or DEFAULT_BACKEND, reference, rtol, inputs,
-                           device)
+              device: str | None = None, overrides: Overrides | None = None) -> CheckResult:
+        return check_model(path, target, backend, reference, rtol, inputs, device, overrides)
 
     def explain(self, source: Path, options: Options) -> Report:
         return convert_model(source, dataclasses.replace(options, check=False))[1]

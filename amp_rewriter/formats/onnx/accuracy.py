@@ -14,7 +14,8 @@ empty tensor) or extra Loop scan outputs (stacked per iteration). When onnxrunti
 that (a body tensor whose shape changes between iterations), the probe falls back to the main
 graph and says so. Scan bodies are not measured inside.
 
-Low precision runs where `execution.select_execution` says (CUDA, or the CPU emulated); so does
+Low precision runs where `execution.select_execution` says for the backend profile (its
+providers, or the CPU emulated); so does
 the probe's shadows.
 """
 
@@ -43,10 +44,11 @@ from ...accuracy.runner import (
 from ...errors import AmpError, first_line
 from ...fileio import scratch_dir
 from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, TARGET_DTYPES, Graph, Node, Value
+from ...op_lists import default_backend, find_profile
 from ...options import Options
 from ...passes.base import Pin
 from ...report import Report
-from .convert import DEFAULT_BACKEND, ConvertedIR, convert_model_file, convert_model_ir
+from .convert import ConvertedIR, convert_model_file, convert_model_ir
 from .emit import _tensor_proto, has_external_data
 from .execution import (
     Execution,
@@ -230,8 +232,8 @@ class OnnxRunner(ModelRunner):
             raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its "
                            "outputs")
         self.path = path
-        self.options = options.with_backend(DEFAULT_BACKEND)
-        assert self.options.backend is not None
+        self.options = options.with_backend(default_backend("onnx", options.target))
+        self.profile = find_profile("onnx", self.options.backend or "", self.options.overrides)
         self.model = read_model_file(path)
         self.base_dir = path.resolve().parent
         #: Where the models handed to onnxruntime are written (deleted with the runner).
@@ -242,7 +244,7 @@ class OnnxRunner(ModelRunner):
         self.weight_bytes = sum(_tensor_bytes(t) for t in all_tensors(self.model.graph))
         self._keep_weights_on_disk()
         self.target_dtype = TARGET_DTYPES[self.options.target]
-        self.execution: Execution = select_execution(self.options.backend, self.options.target)
+        self.execution: Execution = select_execution(self.profile, self.options.target)
         self.execution_note = self.execution.description
         self._initializers = {t.name for t in self.model.graph.initializer}
 

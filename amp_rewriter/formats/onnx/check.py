@@ -10,7 +10,7 @@ from pathlib import Path
 from ...cost import model_cost
 from ...errors import AmpError, ConvertedModelFailed, first_line
 from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, LazyTensor, Model
-from ...op_lists import OpLists
+from ...op_lists import OpLists, Overrides, default_backend
 from ...report import CheckResult, CheckRule
 from ...validation import (
     COMMON_CHECK_RULES,
@@ -23,6 +23,7 @@ from ...validation import (
     output_verdict,
 )
 from .convert import onnx_full_check
+from .execution import select_execution
 from .load import load_onnx, read_model_file
 from .rules import ONNX_RULES
 from .shapes import activation_traffic, validation_input_shapes
@@ -81,9 +82,10 @@ def _node_precisions(model_ir: Model) -> Iterator[tuple[str, bool, bool, bool]]:
                False)
 
 
-def check_model(path: str | os.PathLike, target: str | None = None, backend: str = "ort-cuda",
+def check_model(path: str | os.PathLike, target: str | None = None, backend: str | None = None,
                 reference: str | os.PathLike | None = None, rtol: float | None = None,
-                inputs: str | os.PathLike | None = None, device: str = "cpu") -> CheckResult:
+                inputs: str | os.PathLike | None = None, device: str | None = None,
+                overrides: Overrides | None = None) -> CheckResult:
     """Check a converted model; see the CLI's `check` for what counts as a problem.
 
     Constants: without `reference`, a ±inf value in a low-precision constant is only a note
@@ -91,7 +93,9 @@ def check_model(path: str | os.PathLike, target: str | None = None, backend: str
     tells them apart). With `reference`, each low-precision constant is matched to the fp32
     constant it came from, and a finite value that became inf is a problem; a non-zero value
     flushed to zero is a note when the outputs agree within `rtol`, a problem when they do not.
-    The outputs are compared with the converted model run on `device`.
+    The outputs are compared with the converted model run where the backend profile runs (or
+    on `device`). `backend`: the profile (default: the format's for the target); `overrides`:
+    the --config's profiles and class moves, as convert had them.
     """
     path = Path(path)
     model = read_model_file(path)  # not ONNX at all: bad input (exit 2), not a failed check
@@ -106,9 +110,10 @@ def check_model(path: str | os.PathLike, target: str | None = None, backend: str
     except AmpError as exc:
         return CheckResult(target or "fp16", [{"kind": "invalid_model",
                                                 "message": invalid or str(exc)}],
-                           backend=backend)
+                           backend=backend or default_backend("onnx", target or "fp16"))
     target = target or _detect_target(model_ir) or "fp16"
-    lists = OpLists.load("onnx", target, backend)
+    backend = backend or default_backend("onnx", target)
+    lists = OpLists.load("onnx", target, backend, overrides)
     result = CheckResult(target, backend=backend)
     if invalid is not None:
         result.problems.append({"kind": "invalid_model", "message": invalid})
@@ -136,8 +141,9 @@ def check_model(path: str | os.PathLike, target: str | None = None, backend: str
     if reference is not None:
         rtol = default_rtol(target) if rtol is None else rtol
         try:
+            execution = select_execution(lists.profile, target, device)
             comparisons, notes = validate_conversion(  # the parsed model serves the emulation
-                reference, path, feeds, device, inputs_given=inputs is not None, model=model)
+                reference, path, feeds, execution, inputs_given=inputs is not None, model=model)
             result.notes.extend(notes)
         except ConvertedModelFailed as exc:
             result.problems.append({"kind": "run_failed", "message": str(exc)})

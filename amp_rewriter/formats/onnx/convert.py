@@ -16,11 +16,11 @@ import onnx
 
 from ... import progress
 from ...errors import AmpError, first_line
-from ...fileio import OutputTransaction, owned_prefix
+from ...fileio import owned_prefix
 from ...host import record_bf16_host_check
 from ...ir import LazyTensor, Model, Node, ValueNames
-from ...op_lists import OpLists
-from ...options import Options
+from ...op_lists import OpLists, default_backend
+from ...options import DEFAULT_TARGET, Options
 from ...passes import PassContext, Pin, run_pipeline
 from ...passes.analysis.pins import keep_node_match
 from ...passes.pipeline import passes_of
@@ -31,7 +31,6 @@ from .background_check import BackgroundCheck
 from .emit import (
     EXTERNAL_DATA_THRESHOLD,
     Emission,
-    data_files,
     deferred_bytes,
     has_external_data,
     save_onnx,
@@ -53,12 +52,11 @@ from .shapes import (
     validation_input_shapes,
 )
 
-DEFAULT_BACKEND = "ort-cuda"
 #: onnxruntime's contrib domain.
 ORT_DOMAIN = "com.microsoft"
 
 
-def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "fp16",
+def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = DEFAULT_TARGET,
             backend: str | None = None, *, base_dir: str | os.PathLike | None = None,
             **options: Any) -> tuple[onnx.ModelProto, Report]:
     """Convert an fp32 ONNX model to mixed precision.
@@ -66,7 +64,8 @@ def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = "f
     Args:
         model_or_path: a ModelProto (left unmodified) or the path of an .onnx file.
         target: "fp16" or "bf16".
-        backend: "ort-cuda" (default) or "ort-cpu": which kernels the op lists assume.
+        backend: a backend profile of op_lists/onnx.toml (ort-cuda, the default, or ort-cpu)
+            or of the `config` file: which kernels the op lists assume.
         base_dir: for a ModelProto with external data, the folder its data is relative to
             (a path's own folder is used otherwise).
         **options: the other fields of `amp_rewriter.Options`: keep_io_types, clamp, allow,
@@ -171,14 +170,14 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
     (else it is released as soon as the model is emitted); it needs a model of our own."""
     assert not (keep_ir and borrowed), "the kept IR's node handles must be ours"
     model = take_model()
-    options = options.with_backend(DEFAULT_BACKEND)
+    options = options.with_backend(default_backend("onnx", options.target))
     with cyclic_gc_paused(), progress.bar("converting", len(passes_of("onnx")) + 2,
                                           "step") as drawn:
         steps = progress.Steps(drawn)
         steps.start("loading")
         opset = default_opset(model)
         _refuse_old_opset(opset)
-        lists = OpLists.load("onnx", options.target, options.backend or DEFAULT_BACKEND,
+        lists = OpLists.load("onnx", options.target, options.backend or "",
                              options.overrides, opset)
         ir_model = load_onnx(model, base, borrowed=borrowed)
         input_external = ir_model.external_data
@@ -253,7 +252,7 @@ def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
         report.warnings = override_warnings
         report.warnings += bf16_advice(report, lists, opset)
         report.warnings += schema_warnings
-        record_bf16_host_check(report)
+        record_bf16_host_check(report, lists.profile)
         if converted is None:
             assert encoded is not None
             converted = encoded.parse()
@@ -367,16 +366,13 @@ def bf16_advice(report: Report, lists: OpLists, opset: int) -> list[str]:
         return []
     summary = report.summary
     warnings = []
-    if lists.backend == "ort-cpu" and summary["low_precision_compute_ops"] == 0:
+    advice = lists.profile.tables.get(report.target, {}).get("no_compute_advice")
+    if advice and summary["low_precision_compute_ops"] == 0:
         converted = summary["low_precision_nodes"]
         what = "nothing" if converted == 0 else f"only {converted} data-movement node(s)"
         ops = ", ".join(summary["compute_ops_by_type"]) or "none in this model"
-        warnings.append(
-            f"bf16 for ort-cpu converted {what} and none of the compute ops ({ops}): "
-            f"onnxruntime's CPU provider has bf16 kernels for almost no ops (Einsum, "
-            f"LayerNormalization, data movement), so the rest stays fp32; for a CPU deployment "
-            f"try --target fp16 (the CPU provider runs fp16 models), for a GPU one --backend "
-            f"ort-cuda")
+        warnings.append(f"bf16 for {lists.backend} converted {what} and none of the compute ops "
+                        f"({ops}): {advice}")
     blocked: dict[str, int] = {}
     for entry in report.nodes:
         if entry["op"] in ONNX_RULES.compute_ops and entry["kind"] == "schema" \
@@ -506,15 +502,10 @@ def onnx_full_check(model: onnx.ModelProto | str) -> None:
 def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                  **options: Any) -> tuple[onnx.ModelProto, Report]:
     """Convert a model file and write the result (and its external data) atomically: all of it
-    or, on failure, nothing; the input is never touched."""
-    input_path, parsed = Path(input_path), Options(**options)
-    with OutputTransaction([(input_path, "the input model")],
-                           lambda: input_files(input_path)) as outputs:
-        staged = outputs.stage(output_path, "output", companions=data_files(
-            os.path.basename(output_path), parsed.external_data))
-        result = convert_model_file(input_path, staged, parsed)
-        outputs.commit()
-    return result
+    or, on failure, nothing; the input is never touched (`Format.convert_to`)."""
+    from . import FORMAT
+
+    return FORMAT.convert_to(Path(input_path), output_path, Options(**options))
 
 
 def input_files(model_path: Path) -> list[tuple[Path, str]]:

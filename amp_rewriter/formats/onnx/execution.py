@@ -3,16 +3,18 @@
 onnxruntime's CPU provider has fp16 kernels for few ops and bf16 kernels for almost none; for the
 rest it computes in fp32 and drops the casts around the op, so an fp16 model run there mostly
 shows fp32 numbers (a MatMul whose output exceeds 65504 does not overflow). Measuring on it as
-is would miss the hazards `--auto` exists to find. So, unless a CUDA provider is available for
-the `ort-cuda` backend, a converted model runs *emulated*: every op computes in fp32 and every
+is would miss the hazards `--auto` exists to find. So, unless the backend profile's providers are
+available (and its `emulation` is not "always"), a converted model runs *emulated*: every op
+computes in fp32 and every
 tensor the model holds in fp16/bf16 is rounded to that dtype where it is produced (an explicit
 cast pair, which onnxruntime keeps), as a kernel that computes in fp32 and stores its output in
 low precision does. Ops whose low-precision kernels accumulate in low precision (ORT CUDA's
 CumSum) are not modelled.
 
 `Execution` is the pluggable part: `prepare` turns a converted model into what runs, `providers`
-says where, `description` says which for the report. Work on better emulation or on devices
-replaces `select_execution`.
+says where, `description` says which for the report. `select_execution` reads the backend
+profile (`op_lists.BackendProfile`: its providers, their options and its emulation policy), or
+the user's `--device`.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import numpy as np
 import onnx
 
 from ...errors import AmpError, first_line
+from ...op_lists import BackendProfile
 from . import ort_registry
-from .load import load_onnx
+from .emulation import WHOLE_MODEL, emulate_low_precision
 
 _LOW = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}
 
@@ -38,6 +41,8 @@ class Execution:
     emulate: bool
     description: str
     provider_options: tuple[dict, ...] = field(default=())
+    #: Who chose it, for messages: "--device cuda", "backend ort-cuda".
+    chosen_by: str = ""
 
     def prepare(self, model: onnx.ModelProto, base_dir: str | os.PathLike | None = None,
                 in_place: bool = False) -> onnx.ModelProto:
@@ -45,7 +50,7 @@ class Execution:
         external data lives; `in_place`: `model` may be changed, saving a copy)."""
         if not self.emulate:
             return model
-        return emulate_low_precision(model, base_dir, in_place)
+        return emulate_low_precision(model, base_dir, WHOLE_MODEL, copy=not in_place).model
 
     def session(self, model: onnx.ModelProto | str, label: str, lean: bool = False):
         """An onnxruntime session for a model (proto or path); failures are one-line errors.
@@ -74,92 +79,61 @@ class Execution:
             raise AmpError(f"onnxruntime cannot load the {label}: {message}") from None
 
 
-def select_execution(backend: str, target: str) -> Execution:
-    """CUDA when onnxruntime has it and the backend is ort-cuda; else the CPU, emulated."""
+#: Where `--device` runs the converted model.
+DEVICE_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+CPU_PROVIDER = DEVICE_PROVIDERS["cpu"]
+
+
+class ProviderMissing(AmpError):
+    """The providers an execution asks for are not in this onnxruntime (the runtime's fault,
+    not the model's)."""
+
+
+def provider_label(provider: str) -> str:
+    """"CUDA" for CUDAExecutionProvider: how messages name a provider."""
+    return provider.removesuffix("ExecutionProvider")
+
+
+def select_execution(profile: BackendProfile, target: str, device: str | None = None
+                     ) -> Execution:
+    """Where converted models run for `profile` (`device`: the user's --device, which wins).
+
+    The profile's providers when onnxruntime has its first one and the profile does not
+    always emulate; else the CPU provider, emulated, unless the profile never emulates (then
+    its missing provider is an error)."""
+    if device is not None:
+        if device not in DEVICE_PROVIDERS:
+            raise AmpError(f"--device {device!r}: expected one of {', '.join(DEVICE_PROVIDERS)}")
+        if device != "cpu":
+            return Execution((DEVICE_PROVIDERS[device],), False,
+                             f"onnxruntime {provider_label(DEVICE_PROVIDERS[device])} provider",
+                             chosen_by=f"--device {device}")
+        return _emulated(target, f"--device {device}", "--device cpu")
     ort = ort_registry.onnxruntime()
-    if backend == "ort-cuda" and ort is not None \
-            and "CUDAExecutionProvider" in ort.get_available_providers():
-        # TF32 off: the fp32 reference must be fp32.
-        return Execution(("CUDAExecutionProvider", "CPUExecutionProvider"), False,
-                         f"onnxruntime CUDA provider: {target} kernels run natively, the fp32 "
-                         f"reference with TF32 off",
-                         ({"use_tf32": "0"}, {}))
-    return Execution(("CPUExecutionProvider",), True,
+    available = ort.get_available_providers() if ort is not None else []
+    chosen_by = f"backend {profile.name}"
+    first = profile.providers[0] if profile.providers else CPU_PROVIDER
+    if profile.emulation != "always" and first in available:
+        providers = tuple(p for p in profile.providers if p in available) or (first,)
+        options = tuple(dict(profile.provider_options.get(p, {})) for p in providers)
+        tf32 = " with TF32 off" if any(o.get("use_tf32") == "0" for o in options) else ""
+        return Execution(providers, False,
+                         f"onnxruntime {provider_label(first)} provider: {target} kernels run "
+                         f"natively, the fp32 reference{tf32}",
+                         options if any(options) else (), chosen_by)
+    if profile.emulation == "never":
+        raise ProviderMissing(f"{chosen_by}: this onnxruntime has no {first} (the profile runs "
+                              f"there and never emulates; {profile.source})")
+    why = (f"no {provider_label(first)} provider" if profile.emulation == "fallback"
+           else f"{profile.name} computes most {target} ops in fp32 between casts")
+    return _emulated(target, chosen_by, why)
+
+
+def _emulated(target: str, chosen_by: str, why: str) -> Execution:
+    return Execution((CPU_PROVIDER,), True,
                      f"onnxruntime CPU provider, {target} emulated: every op computes in fp32 "
                      f"and each {target} tensor is rounded to {target} where it is produced "
-                     f"(no CUDA provider{'' if backend == 'ort-cuda' else ' for ' + backend})")
-
-
-def emulate_low_precision(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None,
-                          in_place: bool = False) -> onnx.ModelProto:
-    """An fp32 copy of `model` that rounds every fp16/bf16 tensor to its dtype where it is
-    produced: op outputs are rounded with a cast to the low dtype and back; initializers stay in
-    their dtype (half the memory) and are read through a cast to fp32. Graph inputs become fp32:
-    feed them values already rounded (see `round_feeds`)."""
-    if in_place:
-        emulated = model
-    else:
-        emulated = onnx.ModelProto()
-        emulated.CopyFrom(model)
-    ir_model = load_onnx(emulated, base_dir)
-    f32 = onnx.TensorProto.FLOAT
-    codes = {name: code for code, name in _LOW.items()}
-    # Inner graphs first: re-adding an outer node copies its body, so bodies must be final by then.
-    for graph in reversed(list(ir_model.graph.walk_graphs())):
-        proto: onnx.GraphProto = graph.handle
-        position = {id(node): index for index, node in enumerate(graph.nodes)}
-        nodes: list[onnx.NodeProto] = []
-        declared_inputs = {info.name: info for info in proto.input}
-        #: node -> the casts of low-precision initializers it reads first: each cast runs right
-        #: before its first reader, so that the fp32 copies are not all alive at once.
-        widen_before: dict[int, list[onnx.NodeProto]] = {}
-        for tensor in proto.initializer:
-            if tensor.data_type in _LOW:
-                raw = f"{tensor.name}__amp_emulated"
-                cast = onnx.helper.make_node("Cast", [raw], [tensor.name], to=f32)
-                value = graph.values.get(tensor.name)
-                first = min((position[id(consumer)] for consumer, _ in value.uses
-                             if id(consumer) in position), default=None) \
-                    if value is not None else None
-                if first is not None:
-                    widen_before.setdefault(first, []).append(cast)
-                else:  # read by a body, or by nothing: at the start
-                    nodes.append(cast)
-                if tensor.name in declared_inputs:  # IR < 4 lists initializers as inputs
-                    declared_inputs[tensor.name].name = raw
-                tensor.name = raw
-        for index, node in enumerate(graph.nodes):
-            nodes.extend(widen_before.get(index, ()))
-            nodes.append(node.handle)
-            for slot, value in enumerate(node.outputs):
-                if value is None or value.dtype not in codes:
-                    continue
-                raw = f"{value.name}__amp_emulated"
-                node.handle.output[slot] = raw
-                code = codes[value.dtype]
-                if node.op_type == "Cast":  # the cast itself rounds; widen its result
-                    nodes.append(onnx.helper.make_node("Cast", [raw], [value.name], to=f32))
-                else:
-                    nodes.extend(_round_pair(raw, value.name, code))
-        del proto.node[:]
-        proto.node.extend(nodes)
-        for node in proto.node:
-            for attr in node.attribute:
-                if attr.HasField("t") and attr.t.data_type in _LOW:
-                    array = onnx.numpy_helper.to_array(attr.t).astype(np.float32)
-                    attr.t.CopyFrom(onnx.numpy_helper.from_array(array, attr.t.name))
-        for info in list(proto.input) + list(proto.output):
-            if info.type.tensor_type.elem_type in _LOW and not info.name.endswith(
-                    "__amp_emulated"):
-                info.type.tensor_type.elem_type = f32
-        del proto.value_info[:]
-    return emulated
-
-
-def _round_pair(raw: str, name: str, code: int) -> list[onnx.NodeProto]:
-    rounded = f"{raw}_rounded"
-    return [onnx.helper.make_node("Cast", [raw], [rounded], to=code),
-            onnx.helper.make_node("Cast", [rounded], [name], to=onnx.TensorProto.FLOAT)]
+                     f"({why})", chosen_by=chosen_by)
 
 
 def low_precision_inputs(model: onnx.ModelProto) -> dict[str, str]:

@@ -31,11 +31,6 @@ from .load import PROTOBUF_LIMIT, load_external_data
 OPTIMIZED_NAME = "optimized.onnx"
 
 
-def model_types() -> list[str]:
-    """The model types onnxruntime's transformer optimizer knows (bert, gpt2, ...)."""
-    return sorted(_optimizer_module().MODEL_TYPES)
-
-
 def options_after(options: Options) -> Options:
     """The options for converting the fused model: the optimizer has run."""
     return dataclasses.replace(options, optimize=None, num_heads=None, hidden_size=None)

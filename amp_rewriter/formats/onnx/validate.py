@@ -2,7 +2,8 @@
 
 On the CPU provider, the low-precision ops it has no kernel for (fused contrib ops in fp16,
 nearly everything in bf16) are emulated (`emulate_low_precision`), and each output says how it
-was computed; `device="cuda"` runs the converted model on the CUDA provider instead.
+was computed; an `Execution` that does not emulate (the backend profile's providers, or
+`--device cuda`) runs the converted model on its providers as it is instead.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,20 +20,15 @@ import onnx
 from ... import progress
 from ...errors import AmpError, ConvertedModelFailed, first_line
 from ...fileio import scratch_dir
-from ...ir import Graph, Node, TypeGroup, Value
-from ...validation import EMULATED, OutputComparison, check_random_shape, compare_outputs
+from ...validation import OutputComparison, check_random_shape, compare_outputs
 from . import ort_registry
+from .emulation import Emulation, emulate_low_precision
+from .execution import CPU_PROVIDER, DEVICE_PROVIDERS, Execution, ProviderMissing
 from .load import (
     PROTOBUF_LIMIT,
-    all_tensors,
-    load_external_data,
-    load_onnx,
-    model_opsets,
     read_model_file,
-    schema_since_version,
     walk_graph_protos,
 )
-from .rules import CONTROL_FLOW_OPS
 
 _NUMPY_OF_ELEM = {
     onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
@@ -112,26 +107,30 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray
     return feeds
 
 
-#: Where `--device` runs the converted model.
-DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
-
-
-def _session(model: onnx.ModelProto | str | bytes, label: str, device: str = "cpu"):
+def _session(model: onnx.ModelProto | str | bytes, label: str,
+             execution: Execution | None = None):
+    """An onnxruntime session on `execution`'s providers (None: the CPU provider)."""
     options = ort_registry.session_options()
     ort = ort_registry.required()
-    provider = DEVICES[device]
+    providers = execution.providers if execution is not None else (CPU_PROVIDER,)
+    chosen_by = execution.chosen_by if execution is not None else "--device cpu"
+    provider = providers[0]
     if provider not in ort.get_available_providers():
-        raise AmpError(f"--device {device}: this onnxruntime has no {provider} (install "
-                       f"onnxruntime-gpu instead of onnxruntime: pip install 'amp-rewriter[gpu]')")
+        hint = (" (install onnxruntime-gpu instead of onnxruntime: pip install "
+                "'amp-rewriter[gpu]')" if provider == DEVICE_PROVIDERS["cuda"] else "")
+        raise ProviderMissing(f"{chosen_by}: this onnxruntime has no {provider}{hint}")
     try:
         with _model_source(model) as source:
-            session = ort.InferenceSession(source, options, providers=[provider])
+            session = ort.InferenceSession(
+                source, options, providers=list(providers),
+                provider_options=list(execution.provider_options)
+                if execution is not None and execution.provider_options else None)
     except Exception as exc:
         message = first_line(exc)
         raise AmpError(f"onnxruntime cannot load the {label} model: {message}") from None
     if provider not in session.get_providers():
-        raise AmpError(f"--device {device}: onnxruntime could not start its {provider} (no GPU "
-                       f"visible, or its CUDA libraries are missing)")
+        raise ProviderMissing(f"{chosen_by}: onnxruntime could not start its {provider} (no "
+                              f"GPU visible, or its CUDA libraries are missing)")
     return session
 
 
@@ -186,11 +185,13 @@ def _check_given_inputs(session, feeds: dict[str, np.ndarray]) -> None:
 
 def compare_models(reference: onnx.ModelProto | str | bytes,
                    candidate: onnx.ModelProto | str | bytes, feeds: dict[str, np.ndarray],
-                   device: str = "cpu", computed: dict[str, tuple[str, list[str]]] | None = None,
+                   execution: Execution | None = None,
+                   computed: dict[str, tuple[str, list[str]]] | None = None,
                    inputs_given: bool = False) -> list[OutputComparison]:
     """Run both models on `feeds`; per-output max-abs and relative (max-abs / max|ref|) errors.
 
-    The fp32 reference always runs on the CPU; the candidate on `device`. `computed` says, per
+    The fp32 reference always runs on the CPU; the candidate on `execution`'s providers (None:
+    the CPU provider, the candidate as given). `computed` says, per
     output, how the candidate computed it (kept in each comparison). `inputs_given`: the feeds
     are the user's (--inputs), checked against the model's inputs (every key an input, every
     input a key, each of its dtype), and errors do not suggest --inputs. A failure of the
@@ -209,7 +210,7 @@ def compare_models(reference: onnx.ModelProto | str | bytes,
                            "the fp32 model", inputs_given, AmpError)
         del ref_session
         steps.start("loading the converted model")
-        comparisons = _compare_with(candidate, names, ref_outputs, feeds, device,
+        comparisons = _compare_with(candidate, names, ref_outputs, feeds, execution,
                                     inputs_given, steps)
         steps.finish()
     for c in comparisons:
@@ -218,14 +219,15 @@ def compare_models(reference: onnx.ModelProto | str | bytes,
 
 
 def _compare_with(candidate: onnx.ModelProto | str | bytes, names: list[str],
-                  ref_outputs: list, feeds: dict[str, np.ndarray], device: str,
-                  inputs_given: bool, steps: progress.Steps) -> list[OutputComparison]:
+                  ref_outputs: list, feeds: dict[str, np.ndarray],
+                  execution: Execution | None, inputs_given: bool, steps: progress.Steps
+                  ) -> list[OutputComparison]:
     """Run the converted model and compare its outputs with the fp32 model's."""
     try:
-        new_session = _session(candidate, "converted", device)
+        new_session = _session(candidate, "converted", execution)
+    except ProviderMissing:
+        raise  # the provider is missing, not the model at fault
     except AmpError as exc:
-        if device != "cpu" and str(exc).startswith("--device"):
-            raise  # the provider is missing, not the model at fault
         raise ConvertedModelFailed(str(exc)) from None
     candidate_names = {o.name for o in new_session.get_outputs()}
     missing = [n for n in names if n not in candidate_names]
@@ -301,252 +303,28 @@ def runnable_on_cpu(path: Path, scratch: Path | None = None,
 
 
 def validate_conversion(reference: str | os.PathLike, converted: str | os.PathLike,
-                        feeds: dict[str, np.ndarray], device: str = "cpu",
+                        feeds: dict[str, np.ndarray], execution: Execution | None = None,
                         scratch: Path | None = None, inputs_given: bool = False,
                         model: onnx.ModelProto | None = None
                         ) -> tuple[list[OutputComparison], list[str]]:
     """Compare a converted model file with its fp32 reference; (comparisons, notes).
 
-    On the CPU the ops without a low-precision CPU kernel run emulated (`runnable_on_cpu`, a
-    model over 2 GiB staged in `scratch`; `model`: the file already parsed, rewritten in place)
-    and every comparison says how its output was computed; on `cuda` the converted model runs on
-    the CUDA provider as it is.
+    With an emulating `execution` (or None) the converted model runs on the CPU and the ops
+    without a low-precision CPU kernel run emulated (`runnable_on_cpu`, a model over 2 GiB
+    staged in `scratch`; `model`: the file already parsed, rewritten in place) and every
+    comparison says how its output was computed; else it runs on the execution's providers as
+    it is.
     """
     converted_path = Path(converted)
-    if device != "cpu":
-        if device not in DEVICES:
-            raise AmpError(f"--device {device!r}: expected one of {', '.join(DEVICES)}")
+    if execution is not None and not execution.emulate:
         computed: dict[str, tuple[str, list[str]]] = {
-            o.name: (DEVICES[device], [])
+            o.name: (execution.providers[0], [])
             for o in (model or read_model_file(converted_path)).graph.output}
-        return compare_models(os.fspath(reference), str(converted_path), feeds, device,
+        return compare_models(os.fspath(reference), str(converted_path), feeds, execution,
                               computed, inputs_given), []
     with runnable_on_cpu(converted_path, scratch, model) as (candidate, notes, computed):
-        return compare_models(os.fspath(reference), candidate, feeds, "cpu", computed,
+        return compare_models(os.fspath(reference), candidate, feeds, None, computed,
                               inputs_given), notes
-
-
-#: How an output was computed in a validation run (OutputComparison.computed, with EMULATED).
-COMPUTED_FP32 = "fp32"
-COMPUTED_REAL = "low-precision kernels"
-
-
-@dataclass
-class Emulation:
-    """A converted model prepared for onnxruntime's CPU provider, and what was emulated.
-
-    model: the model to run; `emulated`: "name (op)" of the nodes computed in fp32 with their
-    low-precision outputs rounded; `outputs`: output name -> (how it was computed, the emulated
-    ops on its path).
-    """
-
-    model: onnx.ModelProto
-    emulated: list[str] = field(default_factory=list)
-    outputs: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
-
-
-_LOW_ELEM_TYPES = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
-
-
-def _cpu_runs_in_low_precision(node: Node, opsets: dict[str, int]) -> bool:
-    """Whether onnxruntime's CPU provider has a kernel for the node with its dtypes (nodes we
-    know nothing about, control flow and casts count as runnable: they are left to onnxruntime)."""
-    if node.op_type in CONTROL_FLOW_OPS or node.op_type == "Cast" or not node.has_schema:
-        return True
-    domain = node.domain or ""
-    since = schema_since_version(node.op_type, domain, opsets.get(domain, 0))
-    if since is None:
-        return True
-    dtypes = []
-    for group in node.type_groups:
-        values = [node.inputs[s] for s in group.input_slots] + \
-                 [node.outputs[s] for s in group.output_slots]
-        dtype = next((v.dtype for v in values if v is not None and v.dtype), None)
-        if dtype is not None:
-            dtypes.append((group.name.split("[")[0], dtype))
-    return ort_registry.cpu_kernel_for(node.op_type, domain, since, dtypes) is not False
-
-
-def _low_values(node: Node) -> tuple[list[int], list[int]]:
-    """The node's input and output slots that carry fp16/bf16 tensors (a value of unknown dtype
-    takes its type group's)."""
-    def low(value: Value | None, group: TypeGroup | None) -> bool:
-        if value is None:
-            return False
-        dtype = value.dtype or (group.current_dtype if group is not None else None)
-        return dtype in _LOW_ELEM_TYPES
-
-    ins = [i for i, v in enumerate(node.inputs)
-           if low(v, node.input_group[i] if i < len(node.input_group) else None)]
-    outs = [i for i, v in enumerate(node.outputs)
-            if low(v, node.output_group[i] if i < len(node.output_group) else None)]
-    return ins, outs
-
-
-def _fill_body_dtypes(graph: Graph) -> None:
-    """Body inputs a model leaves untyped (loop-carried values) take their group's dtype."""
-    for node in graph.walk_nodes():
-        for group in node.type_groups:
-            dtype = group.current_dtype
-            for value in group.inner_defs:
-                if value.dtype is None:
-                    value.dtype = dtype
-
-
-def emulate_low_precision(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None,
-                          emulate_all: bool = False, copy: bool = True) -> Emulation:
-    """A copy of `model` that onnxruntime's CPU provider runs like the target would.
-
-    Every node with fp16/bf16 tensors that the CPU provider has no kernel for in those dtypes
-    (fused contrib ops in fp16, nearly every op in bf16; `emulate_all` takes every such node)
-    computes in fp32 instead: its low-precision inputs are cast to fp32 and each low-precision
-    output is rounded to its dtype right where it is produced (Cast to fp16/bf16), which is what a
-    low-precision kernel with fp32 accumulation gives. Nodes with a real kernel run as they are.
-    bf16 graph inputs and outputs are fed and read as fp32 (numpy has no bf16), rounded at the
-    boundary. External data is read into the copy (from `base_dir`, with the loader's checks on
-    where it lies). `copy=False` rewrites `model` itself (a caller that owns it saves the memory).
-    """
-    if copy:
-        emulated = onnx.ModelProto()
-        emulated.CopyFrom(model)
-    else:
-        emulated = model
-    if base_dir is not None and _has_external(emulated):
-        load_external_data(emulated, Path(base_dir))
-    ir_model = load_onnx(emulated)
-    _fill_body_dtypes(ir_model.graph)
-    opsets = model_opsets(emulated)
-    f32 = onnx.TensorProto.FLOAT
-    result = Emulation(emulated)
-    emulated_ids: set[int] = set()
-    # Inner graphs first: re-adding an outer node copies its body, so bodies must be final by then.
-    for graph in reversed(list(ir_model.graph.walk_graphs())):
-        proto = graph.handle
-        widened: dict[str, str] = {}  # a low-precision value -> its fp32 copy in this graph
-        nodes: list[onnx.NodeProto] = []
-        for node in graph.nodes:
-            low_in, low_out = _low_values(node)
-            if not (low_in or low_out) or (
-                    not emulate_all and _cpu_runs_in_low_precision(node, opsets)) \
-                    or node.op_type in CONTROL_FLOW_OPS or node.op_type == "Cast":
-                nodes.append(node.handle)
-                continue
-            emulated_ids.add(id(node))
-            result.emulated.append(f"{node.name} ({node.qualified_op})")
-            for slot in low_in:
-                value = node.inputs[slot]
-                assert value is not None
-                if value.name not in widened:  # names are unique model-wide (bodies included)
-                    widened[value.name] = ir_model.unique_name(f"{value.name}__fp32_emulation")
-                    nodes.append(onnx.helper.make_node("Cast", [value.name],
-                                                       [widened[value.name]], to=f32))
-                node.handle.input[slot] = widened[value.name]
-            _widen_tensor_attributes(node.handle)
-            nodes.append(node.handle)
-            for slot in low_out:
-                value = node.outputs[slot]
-                group = node.output_group[slot] if slot < len(node.output_group) else None
-                assert value is not None
-                dtype = value.dtype or (group.current_dtype if group is not None else None)
-                raw = ir_model.unique_name(f"{value.name}__fp32_emulated")
-                node.handle.output[slot] = raw
-                nodes.append(onnx.helper.make_node("Cast", [raw], [value.name],
-                                                   to=_LOW_ELEM_TYPES[dtype or ""]))
-        del proto.node[:]
-        proto.node.extend(nodes)
-        del proto.value_info[:]  # the emulated values' types changed; onnxruntime infers them
-        if graph.parent is None:
-            _fp32_boundary(proto, ir_model.unique_name)
-    result.outputs = _how_outputs_were_computed(ir_model.graph, emulated_ids)
-    return result
-
-
-def _has_external(model: onnx.ModelProto) -> bool:
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in all_tensors(model.graph))
-
-
-def _widen_tensor_attributes(node: onnx.NodeProto) -> None:
-    """Low-precision tensor attributes (ConstantOfShape's value) of an emulated node as fp32."""
-    for attr in node.attribute:
-        if attr.HasField("t") and attr.t.data_type in _LOW_ELEM_TYPES.values():
-            array = onnx.numpy_helper.to_array(attr.t).astype(np.float32)
-            attr.t.CopyFrom(onnx.numpy_helper.from_array(array, attr.t.name))
-
-
-def _fp32_boundary(graph: onnx.GraphProto, fresh: Callable[[str], str]) -> None:
-    """bf16 graph inputs and outputs become fp32 ones, rounded to bf16 where they cross."""
-    bf16, f32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
-    initializers = {t.name for t in graph.initializer}
-    head = []
-    for info in graph.input:
-        if info.type.tensor_type.elem_type == bf16 and info.name not in initializers:
-            outer = fresh(f"{info.name}__fp32_input")
-            head.append(onnx.helper.make_node("Cast", [outer], [info.name], to=bf16))
-            info.name = outer
-            info.type.tensor_type.elem_type = f32
-    tail = []
-    for info in graph.output:
-        if info.type.tensor_type.elem_type == bf16:
-            inner = fresh(f"{info.name}__bf16_output")
-            for node in graph.node:
-                for i, name in enumerate(node.output):
-                    if name == info.name:
-                        node.output[i] = inner
-                for i, name in enumerate(node.input):
-                    if name == info.name:
-                        node.input[i] = inner
-            tail.append(onnx.helper.make_node("Cast", [inner], [info.name], to=f32))
-            info.type.tensor_type.elem_type = f32
-    if head or tail:
-        nodes = head + list(graph.node) + tail
-        del graph.node[:]
-        graph.node.extend(nodes)
-
-
-def _how_outputs_were_computed(graph: Graph, emulated_ids: set[int]
-                               ) -> dict[str, tuple[str, list[str]]]:
-    """Output name -> (fp32, low-precision kernels or emulated; the emulated ops on its path)."""
-    result = {}
-    for output in graph.outputs:
-        seen: set[int] = set()
-        emulated_ops: set[str] = set()
-        low = output.dtype in _LOW_ELEM_TYPES
-        stack = [output.producer] if output.producer is not None else []
-        while stack:
-            node = stack.pop()
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            members = [node, *(inner for sub in node.subgraphs.values()
-                               for inner in sub.walk_nodes())]
-            for member in members:
-                if id(member) in emulated_ids:
-                    emulated_ops.add(member.qualified_op)
-                ins, outs = _low_values(member)
-                low = low or bool(ins or outs)
-                for value in member.inputs:
-                    if value is not None and value.producer is not None \
-                            and id(value.producer) not in seen:
-                        stack.append(value.producer)
-        if emulated_ops:
-            result[output.name] = (EMULATED, sorted(emulated_ops))
-        else:
-            result[output.name] = (COMPUTED_REAL if low else COMPUTED_FP32, [])
-    return result
-
-
-def emulate_bfloat16(model: onnx.ModelProto) -> onnx.ModelProto:
-    """An fp32-compute copy of a bf16 model: every bf16 node computes in fp32 with its bf16
-    outputs rounded where they are produced (`emulate_low_precision` with every node emulated)."""
-    return emulate_rounding(model)
-
-
-def emulate_rounding(model: onnx.ModelProto) -> onnx.ModelProto:
-    """An fp32-compute copy of a low-precision model with every fp16/bf16 tensor rounded where it
-    is produced. Unlike a plain run on the CPU provider, which computes an fp16 op without a CPU
-    kernel in fp32 and drops the casts around it (so a cast of -3.4e38 to fp16 is not -inf
-    there), every rounding and overflow of the target happens."""
-    return emulate_low_precision(model, emulate_all=True).model
 
 
 def has_bfloat16(model: onnx.ModelProto) -> bool:

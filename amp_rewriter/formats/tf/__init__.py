@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ...accuracy.runner import ModelRunner
 from ...errors import AmpError
+from ...op_lists import Overrides
 from ...options import Options, TrainingOptions
 from ...report import CheckResult, Report
 from ...training import LossScaleRule
@@ -22,21 +24,22 @@ from . import _tensorflow  # noqa: F401  (sorts first of this package: TensorFlo
 from .check import TF_CHECK_RULES, check_tf_graph
 from .convert import (
     convert_file,
-    convert_graph_def,
     convert_graphdef,
     convert_saved_model,
     convert_saved_model_proto,
     convert_tf_file,
-    input_files,
     meta_graph_fetches,
     output_kind,
+    rewrite_graphdef,
 )
 from .files import is_saved_model_dir, read_graphdef, read_meta_graph, read_saved_model
-from .lists import default_backend
 from .rules import TF_RULES
 from .training.hook import MixedPrecisionFunction, MixedPrecisionStep, mixed_precision
 from .training.rewrite import TrainingRewrite, convert_training_file, rewrite_training_graph
 from .validate import compare_graphdefs, compare_saved_models
+
+if TYPE_CHECKING:  # imported for real only after `_tensorflow` has quieted TensorFlow
+    from tensorflow.core.framework import graph_pb2
 
 
 class TfFormat(Format):
@@ -46,17 +49,27 @@ class TfFormat(Format):
     rules = TF_RULES
     check_rules = TF_CHECK_RULES
 
-    def default_backend(self, target: str) -> str:
-        return default_backend(target)
+    def accepts(self, model: object) -> bool:
+        from tensorflow.core.framework import graph_pb2
+
+        return isinstance(model, graph_pb2.GraphDef)
+
+    def convert(self, model: Any, options: Options, source_dir: Path | None = None
+                ) -> tuple[graph_pb2.GraphDef, Report]:
+        graph_def = model if self.accepts(model) else read_graphdef(Path(model))
+        return rewrite_graphdef(graph_def, options)
 
     def convert_file(self, input_path: Path, output_path: Path, options: Options,
-                     training: TrainingOptions | None = None) -> Report:
+                     training: TrainingOptions | None = None) -> tuple[None, Report]:
         if training is not None:
-            return convert_training_file(input_path, output_path, options, training)
-        return convert_file(input_path, output_path, options)
+            return None, convert_training_file(input_path, output_path, options, training)
+        return None, convert_file(input_path, output_path, options)
+
+    def input_entry(self, path: Path, what: str = "input") -> tuple[Path, str]:
+        return path, f"the {what} {'SavedModel' if is_saved_model_dir(path) else 'model'}"
 
     def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
-                 inputs: str | None, rtol: float, device: str = "cpu") -> Validation:
+                 inputs: str | None, rtol: float, device: str | None = None) -> Validation:
         _cpu_only(device)
         feeds = load_inputs(inputs) if inputs else None
         if is_saved_model_dir(input_path):
@@ -72,9 +85,9 @@ class TfFormat(Format):
 
     def check(self, path: Path, target: str | None, backend: str | None,
               reference: Path | None, rtol: float | None, inputs: str | None = None,
-              device: str = "cpu") -> CheckResult:
+              device: str | None = None, overrides: Overrides | None = None) -> CheckResult:
         _cpu_only(device)
-        return check_tf_graph(path, target, backend, reference, rtol, inputs)
+        return check_tf_graph(path, target, backend, reference, rtol, inputs, overrides)
 
     def explain(self, source: Path, options: Options) -> Report:
         options = dataclasses.replace(options, check=False)
@@ -84,16 +97,13 @@ class TfFormat(Format):
             meta = read_meta_graph(source)
             if not options.outputs:
                 options = dataclasses.replace(options, outputs=meta_graph_fetches(meta) or None)
-            return convert_graph_def(meta.graph_def, options)[1]
-        return convert_graph_def(read_graphdef(source), options)[1]
+            return rewrite_graphdef(meta.graph_def, options)[1]
+        return rewrite_graphdef(read_graphdef(source), options)[1]
 
     def accuracy_runner(self, path: Path, options: Options) -> ModelRunner:
         from .accuracy import TfRunner
 
         return TfRunner(path, options)
-
-    def input_files(self, input_path: Path) -> list[tuple[Path, str]]:
-        return input_files(input_path)
 
     def output_kind(self, input_path: Path) -> str:
         return output_kind(input_path)
@@ -102,8 +112,9 @@ class TfFormat(Format):
         return is_saved_model_dir(path)
 
 
-def _cpu_only(device: str) -> None:
-    if device != "cpu":
+def _cpu_only(device: str | None) -> None:
+    """TensorFlow graphs run on TensorFlow's CPU kernels whatever the profile's device."""
+    if device not in (None, "cpu"):
         raise AmpError(f"--device {device}: TensorFlow graphs are validated on the CPU only")
 
 

@@ -46,11 +46,11 @@ from ...passes.base import Pin
 from ...report import Report
 from ._tensorflow import imported_graph
 from .convert import (
-    convert_graph_def,
-    convert_graph_def_ir,
     convert_saved_model_dir,
     meta_graph_fetches,
     refuse_outputs_for_saved_models,
+    rewrite_graphdef,
+    rewrite_graphdef_ir,
 )
 from .emit import tensor_proto
 from .files import is_saved_model_dir, read_graphdef, read_meta_graph, write_graphdef
@@ -201,7 +201,7 @@ class TfRunner(ModelRunner):
     # -- conversions ---------------------------------------------------------------------------
     def convert(self, pins: Mapping[str, Pin]) -> TfConversion:
         options = dataclasses.replace(self.options, check=False, outputs=self.fetches)
-        graph_def, report, (ir, names) = convert_graph_def_ir(self.graph_def, options,
+        graph_def, report, (ir, names) = rewrite_graphdef_ir(self.graph_def, options,
                                                               pins=pins)
         return TfConversion(graph_def, report, ir, names, pins)
 
@@ -214,13 +214,13 @@ class TfRunner(ModelRunner):
         if self.meta is not None:
             from tensorflow.core.protobuf import meta_graph_pb2
 
-            converted, report = convert_graph_def(self.meta.graph_def, self.options, pins=pins)
+            converted, report = rewrite_graphdef(self.meta.graph_def, self.options, pins=pins)
             out = meta_graph_pb2.MetaGraphDef()
             out.CopyFrom(self.meta)
             out.graph_def.CopyFrom(converted)
             write_graphdef(out, output_path)
             return report
-        converted, report = convert_graph_def(self.graph_def, options, pins=pins)
+        converted, report = rewrite_graphdef(self.graph_def, options, pins=pins)
         write_graphdef(converted, output_path)
         return report
 

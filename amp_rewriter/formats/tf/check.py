@@ -21,6 +21,7 @@ from ...cost import model_cost
 from ...errors import AmpError
 from ...ir import TARGET_DTYPES, LazyTensor, Model
 from ...ir.dtypes import NUMPY_DTYPES
+from ...op_lists import Overrides
 from ...report import CheckResult, CheckRule
 from ...validation import (
     COMMON_CHECK_RULES,
@@ -109,14 +110,15 @@ def _trace_constant(nodes: dict, ref: str) -> tuple[np.ndarray | None, str | Non
 
 def check_tf_graph(path: str | os.PathLike, target: str | None = None,
                    backend: str | None = None, reference: str | os.PathLike | None = None,
-                   rtol: float | None = None, inputs: str | os.PathLike | None = None
-                   ) -> CheckResult:
+                   rtol: float | None = None, inputs: str | os.PathLike | None = None,
+                   overrides: Overrides | None = None) -> CheckResult:
     """`check` for TensorFlow graphs (.meta, .pb, .pbtxt) and SavedModel directories: optimizer
     updates in low precision, optimizer constants (Adam's epsilon, learning rates) that
     underflow or overflow in the low precision type they are cast to, deny-list ops running in
     low precision and low-precision constants (in every function of a SavedModel); with
     `reference` (the fp32 model), constants against its constants and the outputs against its
-    outputs on `inputs` (an .npz) or seeded random ones."""
+    outputs on `inputs` (an .npz) or seeded random ones. `overrides`: the --config's backend
+    profiles and class moves, as convert had them."""
     path = Path(path)
     metas = _meta_graphs(path)
     if target is None:
@@ -129,7 +131,7 @@ def check_tf_graph(path: str | os.PathLike, target: str | None = None,
     for meta in metas:
         _check_optimizer(meta, target, result)
         _check_swallowed_updates(meta, result)
-    lists = load_tf_lists(target, backend)
+    lists = load_tf_lists(target, backend, overrides)
     for graph, model in _graph_irs(metas):
         problems, notes = deny_op_findings(model.graph.walk_nodes(), lists, TF_RULES, target,
                                            "" if graph == "main" else f" (in {graph})")

@@ -25,11 +25,10 @@ from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 from tensorflow.python.framework import op_def_registry
 
 from ...errors import AmpError, first_line
-from ...fileio import OutputTransaction
 from ...host import record_bf16_host_check
 from ...ir import ALLOW, TARGET_DTYPES, Model, ValueNames, decisions, short_name
 from ...op_lists import OpLists
-from ...options import Options
+from ...options import DEFAULT_TARGET, Options
 from ...passes import PassContext, Pin, StoredRange, run_pipeline
 from ...precision_map import PrecisionMap
 from ...report import NodeEntries, Report, build_report
@@ -106,7 +105,7 @@ def _warnings(options: Options, report: Report, unknown_ops: set[str]) -> list[s
 
 
 def convert_graphdef(graph_def: graph_pb2.GraphDef, outputs: Iterable[str] | None = None,
-                     target: str = "bf16", backend: str | None = None, **options: Any
+                     target: str = DEFAULT_TARGET, backend: str | None = None, **options: Any
                      ) -> tuple[graph_pb2.GraphDef, Report]:
     """Convert an fp32 GraphDef (left unmodified) to mixed precision.
 
@@ -115,25 +114,25 @@ def convert_graphdef(graph_def: graph_pb2.GraphDef, outputs: Iterable[str] | Non
     keep their names and dtypes. `**options` are the other fields of `amp_rewriter.Options`;
     `check` imports the result into a tf.Graph.
     """
-    return convert_graph_def(graph_def, Options(
+    return rewrite_graphdef(graph_def, Options(
         target=target, backend=backend, outputs=list(outputs) if outputs else None, **options))
 
 
-def convert_graph_def(graph_def: graph_pb2.GraphDef, options: Options,
+def rewrite_graphdef(graph_def: graph_pb2.GraphDef, options: Options,
                       pipeline: str = "tf", pins: Mapping[str, Pin] | None = None
                       ) -> tuple[graph_pb2.GraphDef, Report]:
     """`convert_graphdef` with the options as one object; `pins` maps node names to why a front
     end keeps them fp32 (the training rewrite's plan, with its own `pipeline`; `--auto`'s
     measurements)."""
-    converted, report, _ = convert_graph_def_ir(graph_def, options, pipeline, pins)
+    converted, report, _ = rewrite_graphdef_ir(graph_def, options, pipeline, pins)
     return converted, report
 
 
-def convert_graph_def_ir(graph_def: graph_pb2.GraphDef, options: Options,
+def rewrite_graphdef_ir(graph_def: graph_pb2.GraphDef, options: Options,
                          pipeline: str = "tf", pins: Mapping[str, Pin] | None = None,
                          plan_training: Callable[[Model], TrainingContext] | None = None
                          ) -> tuple[graph_pb2.GraphDef, Report, tuple[Model, ValueNames]]:
-    """`convert_graph_def`, also returning the IR the passes left and the values' names before
+    """`rewrite_graphdef`, also returning the IR the passes left and the values' names before
     them (for the accuracy tools). `plan_training` is a training front end: it reads the loaded
     IR and returns the training context the `pipeline`'s training passes work on."""
     if options.keep_fp32_weights:
@@ -154,19 +153,19 @@ def convert_graph_def_ir(graph_def: graph_pb2.GraphDef, options: Options,
         converted = emit_graphdef(ir_model)
     report.summary["outputs"] = fetches
     report.warnings = _warnings(options, report, ir_model.handle.unknown_ops)
-    record_bf16_host_check(report)
+    record_bf16_host_check(report, lists.profile)
     if options.check:
         check_graphdef(converted)
     return converted, report, (ir_model, names)
 
 
-def convert_function_ir(fdef: function_pb2.FunctionDef,
+def rewrite_function_ir(fdef: function_pb2.FunctionDef,
                         library: function_pb2.FunctionDefLibrary, options: Options,
                         pipeline: str = "tf",
                         plan_training: Callable[[Model], TrainingContext] | None = None
                         ) -> tuple[Model, Report]:
     """One function body through a pipeline: its IR after the passes (for `emit_function`)
-    and the report. `plan_training` is a training front end, as for `convert_graph_def_ir`;
+    and the report. `plan_training` is a training front end, as for `rewrite_graphdef_ir`;
     the function's arguments and return values keep their dtypes."""
     options, lists = _resolved(dataclasses.replace(options, keep_io_types=True))
     with cyclic_gc_paused():
@@ -176,7 +175,7 @@ def convert_function_ir(fdef: function_pb2.FunctionDef,
                       training=training)
         lower_rounding_casts(ir_model)  # the IR's stochastic Casts, as TensorFlow ops
     report.warnings = _warnings(options, report, ir_model.handle.unknown_ops)
-    record_bf16_host_check(report)
+    record_bf16_host_check(report, lists.profile)
     return ir_model, report
 
 
@@ -202,7 +201,7 @@ def convert_meta_graph_file(input_path: Path, output_path: Path, options: Option
     meta = read_meta_graph(input_path)
     if not options.outputs:
         options = dataclasses.replace(options, outputs=meta_graph_fetches(meta) or None)
-    converted, report = convert_graph_def(meta.graph_def, options)
+    converted, report = rewrite_graphdef(meta.graph_def, options)
     out = meta_graph_pb2.MetaGraphDef()
     out.CopyFrom(meta)
     out.graph_def.CopyFrom(converted)
@@ -222,7 +221,7 @@ def convertible_function(fdef: function_pb2.FunctionDef) -> bool:
 
 
 def convert_saved_model(input_dir: str | os.PathLike, output_dir: str | os.PathLike,
-                        target: str = "bf16", backend: str | None = None, **options: Any
+                        target: str = DEFAULT_TARGET, backend: str | None = None, **options: Any
                         ) -> Report:
     """Convert every function of a SavedModel; variables and assets are copied unchanged.
 
@@ -232,13 +231,13 @@ def convert_saved_model(input_dir: str | os.PathLike, output_dir: str | os.PathL
     SavedModel there is replaced only on success). `**options` are the other fields of
     `amp_rewriter.Options`.
     """
-    input_dir, output_dir = Path(input_dir), Path(output_dir)
-    with OutputTransaction(input_files(input_dir)) as outputs:
-        staged = outputs.stage(output_dir, "output", "dir", replace_dir=is_saved_model_dir)
-        report = convert_saved_model_dir(input_dir, staged, Options(
-            target=target, backend=backend, **options))
-        outputs.commit()
-    return report
+    from . import FORMAT
+
+    input_dir = Path(input_dir)
+    if not is_saved_model_dir(input_dir):
+        raise AmpError(f"{input_dir}: not a SavedModel directory (no saved_model.pb)")
+    return FORMAT.convert_to(input_dir, output_dir,
+                             Options(target=target, backend=backend, **options))[1]
 
 
 def refuse_outputs_for_saved_models(options: Options) -> None:
@@ -286,7 +285,7 @@ def convert_saved_model_proto(input_dir: Path, options: Options,
             served.extend(True for _ in main)
     report = merge_reports(reports, options, served)
     report.warnings = _warnings(options, report, unknown_ops)
-    record_bf16_host_check(report)
+    record_bf16_host_check(report, lists.profile)
     write_variables = None
     if not options.keep_fp32_weights:
         write_variables = _lower_weights(saved, options, report, ranges)
@@ -489,27 +488,16 @@ def _called(nd, library: dict) -> list[str]:
 
 
 def convert_tf_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
-                    outputs: Iterable[str] | None = None, target: str = "bf16",
+                    outputs: Iterable[str] | None = None, target: str = DEFAULT_TARGET,
                     backend: str | None = None, **options: Any) -> Report:
     """Convert a GraphDef file (.pb/.pbtxt/.meta) or a SavedModel directory; the input is
     untouched and the output appears whole or not at all. `**options` are the other fields of
     `amp_rewriter.Options`."""
-    input_path, output_path = Path(input_path), Path(output_path)
-    with OutputTransaction(input_files(input_path)) as staging:
-        staged = staging.stage(output_path, "output", output_kind(input_path),
-                               replace_dir=is_saved_model_dir)
-        report = convert_file(input_path, staged, Options(
-            target=target, backend=backend, outputs=list(outputs) if outputs else None,
-            **options))
-        staging.commit()
-    return report
+    from . import FORMAT
 
-
-def input_files(input_path: Path) -> list[tuple[Path, str]]:
-    """What converting `input_path` reads: the graph file, or the SavedModel directory."""
-    if is_saved_model_dir(input_path):
-        return [(input_path, "the input SavedModel")]
-    return [(input_path, "the input model")]
+    return FORMAT.convert_to(Path(input_path), output_path, Options(
+        target=target, backend=backend, outputs=list(outputs) if outputs else None,
+        **options))[1]
 
 
 def output_kind(input_path: Path) -> str:
@@ -524,6 +512,6 @@ def convert_file(input_path: Path, output_path: Path, options: Options) -> Repor
         return convert_saved_model_dir(input_path, output_path, options)
     if input_path.suffix == ".meta":
         return convert_meta_graph_file(input_path, output_path, options)
-    converted, report = convert_graph_def(read_graphdef(input_path), options)
+    converted, report = rewrite_graphdef(read_graphdef(input_path), options)
     write_graphdef(converted, output_path)
     return report

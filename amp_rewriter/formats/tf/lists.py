@@ -1,5 +1,6 @@
 """The TensorFlow op lists for a target and backend: tf.toml, Grappler's environment variables,
-the user's overrides, and (tf-cpu) which kernels TF's registry has for the target dtype."""
+the user's overrides, and (profiles whose kernel source is the registry) which kernels TF's
+registry has for the target dtype on the profile's device."""
 
 from __future__ import annotations
 
@@ -8,20 +9,25 @@ from collections.abc import Callable, Mapping
 
 from tensorflow.python.framework import kernels
 
+from ... import op_lists
 from ...ir import DENY, FP32, INFER, TARGET_DTYPES
 from ...op_lists import OpLists, Overrides
 from .load import dtype_enum
 
-BACKENDS = ("tf-cpu", "tf-gpu")
 ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
 #: Grappler's list names in its environment variables (and their pre-2.4 names).
 ENV_LISTS = {"ALLOWLIST": "allow", "INFERLIST": "infer", "DENYLIST": "deny", "CLEARLIST": "clear",
              "WHITELIST": "allow", "GRAYLIST": "infer", "BLACKLIST": "deny"}
 
 
+#: TensorFlow's device type of each profile device.
+TF_DEVICE_TYPES = {"cpu": "CPU", "cuda": "GPU"}
+
+
 def default_backend(target: str) -> str:
-    """Grappler's pairing: fp16 for CUDA GPUs, bf16 for CPUs with oneDNN."""
-    return "tf-cpu" if target == "bf16" else "tf-gpu"
+    """The profile tf.toml names for `target` (Grappler's pairing: fp16 for CUDA GPUs, bf16 for
+    CPUs with oneDNN)."""
+    return op_lists.default_backend("tf", target)
 
 
 def kernel_checker(device: str, dtype: str) -> Callable[[str, str | None], bool]:
@@ -84,10 +90,13 @@ def apply_grappler_env(lists: OpLists, environ: Mapping[str, str] | None = None)
 
 def load_tf_lists(target: str, backend: str, overrides: Overrides | None = None) -> OpLists:
     """The op lists for TF: generic + backend profile, Grappler's env variables, then the user's."""
-    lists = OpLists.load("tf", target, backend)
+    # The user's profiles now, their class moves last: Grappler's variables come before them.
+    profiles_only = Overrides(backends=overrides.backends) if overrides is not None else None
+    lists = OpLists.load("tf", target, backend, profiles_only)
     apply_grappler_env(lists)
     if overrides is not None:
         lists.apply_overrides(overrides)
-    if backend == "tf-cpu":
-        lists.kernel_check = kernel_checker("CPU", TARGET_DTYPES[target])
+    if lists.profile.kernel_source == "registry":
+        lists.kernel_check = kernel_checker(TF_DEVICE_TYPES[lists.profile.device],
+                                            TARGET_DTYPES[target])
     return lists

@@ -49,8 +49,9 @@ def guard_constant_ranges(ctx: PassContext) -> tuple[int, list[str]]:
     """
     target = ctx.target_dtype
     forced = 0
-    # Attention masks find_attention_masks accepted: their sums are saturated instead.
-    mask_constants = {name for plan in ctx.saturations for name in plan.constants}
+    # Constants a structural rule takes care of (attention masks: their sums are saturated).
+    mask_constants = {name for plans in ctx.plans.values() for plan in plans
+                      for name in plan.kept_constants()}
     for group, slot, source in _constant_inputs(ctx):
         if group.forced_deny:
             continue

@@ -233,8 +233,7 @@ def fill_from_constants(p: Painting) -> int:
             value = node_inputs[slot]
             if value is None or value.is_graph_input:
                 break
-            if (value.const is None or value.overridable) \
-                    and gg.producer_group(value) not in constant_fed:
+            if value.known_constant is None and gg.producer_group(value) not in constant_fed:
                 break
         else:
             constant_fed.add(g)
@@ -286,7 +285,7 @@ def fill_tail_to_outputs(p: Painting) -> int:
         closed = True
         for g in component:
             for value in (g.node.inputs[s] for s in g.input_slots):
-                if value is None or (value.const is not None and not value.overridable):
+                if value is None or value.known_constant is not None:
                     continue
                 producer = gg.producer_group(value)
                 if producer in members:

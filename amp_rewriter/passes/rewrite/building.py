@@ -6,13 +6,13 @@ structure (an RMS norm's statistics, a rotary angle) by nodes of their own."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from ...ir import Graph, LazyTensor, Model, Node, Value, decisions, present
 from ...ir.dtypes import NUMPY_DTYPES
-from ..base import PassContext, RescalePlan, RotaryPlan
+from ..base import PassContext
 
 #: The IR's cast op: every loader reads its format's cast as this, every emitter writes it back.
 CAST = "Cast"
@@ -127,7 +127,14 @@ class GraphEdits:
         remove_everywhere(model, self.doomed)
 
 
-Plan = TypeVar("Plan", RescalePlan, RotaryPlan)
+class _AnchoredPlan(Protocol):
+    """A structural rule's plan: the node its rewrite's nodes go before."""
+
+    @property
+    def anchor(self) -> Node: ...
+
+
+Plan = TypeVar("Plan", bound=_AnchoredPlan)
 
 
 def rewrite_plans(ctx: PassContext, plans: Iterable[Plan],

@@ -59,15 +59,8 @@ def _convert_fill_value(node: Node, attr: str, ctx: PassContext) -> bool:
 def _planned_nodes(ctx: PassContext) -> set[int]:
     """ids of the nodes a rewrite after the casts works on (RMS rescales, rotary angles,
     mask saturations): the constants they read keep the cast those rewrites expect."""
-    planned: list[Node | None] = []
-    for rescale in ctx.rescales:
-        planned += [rescale.square, rescale.mean, rescale.step, *rescale.after_mean]
-    for rotary in ctx.rotaries:
-        planned.append(rotary.product)
-    for saturation in ctx.saturations:
-        planned += saturation.sinks
-        planned += [group.node for group in saturation.region]
-    return {id(node) for node in planned if node is not None}
+    return {id(node) for plans in ctx.plans.values() for plan in plans
+            for node in plan.planned_nodes()}
 
 
 def _one_low_dtype(value: Value) -> str | None:
@@ -85,7 +78,8 @@ def _convert_read_initializers(graph: Graph, ctx: PassContext, planned: set[int]
     converted = 0
     # The order insert_casts would make these casts in, and convert_constants fold them.
     for source in [*graph.inputs, *graph.initializers.values()]:
-        if (source.const is None or source.producer is not None or source.overridable
+        tensor = source.known_constant
+        if (tensor is None or source.producer is not None
                 or source.dtype != FLOAT32 or not source.uses or source.graph_output_uses
                 or graph.initializers.get(source.name) is not source):
             continue
@@ -96,9 +90,9 @@ def _convert_read_initializers(graph: Graph, ctx: PassContext, planned: set[int]
             continue
         ctx.focus = source.uses[0][0]
         # Overflowing without --clamp: the cast convert_constants keeps, with its record.
-        if ctx.range_check(source.const, dtype).overflowed and not ctx.options.clamp:
+        if ctx.range_check(tensor, dtype).overflowed and not ctx.options.clamp:
             continue
-        new_tensor = _converted_tensor(source.const, dtype, ctx.options.clamp, source.name, ctx)
+        new_tensor = _converted_tensor(tensor, dtype, ctx.options.clamp, source.name, ctx)
         assert new_tensor is not None
         # In place: the value keeps its readers, name and place, and its original dtype says
         # what the input held (a new value per weight, with its use list, would cost hundreds
@@ -142,12 +136,12 @@ def convert_constants(ctx: PassContext) -> tuple[int, list[str]]:
                 continue
             source, output = node.inputs[0], node.outputs[0]
             assert output is not None
-            if (source.const is None or source.dtype != FLOAT32
+            # An initializer a caller may feed is no known constant: its cast stays a runtime cast.
+            tensor = source.known_constant
+            if (tensor is None or source.dtype != FLOAT32
                     or output.dtype not in LOW_PRECISION_DTYPES or output.graph_output_uses):
                 continue
-            if source.overridable:
-                continue  # a caller may feed another value: the cast must stay a runtime cast
-            new_tensor = _converted_tensor(source.const, output.dtype, clamp, source.name, ctx)
+            new_tensor = _converted_tensor(tensor, output.dtype, clamp, source.name, ctx)
             if new_tensor is None:
                 continue
             only_user = source.uses == [(node, 0)] and not source.graph_output_uses
@@ -171,7 +165,7 @@ def convert_constants(ctx: PassContext) -> tuple[int, list[str]]:
             converted += 1
         graph.remove_nodes(dead)
         for node in dead:
-            if node.handle is None:
+            if node.created_by is not None:
                 # A cast a pass made: nothing reports it, so it goes now (the cyclic collector
                 # is paused during a conversion; at a million nodes these are ~140 MB).
                 node.release()

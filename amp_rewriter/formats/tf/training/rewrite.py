@@ -194,7 +194,7 @@ def rewrite_training_meta_graph(source: Any, options: Options, training: Trainin
 
     fetches = list(dict.fromkeys(([loss_name] if loss_name else []) + [train_op_name]
                                  + tf_convert.meta_graph_fetches(meta)))
-    converted, report, _ = tf_convert.convert_graph_def_ir(
+    converted, report, _ = tf_convert.rewrite_graphdef_ir(
         meta.graph_def, dataclasses.replace(options, outputs=fetches), "tf-training",
         plan_training=plan_training)
     context = contexts[0]

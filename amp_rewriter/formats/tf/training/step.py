@@ -84,7 +84,7 @@ def rewrite_step_function(fdef: function_pb2.FunctionDef,
         contexts.append(TrainingContext(plan, rule, ops, update or UpdateOptions()))
         return contexts[-1]
 
-    model, report = tf_convert.convert_function_ir(fdef, library, options, "tf-training",
+    model, report = tf_convert.rewrite_function_ir(fdef, library, options, "tf-training",
                                                    plan_training)
     context = contexts[0]
     ops = context.ops
@@ -121,7 +121,7 @@ def rewrite_inference_function(fdef: function_pb2.FunctionDef,
                                options: Options) -> tuple[function_pb2.FunctionDef, Report]:
     """The mixed-precision rewrite of an inference function's body (Keras's test and predict
     steps): the `tf` pipeline, arguments and return values keeping their dtypes."""
-    model, report = tf_convert.convert_function_ir(fdef, library, options)
+    model, report = tf_convert.rewrite_function_ir(fdef, library, options)
     return emit_function(model), report
 
 

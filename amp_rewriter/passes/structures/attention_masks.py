@@ -34,24 +34,70 @@ score: -3.4e38 + s == -3.4e38 in fp32):
 Only sums that stay inside the rule's reach are accepted: every value carrying the masked sum
 must flow, through adds, positive scalings and data movement, into Softmax inputs and nowhere
 else (no graph output, no other op), so no op but the Softmax ever sees the -inf.
+
+## The rewrite: `saturate_masked_sums`
+
+Saturate masked attention sums before their Softmax (the attention-mask rule's rewrite).
+
+`find_attention_masks` keeps a mask's construction fp32 and plans, per accepted mask, the Softmax
+inputs its sums reach. Where any part of that path runs in low precision (so a masked score can be
+-inf), each Softmax input is clipped to the target's finite range: -inf becomes -max, and a fully
+masked row is uniform as in fp32. The proof per case is above.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
-from ...ir import FLOAT32, FLOAT_DTYPES, Node, TypeGroup, Value, decisions
-from ...ir.dtypes import FINITE_MAX
-from ..base import (
-    ConstantRecord,
-    PassContext,
-    SaturationPlan,
-    StructureRecord,
-    register_pass,
+from ...ir import (
+    FLOAT32,
+    FLOAT_DTYPES,
+    LOW_PRECISION_DTYPES,
+    Graph,
+    Node,
+    TypeGroup,
+    Value,
+    decisions,
+    present,
 )
-from .structures import heavy
+from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES
+from ..base import ConstantRecord, PassContext, StructureRecord, register_pass
+from ..rewrite.building import new_node, scalar_constant
+from .matching import heavy
+
+
+@dataclass
+class SaturationPlan:
+    """An attention mask the analysis accepted: where its sums may carry -inf in low precision
+    (`region`), and the Softmax inputs to saturate when any of it runs low precision."""
+
+    sinks: list[Node]
+    region: list[TypeGroup]
+    record: StructureRecord
+    #: The mask's constants (initializer names, or "node.value" for a fill value): the
+    #: constant-range rule leaves them to this plan.
+    constants: list[str] = field(default_factory=list)
+
+    @property
+    def anchor(self) -> Node:
+        """The first Softmax the saturation goes before."""
+        return self.sinks[0]
+
+    def planned_nodes(self) -> list[Node]:
+        """The Softmaxes and the masked path's nodes."""
+        return [*self.sinks, *(group.node for group in self.region)]
+
+    def kept_constants(self) -> list[str]:
+        """The mask's constants."""
+        return self.constants
+
+
+def saturation_plans(ctx: PassContext) -> list[SaturationPlan]:
+    """The masks `find_attention_masks` accepted, for `saturate_masked_sums`."""
+    return cast(list[SaturationPlan], ctx.plans.setdefault("attention_mask", []))
 
 
 @dataclass
@@ -89,9 +135,10 @@ def _is_float(value: Value | None) -> bool:
 
 
 def _positive_constant(value: Value | None) -> bool:
-    if value is None or value.const is None or value.overridable:
+    tensor = value.known_constant if value is not None else None
+    if tensor is None:
         return False
-    data = np.asarray(value.const.numpy(), dtype=np.float64)
+    data = np.asarray(tensor.numpy(), dtype=np.float64)
     return data.size > 0 and bool(np.all(np.isfinite(data) & (data > 0)))
 
 
@@ -123,9 +170,9 @@ def _overflowing_sources(ctx: PassContext) -> tuple[list[Value], list[Node]]:
     # The graph's constants are few beside its node inputs (a million at a million nodes):
     # the inputs are walked only to order the constants that overflow, when there are any,
     # and only up to the last one's first reader (a mask is read from the first layer on).
-    constants = {value: value.const for value in graph.values.values()
-                 if value.const is not None and value.uses and value.dtype == FLOAT32
-                 and not value.overridable}
+    constants = {value: tensor for value in graph.values.values()
+                 if (tensor := value.known_constant) is not None and value.uses
+                 and value.dtype == FLOAT32}
     ctx.range_check_all(constants.values(), target)
     unordered = {id(value): value for value, tensor in constants.items()
                  if ctx.range_check(tensor, target).overflowed}
@@ -329,7 +376,7 @@ def find_attention_masks(ctx: PassContext) -> tuple[int, list[str]]:
                                  [n.name for n in mask.construction + mask.joins + mask.sinks],
                                  why)
         ctx.structures.append(record)
-        ctx.saturations.append(SaturationPlan(list(mask.sinks), region, record,
+        saturation_plans(ctx).append(SaturationPlan(list(mask.sinks), region, record,
                                               list(mask.constants)))
         for name in mask.constants:
             if not any(c.name == name for c in ctx.constants):
@@ -346,3 +393,58 @@ def _constant_size(ctx: PassContext, name: str) -> int:
     if value is not None and value.const is not None:
         return value.const.size
     return 1
+
+
+def _bound(ctx: PassContext, graph: Graph, dtype: str, sign: int,
+           cache: dict[tuple[int, str, int], Value]) -> Value:
+    """The constant -max or +max of the target, in `dtype`, one per graph."""
+    key = (id(graph), dtype, sign)
+    if key not in cache:
+        cache[key] = scalar_constant(
+            ctx.model, graph, f"mask_saturation_{'max' if sign > 0 else 'min'}_{dtype}",
+            sign * FINITE_MAX[ctx.target_dtype], dtype)
+    return cache[key]
+
+
+def _saturation_steps(ctx: PassContext, op: str, dtype: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The saturation as (op, bound signs) steps: one clip, or max then min where the backend has
+    no kernel for the clip in this dtype (ORT CUDA has no bf16 Clip, measured)."""
+    pair = ctx.rules.saturate_pair
+    if dtype in LOW_PRECISION_DTYPES and pair and not ctx.lists.has_kernel(op):
+        return [(pair[0], (-1,)), (pair[1], (+1,))]
+    return [(op, (-1, +1))]
+
+
+@register_pass("saturate_masked_sums")
+def saturate_masked_sums(ctx: PassContext) -> tuple[int, list[str]]:
+    """Clip the input of every Softmax an accepted attention mask reaches to +-max of the target,
+    where any step of the masked path runs in low precision."""
+    op = ctx.rules.saturate_op
+    cache: dict[tuple[int, str, int], Value] = {}
+    added = 0
+    for plan in saturation_plans(ctx):
+        if not any(g.precision in LOW_PRECISION_DTYPES for g in plan.region):
+            continue  # the whole path stayed fp32: the mask keeps its exact fp32 meaning
+        for sink in plan.sinks:
+            ctx.focus = sink
+            source = present(sink.inputs[0])
+            dtype = source.dtype if source.dtype in NUMPY_DTYPES else FLOAT32
+            graph = sink.graph
+            assert graph is not None
+            steps = _saturation_steps(ctx, op, dtype)
+            value = source
+            nodes: list[Node] = []
+            for step_op, bounds in steps:
+                step = new_node(ctx.model, graph, f"{sink.name}/saturate", step_op,
+                                [value, *(_bound(ctx, graph, dtype, sign, cache)
+                                          for sign in bounds)],
+                                f"{source.name}_saturated", dtype, source.shape,
+                                op_class="saturation", reason=plan.record.detail,
+                                order=sink.order)
+                nodes.append(step)
+                value = present(step.outputs[0])
+            sink.set_input(0, value)
+            graph.insert_before(sink, nodes)
+            plan.record.added.extend(n.name for n in nodes)
+            added += 1
+    return added, []
