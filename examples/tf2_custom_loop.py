@@ -55,8 +55,9 @@ def train(model_name: str, precision: str, steps: int, inf_step: int,
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     step = tf.function(digits_data.keras_train_step(model, optimizer, loss_fn))
     low_weights = precision if weights16 and precision != "fp32" else None
-    run = step if precision == "fp32" else mixed_precision(step, target=precision,
-                                                           weights=low_weights)
+    amp_run = None if precision == "fp32" else mixed_precision(step, target=precision,
+                                                               weights=low_weights)
+    run = step if amp_run is None else amp_run
     stream = digits_data.batches(x_train, y_train, 64)
     unchanged = None
     start = time.perf_counter()
@@ -74,13 +75,15 @@ def train(model_name: str, precision: str, steps: int, inf_step: int,
     result = {"model": model_name, "precision": precision, "steps": steps,
               "seconds": round(time.perf_counter() - start, 1),
               "test_accuracy": digits_data.accuracy(model, x_test, y_test)}
-    if precision != "fp32":
-        counts = run.report.summary["compute_ops_by_type"]
+    if amp_run is not None:
+        assert amp_run.report is not None  # the first call traced the step
+        counts = amp_run.report.summary["compute_ops_by_type"]
         result["low_precision_compute_ops"] = {op: counts[op] for op in COMPUTE_OPS
                                                if op in counts}
-        result["skipped_steps"] = int(run.skipped_steps) if run.skipped_steps is not None \
+        result["skipped_steps"] = int(amp_run.skipped_steps) \
+            if amp_run.skipped_steps is not None else None
+        result["loss_scale"] = float(amp_run.loss_scale) if amp_run.loss_scale is not None \
             else None
-        result["loss_scale"] = float(run.loss_scale) if run.loss_scale is not None else None
         result["inf_step_left_every_variable_unchanged"] = unchanged
         if low_weights is not None:
             dtype = tf.as_dtype({"fp16": "float16", "bf16": "bfloat16"}[precision])
@@ -122,6 +125,7 @@ def main() -> int:
                 reference = result["test_accuracy"]
                 print(f"{model_name} fp32: test accuracy {reference:.1f}% ({result['seconds']} s)")
                 continue
+            assert reference is not None  # fp32 runs first
             counts = result["low_precision_compute_ops"]
             all_low = all(low == total for low, total in counts.values())
             close = result["test_accuracy"] >= reference - 2.0

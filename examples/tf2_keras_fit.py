@@ -80,6 +80,7 @@ def main() -> int:
     history = model.fit(x, y, batch_size=64, epochs=args.epochs, verbose=0, shuffle=False)
     accuracy = model.evaluate(x_test, y_test, verbose=0)[1] * 100
     predicted = model.predict(x_test, verbose=0).argmax(axis=1)
+    assert step.report is not None  # fit traced the step
     matmuls = {n["name"]: n["precision"] for n in step.report.nodes if n["op"] == "MatMul"}
     custom = {name: p for name, p in matmuls.items() if "raw_mat_mul" in name}
     result = {"epochs": args.epochs, "fp32_test_accuracy": fp32_accuracy,

@@ -106,15 +106,18 @@ def train(form: str, steps: int, bad_steps: dict[int, int], batch: int,
                                        for a, b in zip(va, vb)))
     copies_identical = all(all(np.array_equal(c, copies[0]) for c in copies[1:])
                            for copies in map(_copies, variables))
+    skipped = amp_step.skipped_steps if amp_step is not None else None
+    scale = amp_step.loss_scale if amp_step is not None else None
+    training = amp_step.report.training if amp_step is not None and amp_step.report else None
     return {"form": form, "steps": steps, "seconds": round(time.perf_counter() - start, 1),
             "test_accuracy": digits_data.accuracy(model, x_test, y_test),
             "copies_identical": copies_identical,
             "bad_steps_left_every_copy_unchanged": skipped_cleanly,
-            "skipped_steps": int(amp_step.skipped_steps) if amp_step is not None else 0,
-            "loss_scale": float(amp_step.loss_scale) if amp_step is not None else None,
+            "skipped_steps": int(skipped) if skipped is not None else 0,
+            "loss_scale": float(scale) if scale is not None else None,
             "optimizer_steps": int(optimizer.iterations.numpy()),
-            "variables_stored_16bit": sorted(amp_step.report.training["variables_stored_16bit"])
-            if amp_step is not None and amp_step.report is not None else []}
+            "variables_stored_16bit": sorted(training["variables_stored_16bit"])
+            if training is not None else []}
 
 
 def main() -> int:

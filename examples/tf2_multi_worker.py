@@ -96,6 +96,8 @@ def run_worker(index: int, ports: list[int], args: argparse.Namespace) -> dict:
             x[0, 0] = float("inf")
         train(x, y)
         digests.append(_digest(model.variables + optimizer.variables))
+    # fp16's default scale is dynamic: the step holds its scale and skip count in variables
+    assert amp_step.skipped_steps is not None and amp_step.loss_scale is not None
     return {"worker": index, "form": args.form, "skipped_steps": int(amp_step.skipped_steps),
             "loss_scale": float(amp_step.loss_scale),
             "optimizer_steps": int(optimizer.iterations.numpy()), "digests": digests,

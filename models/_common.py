@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import onnx
 from onnx import helper, numpy_helper
 
@@ -26,7 +27,7 @@ def seeded_rng(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def float_initializer(name: str, values: np.ndarray) -> onnx.TensorProto:
+def float_initializer(name: str, values: npt.ArrayLike) -> onnx.TensorProto:
     """Make an fp32 initializer from an array (cast to float32 so the dtype is never float64)."""
     return numpy_helper.from_array(np.asarray(values, dtype=np.float32), name=name)
 

@@ -37,6 +37,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 # Both variables are read when huggingface_hub / transformers are first imported, so they are set
 # before anything below imports them: the MiniLM weights must only ever come from the local package.
@@ -48,6 +49,10 @@ import onnx.version_converter  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.utils.fusion import fuse_conv_bn_eval  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import GPT2Model
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -215,6 +220,8 @@ def _export_with_dynamo(
         opset_version=opset,
         verbose=False,
     )
+    if program is None:  # only the TorchScript exporter returns None
+        raise RuntimeError("torch.onnx.export(dynamo=True) returned no program")
     model = _convert_to_opset(program.model_proto, opset)
     _drop_stack_traces(model)
     onnx.save(model, str(output_path))  # one self-contained file: the tests pass models around by path
@@ -398,7 +405,7 @@ def export_bert(
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(seed)
-    config = BertConfig(
+    config = BertConfig(  # type: ignore[call-arg]  # attn_implementation: a config **kwarg transformers 5's signatures omit
         vocab_size=SMALL_VOCAB_SIZE,
         hidden_size=SMALL_HIDDEN_SIZE,
         num_hidden_layers=2,
@@ -422,7 +429,7 @@ def export_gpt2(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -
     from transformers import GPT2Config, GPT2Model
 
     torch.manual_seed(seed)
-    config = GPT2Config(
+    config = GPT2Config(  # type: ignore[call-arg]  # attn_implementation: a config **kwarg transformers 5's signatures omit
         vocab_size=SMALL_VOCAB_SIZE,
         n_embd=SMALL_HIDDEN_SIZE,
         n_layer=2,
@@ -446,7 +453,9 @@ class _GPT2WithClassicAttention(nn.Module):
     unpadded rows, and it is the subgraph onnxruntime's GPT-2 attention fusion recognises;
     transformers 5's exports (Mul by the scale, masking_utils' mask added) fuse no attention."""
 
-    def __init__(self, gpt2: nn.Module) -> None:
+    causal: torch.Tensor  # the buffer registered below
+
+    def __init__(self, gpt2: GPT2Model) -> None:
         super().__init__()
         config = gpt2.config
         if not config.scale_attn_weights or config.scale_attn_by_inverse_layer_idx \
@@ -464,7 +473,7 @@ class _GPT2WithClassicAttention(nn.Module):
         gpt2 = self.gpt2
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         hidden = gpt2.wte(input_ids) + gpt2.wpe(positions)
-        for block in gpt2.h:
+        for block in cast("list[GPT2Block]", gpt2.h):  # a ModuleList iterates as plain Modules
             query, key, value = block.attn.c_attn(block.ln_1(hidden)).split(
                 gpt2.config.n_embd, dim=2)
             query, key, value = self._split(query), self._split(key, keys=True), self._split(value)
@@ -490,7 +499,7 @@ def export_gpt2_classic_attention(dims: dict[str, int], path: str | os.PathLike)
     padded), output ``last_hidden_state``."""
     from transformers import GPT2Config, GPT2Model
 
-    config = GPT2Config(vocab_size=dims["vocab"], n_embd=dims["hidden"], n_layer=dims["layers"],
+    config = GPT2Config(vocab_size=dims["vocab"], n_embd=dims["hidden"], n_layer=dims["layers"],  # type: ignore[call-arg]  # attn_implementation: a config **kwarg transformers 5's signatures omit
                         n_head=dims["heads"], n_inner=dims["ffn"], n_positions=1024,
                         use_cache=False, attn_implementation="eager")
     with _quiet_transformers():
@@ -539,7 +548,7 @@ def export_llama_with_cache(dims: dict[str, int], path: str | os.PathLike) -> Pa
 
     layers, kv_heads = dims["layers"], dims["kv_heads"]
     head_dim = dims["hidden"] // dims["heads"]
-    config = LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],
+    config = LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],  # type: ignore[call-arg]  # attn_implementation: a config **kwarg transformers 5's signatures omit
                          intermediate_size=dims["ffn"], num_hidden_layers=layers,
                          num_attention_heads=dims["heads"], num_key_value_heads=kv_heads,
                          max_position_embeddings=2048, attn_implementation="sdpa")

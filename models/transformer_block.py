@@ -17,6 +17,7 @@ Run ``python -m models.transformer_block OUT.onnx`` to write the model.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import onnx
@@ -69,7 +70,7 @@ def build_model(seed: int = 1) -> onnx.ModelProto:
         float_initializer("ffn_norm.beta", normal_weights(rng, (HIDDEN,), 0.02)),
     ]
 
-    def node(op: str, inputs: list[str], output: str, **attrs: object) -> onnx.NodeProto:
+    def node(op: str, inputs: list[str], output: str, **attrs: Any) -> onnx.NodeProto:
         # The output name doubles as the node name: unique, and readable in reports.
         return helper.make_node(op, inputs, [output], name=output, **attrs)
 

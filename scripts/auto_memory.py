@@ -94,11 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     bound_mb = (2 * size + activations) / 2**20
     print(f"model {size / 2**20:.0f} MB, one batch's activations {activations / 2**20:.1f} MB, "
           f"bound {bound_mb:.0f} MB", flush=True)
+    runs: list[dict[str, object]] = []
     results = {"model_mb": size / 2**20, "activations_mb": activations / 2**20,
-               "bound_mb": bound_mb, "runs": []}
+               "bound_mb": bound_mb, "runs": runs}
     python = [sys.executable, "-m", "amp_rewriter", "convert", str(model)]
     peak, seconds, code = child_peak_mb(python + [str(work / "plain.onnx"), "--quiet"])
-    results["runs"].append({"run": "plain convert", "peak_mb": peak, "seconds": seconds,
+    runs.append({"run": "plain convert", "peak_mb": peak, "seconds": seconds,
                             "exit": code})
     print(f"plain convert: peak {peak:.0f} MB, {seconds:.1f} s", flush=True)
     rng = np.random.default_rng(1)
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         peak, seconds, code = child_peak_mb(python + [
             str(work / f"auto_{count}.onnx"), "--auto", "--max-error", "5e-2", "--inputs",
             str(folder), "--quiet"])
-        results["runs"].append({"run": f"--auto, {count} batches", "peak_mb": peak,
+        runs.append({"run": f"--auto, {count} batches", "peak_mb": peak,
                                 "seconds": seconds, "exit": code,
                                 "under_bound": peak <= bound_mb})
         print(f"--auto with {count} batches: peak {peak:.0f} MB "

@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     feed = calibration(folder, sequences=args.sequences, length=args.length,
                        per_batch=args.per_batch)
     feed_path = work / "feed.npz"
-    np.savez(feed_path, **feed)
+    np.savez(feed_path, allow_pickle=False, **feed)
     report: dict[str, Any] = {"model": str(model), "sequences": args.sequences,
                               "length": args.length,
                               "batches_ours": -(-args.sequences // args.per_batch),

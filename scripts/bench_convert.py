@@ -322,7 +322,8 @@ def speed_ratio(theirs: Measurement | None, ours: Measurement | None, timeout_s:
 
 def scaling_ratios(ours_by_size: dict[int, Measurement]) -> list[dict[str, Any]]:
     """Our time at each size over our time at the next smaller size (linear growth = size ratio)."""
-    sizes = sorted(size for size, m in ours_by_size.items() if m.convert_seconds)
+    seconds = {size: m.convert_seconds for size, m in ours_by_size.items() if m.convert_seconds}
+    sizes = sorted(seconds)
     ratios = []
     for smaller, larger in zip(sizes, sizes[1:]):
         ratios.append(
@@ -330,7 +331,7 @@ def scaling_ratios(ours_by_size: dict[int, Measurement]) -> list[dict[str, Any]]
                 "from_nodes": smaller,
                 "to_nodes": larger,
                 "size_ratio": larger / smaller,
-                "time_ratio": ours_by_size[larger].convert_seconds / ours_by_size[smaller].convert_seconds,
+                "time_ratio": seconds[larger] / seconds[smaller],
             }
         )
     return ratios

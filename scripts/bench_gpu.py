@@ -166,7 +166,7 @@ def export(model: str, size: str, work: Path, for_fusion: bool = False) -> Path:
         if model == "bert":
             from transformers import BertConfig, BertModel
 
-            net = BertModel(BertConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],
+            net = BertModel(BertConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],  # type: ignore[call-arg]  # attn_implementation: a config **kwarg transformers 5's signatures omit
                                        num_hidden_layers=dims["layers"],
                                        num_attention_heads=dims["heads"],
                                        intermediate_size=dims["ffn"],
@@ -175,7 +175,7 @@ def export(model: str, size: str, work: Path, for_fusion: bool = False) -> Path:
         elif model == "gpt2":
             from transformers import GPT2Config, GPT2Model
 
-            net = GPT2Model(GPT2Config(vocab_size=dims["vocab"], n_embd=dims["hidden"],
+            net = GPT2Model(GPT2Config(vocab_size=dims["vocab"], n_embd=dims["hidden"],  # type: ignore[call-arg]  # attn_implementation: a config **kwarg transformers 5's signatures omit
                                        n_layer=dims["layers"], n_head=dims["heads"],
                                        n_inner=dims["ffn"], n_positions=1024, use_cache=False,
                                        attn_implementation=attention))
@@ -224,7 +224,7 @@ def _llama_config(dims: dict[str, int]) -> Any:
     """The plain decoder's config (no KV cache; the cache variant is models.torch_export's)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],
+    return LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],  # type: ignore[call-arg]  # attn_implementation: a config **kwarg transformers 5's signatures omit
                        intermediate_size=dims["ffn"], num_hidden_layers=dims["layers"],
                        num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"],
                        max_position_embeddings=2048, attn_implementation="sdpa",
@@ -245,7 +245,8 @@ def make_inputs(model: str, size: str, graph_inputs: list[str]) -> dict[str, np.
         for row in range(batch):
             mask[row, sequence - (12 * row * sequence) // 128:] = 0
     new = 1 if model == "llama-kv" else sequence
-    feeds = {"input_ids": rng.integers(0, dims["vocab"], (batch, new), dtype=np.int64),
+    feeds: dict[str, np.ndarray] = {
+             "input_ids": rng.integers(0, dims["vocab"], (batch, new), dtype=np.int64),
              "attention_mask": mask}
     head_dim = dims["hidden"] // dims["heads"]
     for name in graph_inputs:
@@ -405,7 +406,7 @@ class BoundSession:
     def __init__(self, session: Any, feeds: dict[str, np.ndarray], device: str) -> None:
         import onnxruntime as ort
 
-        types = {"tensor(float16)": np.float16, "tensor(float)": np.float32,
+        types: dict[str, type[np.generic]] = {"tensor(float16)": np.float16, "tensor(float)": np.float32,
                  "tensor(double)": np.float64, "tensor(int64)": np.int64,
                  "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
         self.session = session
@@ -687,6 +688,7 @@ def bench_model(model: str, args: argparse.Namespace, work: Path) -> tuple[list[
         profiles = {}
         with tempfile.TemporaryDirectory() as folder:
             for row in profile_targets(rows):
+                assert row.path is not None  # profile_targets keeps rows with a path
                 try:
                     profiles[row.key] = profile(Path(row.path), feeds, args.device,
                                                 row.layout == "NHWC", args.profile_runs,
@@ -723,7 +725,7 @@ def profile_targets(rows: list[Row]) -> list[Row]:
     picks = [row for row in timed if row.converter == OURS]
     others = [row for row in timed if row.converter in OTHER_FP16]
     if others:
-        picks.append(min(others, key=lambda row: row.median_ms))  # type: ignore[arg-type]
+        picks.append(min(others, key=lambda row: row.median_ms or 0.0))  # all timed: never 0.0
     picks += [row for row in timed if row.model in DECODERS and row not in picks
               and (row.converter.startswith(OURS) or row.converter == "ort-float16")]
     # fp32 in each form and layout: the GPU time a speed-up over fp32 is bounded by.

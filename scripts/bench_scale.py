@@ -153,7 +153,7 @@ def summarize(sizes: list[int], runs: dict[tuple[int, str], list[dict[str, Any]]
               ) -> dict[str, Any]:
     """Medians per size and mode, peaks above the loaded model, and the time ratios."""
     loaded = {size: _median(runs[(size, "convert")], "loaded_model_mb") for size in sizes}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for size in sizes:
         for mode in MODES:
             done = runs.get((size, mode), [])
@@ -161,10 +161,11 @@ def summarize(sizes: list[int], runs: dict[tuple[int, str], list[dict[str, Any]]
                 continue
             peak = _median(done, "peak_above_start_mb")
             with_workers = _median(done, "peak_with_workers_above_start_mb")
-            if mode == "file" and loaded[size] is not None:
+            base = loaded[size]
+            if mode == "file" and base is not None:
                 # measured from the imports: take the loaded model off
-                peak = peak - loaded[size] if peak is not None else None
-                with_workers = with_workers - loaded[size] if with_workers is not None else None
+                peak = peak - base if peak is not None else None
+                with_workers = with_workers - base if with_workers is not None else None
             rows.append({
                 "nodes": size, "mode": mode, "runs": len(done),
                 "errors": [run["error"] for run in done if "error" in run],

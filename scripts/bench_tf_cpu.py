@@ -122,8 +122,8 @@ def main() -> None:
           f"{args.rounds} rounds x {args.runs} calls per variant (after {args.warmup} warm-up "
           f"calls per process)")
     results = []
-    with tempfile.TemporaryDirectory(prefix="bench-tf-cpu-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="bench-tf-cpu-") as folder:
+        tmp = Path(folder)
         images = np.random.default_rng(0).standard_normal(
             (args.batch, 224, 224, 3)).astype(np.float32)
         inputs = tmp / "inputs.npz"

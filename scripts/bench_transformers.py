@@ -99,11 +99,12 @@ def export(model: str, size: str, work: Path) -> Path:
 
     dims = SIZES[size][model]
     torch.manual_seed(0)
+    net: nn.Module
     with torch_export._quiet_transformers():  # noqa: SLF001  (the repo's own export helpers)
         if model == "bert":
             from transformers import BertConfig, BertModel
 
-            net = BertModel(BertConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],
+            net = BertModel(BertConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],  # type: ignore[call-arg]  # attn_implementation: a config **kwarg transformers 5's signatures omit
                                        num_hidden_layers=dims["layers"],
                                        num_attention_heads=dims["heads"],
                                        intermediate_size=dims["ffn"], attn_implementation="sdpa"))
@@ -111,7 +112,7 @@ def export(model: str, size: str, work: Path) -> Path:
         elif model == "gpt2":
             from transformers import GPT2Config, GPT2Model
 
-            net = GPT2Model(GPT2Config(vocab_size=dims["vocab"], n_embd=dims["hidden"],
+            net = GPT2Model(GPT2Config(vocab_size=dims["vocab"], n_embd=dims["hidden"],  # type: ignore[call-arg]  # attn_implementation: a config **kwarg transformers 5's signatures omit
                                        n_layer=dims["layers"], n_head=dims["heads"],
                                        n_inner=dims["ffn"], n_positions=1024, use_cache=False,
                                        bos_token_id=dims["vocab"] - 1,
@@ -394,7 +395,7 @@ def _inferred(model, feeds: dict[str, np.ndarray]) -> tuple[dict[str, int], dict
         types[info.name] = tensor.elem_type
         dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
         if tensor.HasField("shape") and all(d is not None for d in dims):
-            shapes[info.name] = dims  # type: ignore[assignment]
+            shapes[info.name] = dims
     for tensor in inferred.graph.initializer:
         types[tensor.name] = tensor.data_type
     return types, shapes

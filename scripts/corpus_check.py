@@ -129,6 +129,8 @@ def generate_node_corpus(target: Path, quiet: bool = False) -> Path:
         cases = node_cases.collect_testcases()
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".node-corpus-"))
     for case in cases:
+        if case.model is None:  # a model-zoo case (a URL); the node cases all carry their model
+            continue
         case_dir = tmp / case.name
         case_dir.mkdir()
         (case_dir / "model.onnx").write_bytes(case.model.SerializeToString())
@@ -817,7 +819,7 @@ def summarise(records: list[dict[str, Any]]) -> str:
     """Counts per outcome (bugs marked), split by suite, plus how many actually changed."""
     suites = sorted({r["suite"] for r in records}, key=lambda s: SUITES.index(s)
                     if s in SUITES else 99)
-    by = defaultdict(Counter)
+    by: defaultdict[str, Counter[str]] = defaultdict(Counter)
     for r in records:
         by[r["outcome"]][r["suite"]] += 1
     header = f"{'outcome':<20}{'total':>7}" + "".join(f"{s[:12]:>14}" for s in suites)

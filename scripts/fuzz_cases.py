@@ -51,14 +51,14 @@ def build_seeds(seed_dir: Path) -> None:
     for name, build in BUILDERS.items():
         model = build()
         (onnx_dir / f"{name}.onnx").write_bytes(model.SerializeToString())
-        np.savez(onnx_dir / f"{name}.npz", **random_inputs(model))
+        np.savez(onnx_dir / f"{name}.npz", allow_pickle=False, **random_inputs(model))
     # cnn with every initializer in model.onnx.data beside it
     ext = onnx_dir / "ext"
     ext.mkdir(exist_ok=True)
     model = BUILDERS["cnn"]()
     onnx.save_model(model, str(ext / "model.onnx"), save_as_external_data=True,
                     all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=0)
-    np.savez(onnx_dir / "ext.npz", **random_inputs(model))
+    np.savez(onnx_dir / "ext.npz", allow_pickle=False, **random_inputs(model))
     # a cnn whose first node has a long name, for --keep-node patterns that backtrack
     model = BUILDERS["cnn"]()
     model.graph.node[0].name = LONG_NAME
@@ -84,7 +84,7 @@ def build_seeds(seed_dir: Path) -> None:
     (tf_dir / "meta.meta").write_bytes(
         tf_graphs.meta_graph_with_saver().SerializeToString(deterministic=True))
     info["fetches"]["meta.meta"] = ["y"]
-    np.savez(tf_dir / "conv_matmul.npz",
+    np.savez(tf_dir / "conv_matmul.npz", allow_pickle=False,
              **{"x": np.zeros([max(int(d.size), 2) for d in
                                _placeholder_shape(tf_dir / "conv_matmul.pb")], np.float32)})
     exporters = {"sm_tf1": tf_saved_models.export_tf1_simple_save,
@@ -1106,10 +1106,10 @@ def _hostile_npz(case: Path, seeds: Seeds, k: int, tf: bool) -> str:
         np.savez(path, wrong_name=np.zeros(3, np.float32))
     elif variant == 2:
         with np.load(good) as data:
-            np.savez(path, **{name: np.zeros(3, np.int64) for name in data.files})
+            np.savez(path, allow_pickle=False, **{name: np.zeros(3, np.int64) for name in data.files})
     elif variant == 3:
         with np.load(good) as data:
-            np.savez(path, **{name: np.zeros((2, 2, 2), np.float32) for name in data.files})
+            np.savez(path, allow_pickle=False, **{name: np.zeros((2, 2, 2), np.float32) for name in data.files})
     elif variant == 4:
         _fifo(path)
     elif variant == 5:
@@ -1121,7 +1121,7 @@ def _hostile_npz(case: Path, seeds: Seeds, k: int, tf: bool) -> str:
         path.write_bytes(data[: len(data) // 2])
     else:
         with np.load(good) as data:
-            np.savez(path, **{name: np.full(data[name].shape, np.nan, np.float32)
+            np.savez(path, allow_pickle=False, **{name: np.full(data[name].shape, np.nan, np.float32)
                               for name in data.files})
     return "inputs.npz"
 
@@ -1633,7 +1633,8 @@ def _calibration(recipe: dict, case: Path, seeds: Seeds) -> CaseFiles:
     elif op == "bomb_wrong_shape":
         _zip_with_declared(case / given, name, (1, 1 << 20), 4 << 20)
     elif op == "object_npz":
-        np.savez(case / given, **{name: np.array([{"a": 1}, None], dtype=object)})
+        np.savez(case / given, allow_pickle=True,  # the hostile object array
+                 **{name: np.array([{"a": 1}, None], dtype=object)})
     elif op == "deep_json":
         given = "calib.json"
         (case / given).write_text("[" * (1000 + k % 200000) + "]" * (1000 + k % 200000))
@@ -1677,9 +1678,9 @@ def _calibration(recipe: dict, case: Path, seeds: Seeds) -> CaseFiles:
         elif op == "folder_with_dir_npz":
             (case / given / "dir.npz").mkdir()
     elif op == "nan_values":
-        np.savez(case / given, **{name: np.full(array.shape, np.nan, array.dtype)})
+        np.savez(case / given, allow_pickle=False, **{name: np.full(array.shape, np.nan, array.dtype)})
     elif op == "wrong_dtype":
-        np.savez(case / given, **{name: array.astype(np.float64)})
+        np.savez(case / given, allow_pickle=False, **{name: array.astype(np.float64)})
     elif op == "missing_input":
         np.savez(case / given, other=array)
     elif op == "extra_input":

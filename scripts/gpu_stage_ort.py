@@ -59,7 +59,7 @@ def elf_section(data: bytes, name: str) -> tuple[int, int]:
     raise SystemExit(f"no {name} section")
 
 
-def _entries(data: bytes, start: int, size: int) -> list[tuple[int, int, int, int]] | None:
+def _entries(data: bytes | bytearray, start: int, size: int) -> list[tuple[int, int, int, int]] | None:
     """(kind, sm, payload offset, payload size) of a fat binary's entries; None when they do not
     tile the container exactly (an unknown layout: leave it alone)."""
     position, end, entries = start, start + size, []

@@ -29,6 +29,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -40,8 +41,8 @@ B, S, H, HEADS = 2, 4, 16, 2
 HEAD = H // HEADS
 
 #: op -> (domain, inputs (name, "T" or an elem type, shape), outputs (name, "T" or type), attrs)
-OPS: dict[str, tuple[str, list[tuple[str, object, list[int] | None]], list[tuple[str, object]],
-                     dict]] = {
+OPS: dict[str, tuple[str, list[tuple[str, str | int, list[int]]], list[tuple[str, str | int]],
+                     dict[str, Any]]] = {
     "Attention": (MS, [("input", "T", [B, S, H]), ("weights", "T", [H, 3 * H]),
                        ("bias", "T", [3 * H])], [("output", "T")], {"num_heads": HEADS}),
     "MultiHeadAttention": (MS, [("query", "T", [B, S, H]), ("key", "T", [B, S, H]),
@@ -94,11 +95,16 @@ class Probe:
     max_relative_error: float | None = None
 
 
+def _elem_type(kind: str | int, elem_type: int) -> int:
+    """An OPS entry's element type: `elem_type` for "T", else the type it names."""
+    return elem_type if isinstance(kind, str) else kind
+
+
 def build(op: str, elem_type: int) -> onnx.ModelProto:
     domain, inputs, outputs, attrs = OPS[op]
-    graph_inputs = [helper.make_tensor_value_info(name, elem_type if kind == "T" else kind, shape)
+    graph_inputs = [helper.make_tensor_value_info(name, _elem_type(kind, elem_type), shape)
                     for name, kind, shape in inputs]
-    graph_outputs = [helper.make_tensor_value_info(name, elem_type if kind == "T" else kind, None)
+    graph_outputs = [helper.make_tensor_value_info(name, _elem_type(kind, elem_type), None)
                      for name, kind in outputs]
     node = helper.make_node(op, [i[0] for i in inputs], [o[0] for o in outputs], name=op,
                             domain=domain, **attrs)

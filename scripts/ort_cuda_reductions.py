@@ -49,7 +49,8 @@ def model_bytes(op: str, elem_type: int, opset: int) -> bytes:
     from onnx import helper, numpy_helper
 
     axes_as_input = opset >= 18 or op == "ReduceSum"  # ReduceSum takes axes as input from 13
-    inputs, attributes, initializers = ["x"], {"keepdims": 1}, []
+    inputs, initializers = ["x"], []
+    attributes: dict[str, Any] = {"keepdims": 1}
     if axes_as_input:
         inputs.append("axes")
         initializers.append(numpy_helper.from_array(np.array([-1], np.int64), "axes"))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -48,6 +49,8 @@ def _load_by_path(name: str, path: Path):
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -730,7 +733,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", type=int, default=40, help="list at most N cases per section")
     parser.add_argument("--build-part", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    sys.stdout.reconfigure(line_buffering=True)  # progress and errors in order when piped
+    if isinstance(sys.stdout, io.TextIOWrapper):  # (a test may have replaced it)
+        sys.stdout.reconfigure(line_buffering=True)  # progress and errors in order when piped
 
     cache = args.cache.resolve()
     cases_dir = cache / "cases"

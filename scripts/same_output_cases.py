@@ -297,7 +297,7 @@ def _store_model(kind: str, model: Any, staging: Path, link: bool) -> str:
     return stored
 
 
-def _onnx_tensors(model: Any) -> Iterator[Any]:
+def _onnx_tensors(model: Any) -> Iterable[Any]:
     from onnx import external_data_helper
 
     return external_data_helper._get_all_tensors(model)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -118,7 +119,7 @@ class _GraphBuilder:
 
     # ---- nodes -----------------------------------------------------------------------------
 
-    def op(self, op_type: str, inputs: list[str], name: str, **attributes: object) -> str:
+    def op(self, op_type: str, inputs: list[str], name: str, **attributes: Any) -> str:
         """Append one node named `name`; its single output is the tensor `name`."""
         self.nodes.append(helper.make_node(op_type, inputs, [name], name=name, **attributes))
         return name
@@ -223,7 +224,7 @@ def build_synthetic_model(num_nodes: int, seed: int = 0) -> onnx.ModelProto:
     last_node = builder.nodes[-1]
     last_node.output[0] = OUTPUT_NAME
 
-    batch_shape = ["batch", SEQUENCE_LENGTH, HIDDEN_SIZE]
+    batch_shape: list[str | int] = ["batch", SEQUENCE_LENGTH, HIDDEN_SIZE]
     graph = helper.make_graph(
         builder.nodes,
         f"synthetic_transformer_{num_nodes}",

@@ -29,6 +29,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -82,7 +84,8 @@ def _served_vs_frozen(models: list[str], rounds: int, batch: int) -> None:
 
     x = tf.constant(np.random.default_rng(0).standard_normal((batch, 224, 224, 3))
                     .astype(np.float32))
-    calls, kept = {}, []
+    calls: dict[str, Callable[..., Any]] = {}  # called bare: the defaults bind the loop values
+    kept = []
     for model in models:
         loaded = tf.saved_model.load(model)
         kept.append(loaded)  # the functions refer to its variables

@@ -78,6 +78,8 @@ def _load_graph_builders():
 
     spec = importlib.util.spec_from_file_location("identity_graphs",
                                                   REPO / "models" / "tf_training.py")
+    if spec is None or spec.loader is None:
+        raise ImportError("cannot load models/tf_training.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -129,7 +131,7 @@ def run_side(root: Path, names: list[str], out: Path) -> int:
                         feed["x:0"] = xb
                 fetches = [result.train_op, result.loss]
                 scaled = result.all_finite is not None
-                if scaled:
+                if result.all_finite is not None:
                     fetches.append(result.all_finite)
                 values = session.run(fetches, feed)
                 record["loss"].append(values[1])
@@ -142,7 +144,7 @@ def run_side(root: Path, names: list[str], out: Path) -> int:
             arrays = {f"state/{key}": np.asarray(value) for key, value in record.items()}
             for variable in result.graph.get_collection("variables"):
                 arrays[f"variable/{variable.name}"] = np.asarray(session.run(variable))
-        np.savez(out / f"{name}.npz", **arrays)
+        np.savez(out / f"{name}.npz", allow_pickle=False, **arrays)
         print(f"{name}: done", flush=True)
     return 0
 
