@@ -345,14 +345,14 @@ class Node:
     def add_control_inputs(self, nodes: Iterable[Node]) -> None:
         """Make this node run after each of `nodes`, in order (those it already waits for, and
         repeats, are skipped): one call for a group of thousands stays linear."""
-        waited = {id(n) for n in self.control_inputs}
+        waited = set(self.control_inputs)
         added = []
         for node in nodes:
             if node is self:
                 raise IRError(f"{self.name!r} cannot wait for itself")
-            if id(node) in waited:
+            if node in waited:
                 continue
-            waited.add(id(node))
+            waited.add(node)
             added.append(node)
             users = node.control_users
             if not isinstance(users, list):  # the shared empty tuple: its own list now
@@ -375,15 +375,15 @@ class Node:
         control inputs, each once, in that order (what a node waiting for it is handed over
         to when it is removed)."""
         found: list[Node] = []
-        seen: set[int] = set()
+        seen: set[Node] = set()
         for value in self.inputs:
             producer = value.producer if value is not None else None
-            if producer is not None and producer.graph is self.graph and id(producer) not in seen:
-                seen.add(id(producer))
+            if producer is not None and producer.graph is self.graph and producer not in seen:
+                seen.add(producer)
                 found.append(producer)
         for node in self.control_inputs:
-            if id(node) not in seen:
-                seen.add(id(node))
+            if node not in seen:
+                seen.add(node)
                 found.append(node)
         return found
 
@@ -554,18 +554,18 @@ class Graph:
         _mark_created(node)
         self.nodes.append(node)
 
-    def insert_nodes(self, after: dict[int, list[Node]] | None = None,
+    def insert_nodes(self, after: dict[Node, list[Node]] | None = None,
                      at_start: Iterable[Node] = (),
-                     before: dict[int, list[Node]] | None = None) -> None:
-        """Insert many nodes in one sweep: `after` / `before` map id(anchor node) -> nodes to
+                     before: dict[Node, list[Node]] | None = None) -> None:
+        """Insert many nodes in one sweep: `after` / `before` map anchor node -> nodes to
         put right after / before it (in order); `at_start` go before every node."""
         after, before = after or {}, before or {}
         start = list(at_start)
         nodes = list(start)
         for node in self.nodes:
-            nodes.extend(before.get(id(node), ()))
+            nodes.extend(before.get(node, ()))
             nodes.append(node)
-            nodes.extend(after.get(id(node), ()))
+            nodes.extend(after.get(node, ()))
         for node in nodes:
             node.graph = self
         if _creator:
@@ -576,7 +576,7 @@ class Graph:
 
     def insert_after(self, anchor: Node, new_nodes: Iterable[Node]) -> None:
         """Insert `new_nodes` right after `anchor`."""
-        self.insert_nodes(after={id(anchor): list(new_nodes)})
+        self.insert_nodes(after={anchor: list(new_nodes)})
 
     def insert_before(self, anchor: Node, new_nodes: Iterable[Node]) -> None:
         """Insert `new_nodes` right before `anchor`."""
@@ -596,20 +596,20 @@ class Graph:
         goes to the first of those, or away when there is none. A removed node keeps its
         `control_inputs` (nothing points back at it), so a constant made from its output
         (`Value.origin`) can still be placed where it was."""
-        doomed_ids = {id(node) for node in doomed}
-        if not doomed_ids:
+        doomed_set = set(doomed)
+        if not doomed_set:
             return 0
-        mine = [node for node in self.nodes if id(node) in doomed_ids]
+        mine = [node for node in self.nodes if node in doomed_set]
         for node in mine:
             if node.is_used:
                 raise IRError(f"cannot remove {node.name!r} ({node.op_type}): its output is "
                               f"still used")
         for node in mine:
             if node.control_users or any(n is node for n in self.control_outputs.values()):
-                self._hand_over_waiters(node, doomed_ids)
+                self._hand_over_waiters(node, doomed_set)
         kept = []
         for node in self.nodes:
-            if id(node) not in doomed_ids:
+            if node not in doomed_set:
                 kept.append(node)
                 continue
             node.detach_inputs()
@@ -623,33 +623,33 @@ class Graph:
         self.nodes = kept
         return removed
 
-    def _hand_over_waiters(self, node: Node, doomed_ids: set[int]) -> None:
+    def _hand_over_waiters(self, node: Node, doomed_set: set[Node]) -> None:
         """Make what waits for `node` (about to be removed) wait for what it waited for."""
         replacements: list[Node] = []
-        seen: set[int] = set()
+        seen: set[Node] = set()
         stack = list(reversed(node.predecessors()))
         while stack:
             waited = stack.pop()
-            if id(waited) in seen:
+            if waited in seen:
                 continue
-            seen.add(id(waited))
-            if id(waited) in doomed_ids:
+            seen.add(waited)
+            if waited in doomed_set:
                 stack.extend(reversed(waited.predecessors()))
             else:
                 replacements.append(waited)
         for user in list(node.control_users):
-            if id(user) in doomed_ids:
+            if user in doomed_set:
                 continue
             merged: list[Node] = []
-            merged_ids: set[int] = set()
+            merged_set: set[Node] = set()
             for waited in user.control_inputs:
                 for candidate in (replacements if waited is node else [waited]):
-                    if candidate is not user and id(candidate) not in merged_ids:
-                        merged_ids.add(id(candidate))
+                    if candidate is not user and candidate not in merged_set:
+                        merged_set.add(candidate)
                         merged.append(candidate)
             for candidate in replacements:
-                if id(candidate) in merged_ids and not any(u is user
-                                                           for u in candidate.control_users):
+                if candidate in merged_set and not any(u is user
+                                                       for u in candidate.control_users):
                     users = candidate.control_users
                     if not isinstance(users, list):
                         users = candidate.control_users = list(users)
@@ -669,13 +669,13 @@ class Graph:
         edge aside), keeping the current order wherever it already is one: for a pass whose new
         edges point back in the list (a node made to wait for one placed after it). IRError
         when the edges form a cycle."""
-        position = {id(node): i for i, node in enumerate(self.nodes)}
+        position = {node: i for i, node in enumerate(self.nodes)}
         waiting = [0] * len(self.nodes)
         followers: list[list[int]] = [[] for _ in self.nodes]
         for i, node in enumerate(self.nodes):
-            before = {position.get(id(v.producer), -1) for v in node.inputs
+            before = {position.get(v.producer, -1) for v in node.inputs
                       if v is not None and v.producer is not None and not v.loop_back}
-            before |= {position.get(id(n), -1) for n in node.control_inputs
+            before |= {position.get(n, -1) for n in node.control_inputs
                        if not any(v is not None and v.loop_back for v in n.outputs)}
             before.discard(-1)
             waiting[i] = len(before)
@@ -755,14 +755,12 @@ class ValueNames:
     output's producer hands its name to the cast that now produces the output)."""
 
     def __init__(self, model: Model):
-        # Holding the values keeps their ids from being reused by values made later.
-        self._names = {id(value): (value, name) for graph in model.graph.walk_graphs()
+        self._names = {value: name for graph in model.graph.walk_graphs()
                        for name, value in graph.values.items()}
 
     def original_name(self, value: Value) -> str | None:
         """The name `value` had then (None for a value made since)."""
-        entry = self._names.get(id(value))
-        return entry[1] if entry is not None and entry[0] is value else None
+        return self._names.get(value)
 
 
 def stable_topological_order(followers: Sequence[Sequence[int]], waiting: list[int]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from .core import Graph, Node
+from .core import Graph, Node, Value
 
 #: Set (to anything but 0) to check the IR after loading and after every pass, and what
 #: emitters rely on (the tests set it).
@@ -33,25 +33,25 @@ def lint(graph: Graph) -> list[str]:
     existing slots.
     """
     problems: list[str] = []
-    live: set[int] = set()
+    live: set[Node] = set()
     graphs = list(graph.walk_graphs())
     for g in graphs:
-        live.update(id(node) for node in g.nodes)
-    visible: dict[int, set[int]] = {}
+        live.update(g.nodes)
+    visible: dict[Graph, set[Value]] = {}
     for g in graphs:
-        outer = visible.get(id(g.parent), set()) if g.parent is not None else set()
-        defined = set(outer) | {id(v) for v in g.inputs} | {id(v) for v in g.initializers.values()}
-        earlier: set[int] = set()
+        outer = visible.get(g.parent, set()) if g.parent is not None else set()
+        defined = set(outer) | set(g.inputs) | set(g.initializers.values())
+        earlier: set[Node] = set()
         for node in g.nodes:
             _lint_node(node, g, defined, live, problems)
             _lint_control_edges(node, g, earlier, live, problems)
-            earlier.add(id(node))
+            earlier.add(node)
             for value in node.outputs:
                 if value is not None:
-                    defined.add(id(value))
-        visible[id(g)] = defined
+                    defined.add(value)
+        visible[g] = defined
         for name, node in g.control_outputs.items():
-            if id(node) not in live or node.graph is not g:
+            if node not in live or node.graph is not g:
                 problems.append(f"graph {g.name}: control output {name!r} is {node.name}, which "
                                 f"is not a node of the graph")
         for index, value in enumerate(g.outputs):
@@ -69,7 +69,7 @@ def lint(graph: Graph) -> list[str]:
     return problems
 
 
-def _lint_node(node: Node, graph: Graph, defined: set[int], live: set[int],
+def _lint_node(node: Node, graph: Graph, defined: set[Value], live: set[Node],
                problems: list[str]) -> None:
     if node.graph is not graph:
         problems.append(f"{node.name}: sits in graph {graph.name} but points at another graph")
@@ -78,7 +78,7 @@ def _lint_node(node: Node, graph: Graph, defined: set[int], live: set[int],
             continue
         if (node, slot) not in value.uses:
             problems.append(f"{node.name}: input {slot} missing from uses of {value.name}")
-        if value.producer is not None and id(value) not in defined and not value.loop_back:
+        if value.producer is not None and value not in defined and not value.loop_back:
             problems.append(f"{node.name}: input {value.name} used before it is produced")
     for slot, value in enumerate(node.outputs):
         if value is None:
@@ -88,7 +88,7 @@ def _lint_node(node: Node, graph: Graph, defined: set[int], live: set[int],
         if value.graph.values.get(value.name) is not value:
             problems.append(f"{node.name}: output {value.name} not registered in its graph")
         for consumer, use_slot in value.uses:
-            if id(consumer) not in live:
+            if consumer not in live:
                 problems.append(f"{value.name}: used by {consumer.name}, which is not in the "
                                 f"graph")
             elif use_slot >= len(consumer.inputs) or consumer.inputs[use_slot] is not value:
@@ -100,19 +100,19 @@ def _lint_node(node: Node, graph: Graph, defined: set[int], live: set[int],
             problems.append(f"{node.name}: type group {group.name} names a slot it does not have")
 
 
-def _lint_control_edges(node: Node, graph: Graph, earlier: set[int], live: set[int],
+def _lint_control_edges(node: Node, graph: Graph, earlier: set[Node], live: set[Node],
                         problems: list[str]) -> None:
     for waited in node.control_inputs:
-        if id(waited) not in live or waited.graph is not graph:
+        if waited not in live or waited.graph is not graph:
             problems.append(f"{node.name}: waits for {waited.name}, which is not a node of its "
                             f"graph")
-        elif id(waited) not in earlier and not any(v is not None and v.loop_back
+        elif waited not in earlier and not any(v is not None and v.loop_back
                                                    for v in waited.outputs):
             problems.append(f"{node.name}: waits for {waited.name}, which runs after it")
         if not any(user is node for user in waited.control_users):
             problems.append(f"{node.name}: waits for {waited.name}, whose control_users miss it")
     for user in node.control_users:
-        if id(user) not in live:
+        if user not in live:
             problems.append(f"{node.name}: control user {user.name} is not in the graph")
         elif not any(waited is node for waited in user.control_inputs):
             problems.append(f"{node.name}: lists control user {user.name}, which does not wait "

@@ -178,8 +178,8 @@ class PassContext:
     #: What a structural rule's analysis plans for its rewrite pass, by rule (each rule's
     #: module in passes/structures/ reads and writes its own list).
     plans: dict[str, list[StructurePlan]] = field(default_factory=dict)
-    #: ids of nodes a user's pattern rule decided: structural rules leave them as the user said.
-    user_rule_nodes: set[int] = field(default_factory=set)
+    #: The nodes a user's pattern rule decided: structural rules leave them as the user said.
+    user_rule_nodes: set[Node] = field(default_factory=set)
     #: Whether the model may hold an op a rewrite would add (ONNX: the op exists at the model's
     #: opset; Mod, which the rotary rule needs, came with opset 10).
     op_available: Callable[[str], bool] = _every_op
@@ -194,8 +194,8 @@ class PassContext:
     def range_check_all(self, tensors: Iterable[LazyTensor], dtype: str) -> None:
         """Compute the range checks of many constants at once (`tensor_ranges`), for the
         `range_check` calls that follow."""
-        missing = {id(t): t for t in tensors if _known_range(t, dtype) is None}
-        for tensor, result in zip(missing.values(), tensor_ranges(missing.values(), dtype)):
+        missing = list(dict.fromkeys(t for t in tensors if _known_range(t, dtype) is None))
+        for tensor, result in zip(missing, tensor_ranges(missing, dtype)):
             _remember_range(tensor, dtype, result)
 
     def range_check(self, tensor: LazyTensor, dtype: str) -> RangeCheck:

@@ -97,16 +97,16 @@ def _force_carried_readers(ctx: PassContext, node: Node, slot: int, why: str) ->
     its weights through Identity nodes): a cast after the carrying op would overflow just the
     same. Returns how many groups it forced."""
     forced = 0
-    seen: set[int] = set()
+    seen: set[Value] = set()
     stack = [(node, slot)]
     while stack:
         carrier, carried_slot = stack.pop()
         if carried_slot not in ctx.rules.carry_ops.get(carrier.op_type, ()):
             continue
         for value in carrier.outputs:
-            if value is None or id(value) in seen:
+            if value is None or value in seen:
                 continue
-            seen.add(id(value))
+            seen.add(value)
             for reader, reader_slot in value.uses:
                 group = reader.input_group[reader_slot] \
                     if reader_slot < len(reader.input_group) else None

@@ -13,17 +13,17 @@ class GroupGraph:
 
     def __init__(self, graph: Graph):
         self.vertices: list[TypeGroup] = []
-        owner_of_use: dict[tuple[int, int], TypeGroup] = {}
-        self.owner_of_def: dict[int, TypeGroup] = {}
+        owner_of_use: dict[tuple[Graph, int], TypeGroup] = {}
+        self.owner_of_def: dict[Value, TypeGroup] = {}
         for node in graph.walk_nodes():
             for group in node.type_groups:
                 if group.fixed or group.dtype != FLOAT32:
                     continue
                 self.vertices.append(group)
                 for sub, index in group.inner_uses:
-                    owner_of_use[(id(sub), index)] = group
+                    owner_of_use[(sub, index)] = group
                 for value in group.inner_defs:
-                    self.owner_of_def[id(value)] = group
+                    self.owner_of_def[value] = group
         # Plain loops and local names: this runs once per conversion over every group and
         # edge (seconds at a million nodes).
         succ: dict[TypeGroup, Sequence[TypeGroup]] = {}
@@ -43,7 +43,7 @@ class GroupGraph:
                     if target is not None and target in pred and target not in targets:
                         targets.append(target)
                 for sub, index in defined.graph_output_uses:
-                    target = owner_of_use.get((id(sub), index))
+                    target = owner_of_use.get((sub, index))
                     if target is not None and target not in targets:
                         targets.append(target)
             succ[group] = tuple(targets)
@@ -65,4 +65,4 @@ class GroupGraph:
         """The group that decides `value`'s dtype (None for graph inputs and constants)."""
         if value.producer is not None:
             return value.producer.output_group[value.producer_slot]
-        return self.owner_of_def.get(id(value))
+        return self.owner_of_def.get(value)

@@ -33,7 +33,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ...ir import ALLOW, BFLOAT16, CLEAR, DENY, FLOAT32, FP32, INFER, IRError, TypeGroup, decisions
+from ...ir import (
+    ALLOW,
+    BFLOAT16,
+    CLEAR,
+    DENY,
+    FLOAT32,
+    FP32,
+    INFER,
+    IRError,
+    TypeGroup,
+    Value,
+    decisions,
+)
 from ..base import PassContext, register_pass
 from .group_graph import GroupGraph
 
@@ -281,7 +293,7 @@ def fill_tail_to_outputs(p: Painting) -> int:
                     seen.add(n)
                     stack.append(n)
         members = set(component)
-        entering: set[int] = set()
+        entering: set[Value] = set()
         closed = True
         for g in component:
             for value in (g.node.inputs[s] for s in g.input_slots):
@@ -292,10 +304,10 @@ def fill_tail_to_outputs(p: Painting) -> int:
                     continue
                 if producer is None or not p.is_low(producer):
                     closed = False
-                entering.add(id(value))
-        nodes = {id(g.node) for g in component}
-        leaving = {id(v) for g in component for v in gg.defined_values(g)
-                   if v.graph_output_uses or any(id(c) not in nodes for c, _ in v.uses)}
+                entering.add(value)
+        nodes = {g.node for g in component}
+        leaving = {v for g in component for v in gg.defined_values(g)
+                   if v.graph_output_uses or any(c not in nodes for c, _ in v.uses)}
         if not closed or not entering or len(leaving) >= len(entering):
             continue
         for g in sorted(component):

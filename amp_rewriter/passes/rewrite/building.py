@@ -72,13 +72,14 @@ def fill_node(node: Node, inputs: Sequence[Value | None], outputs: Sequence[Valu
 def remove_everywhere(model: Model, doomed: Iterable[Node]) -> int:
     """Remove `doomed` nodes (nothing may read them) from whichever graphs hold them, one sweep
     per graph; returns how many were removed."""
-    by_graph: dict[int, list[Node]] = {}
+    by_graph: dict[Graph, list[Node]] = {}
     for node in doomed:
-        by_graph.setdefault(id(node.graph), []).append(node)
+        if node.graph is not None:  # (a node no graph holds is in none of the sweeps)
+            by_graph.setdefault(node.graph, []).append(node)
     if not by_graph:
         return 0
-    return sum(graph.remove_nodes(by_graph[id(graph)]) for graph in model.graph.walk_graphs()
-               if id(graph) in by_graph)
+    return sum(graph.remove_nodes(by_graph[graph]) for graph in model.graph.walk_graphs()
+               if graph in by_graph)
 
 
 class PlanBuilder:
@@ -115,14 +116,14 @@ class GraphEdits:
 
     def __init__(self) -> None:
         self.doomed: list[Node] = []
-        self._before: dict[int, tuple[Graph, dict[int, list[Node]]]] = {}
+        self._before: dict[Graph, dict[Node, list[Node]]] = {}
 
     def insert_before(self, anchor: Node, nodes: list[Node]) -> None:
         assert anchor.graph is not None, "the anchor is still in its graph"
-        self._before.setdefault(id(anchor.graph), (anchor.graph, {}))[1][id(anchor)] = nodes
+        self._before.setdefault(anchor.graph, {})[anchor] = nodes
 
     def apply(self, model: Model) -> None:
-        for graph, before in self._before.values():
+        for graph, before in self._before.items():
             graph.insert_nodes(before=before)
         remove_everywhere(model, self.doomed)
 

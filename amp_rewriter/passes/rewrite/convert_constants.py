@@ -56,10 +56,10 @@ def _convert_fill_value(node: Node, attr: str, ctx: PassContext) -> bool:
     return True
 
 
-def _planned_nodes(ctx: PassContext) -> set[int]:
-    """ids of the nodes a rewrite after the casts works on (RMS rescales, rotary angles,
+def _planned_nodes(ctx: PassContext) -> set[Node]:
+    """The nodes a rewrite after the casts works on (RMS rescales, rotary angles,
     mask saturations): the constants they read keep the cast those rewrites expect."""
-    return {id(node) for plans in ctx.plans.values() for plan in plans
+    return {node for plans in ctx.plans.values() for plan in plans
             for node in plan.planned_nodes()}
 
 
@@ -74,7 +74,7 @@ def _one_low_dtype(value: Value) -> str | None:
     return wanted
 
 
-def _convert_read_initializers(graph: Graph, ctx: PassContext, planned: set[int]) -> int:
+def _convert_read_initializers(graph: Graph, ctx: PassContext, planned: set[Node]) -> int:
     converted = 0
     # The order insert_casts would make these casts in, and convert_constants fold them.
     for source in [*graph.inputs, *graph.initializers.values()]:
@@ -85,7 +85,7 @@ def _convert_read_initializers(graph: Graph, ctx: PassContext, planned: set[int]
             continue
         dtype = _one_low_dtype(source)
         # The model's own casts of it: fold_casts and convert_constants decide those.
-        if dtype is None or any(consumer.op_type == CAST or id(consumer) in planned
+        if dtype is None or any(consumer.op_type == CAST or consumer in planned
                                 for consumer, _ in source.uses):
             continue
         ctx.focus = source.uses[0][0]

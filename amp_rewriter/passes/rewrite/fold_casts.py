@@ -51,7 +51,7 @@ def fold_casts(ctx: PassContext) -> tuple[int, list[str]]:
     removed = 0
     for graph in list(ctx.model.graph.walk_graphs()):
         dead: list[Node] = []
-        first_cast: dict[tuple[int, str], Value] = {}
+        first_cast: dict[tuple[Value, str], Value] = {}
         for node in graph.nodes:
             target = cast_target(node)
             source = node.inputs[0] if node.inputs else None
@@ -72,7 +72,7 @@ def fold_casts(ctx: PassContext) -> tuple[int, list[str]]:
                 output.replace_all_uses_with(source)
                 dead.append(node)
                 continue
-            twin = first_cast.setdefault((id(source), target), output)
+            twin = first_cast.setdefault((source, target), output)
             if twin is not output and not output.graph_output_uses:
                 output.replace_all_uses_with(twin)
                 dead.append(node)

@@ -17,15 +17,15 @@ class CastBuilder:
 
     def __init__(self, model: Model):
         self.model = model
-        self.cache: dict[tuple[int, str], Value] = {}
-        #: id(graph) -> {id(producer node) -> casts right after it}; id(graph) -> casts at start.
-        self.after_node: dict[int, dict[int, list[Node]]] = {}
-        self.at_start: dict[int, list[Node]] = {}
+        self.cache: dict[tuple[Value, str], Value] = {}
+        #: graph -> {producer node -> casts right after it}; graph -> casts at start.
+        self.after_node: dict[Graph, dict[Node, list[Node]]] = {}
+        self.at_start: dict[Graph, list[Node]] = {}
         self.created = 0
 
     def cast(self, value: Value, dtype: str) -> Value:
         """The value converted to `dtype`, creating the cast on first request."""
-        key = (id(value), dtype)
+        key = (value, dtype)
         cached = self.cache.get(key)
         if cached is not None:
             return cached
@@ -37,11 +37,11 @@ class CastBuilder:
                         order=producer.order if producer is not None and in_graph else 0,
                         attrs={"to": dtype})
         output = present(cast.outputs[0])
-        if in_graph:
-            self.after_node.setdefault(id(graph), {}).setdefault(
-                id(producer), []).append(cast)
+        if producer is not None and in_graph:
+            self.after_node.setdefault(graph, {}).setdefault(
+                producer, []).append(cast)
         else:
-            self.at_start.setdefault(id(graph), []).append(cast)
+            self.at_start.setdefault(graph, []).append(cast)
         self.cache[key] = output
         self.created += 1
         return output
@@ -49,8 +49,8 @@ class CastBuilder:
     def splice(self, root: Graph) -> None:
         """Put the new casts into the node lists, keeping them topologically sorted."""
         for graph in list(root.walk_graphs()):
-            after = self.after_node.get(id(graph), {})
-            start = self.at_start.get(id(graph), [])
+            after = self.after_node.get(graph, {})
+            start = self.at_start.get(graph, [])
             if after or start:
                 graph.insert_nodes(after=after, at_start=start)
 
@@ -123,7 +123,7 @@ def _retarget_graph_output(model: Model, builder: CastBuilder, value: Value, sub
                            index: int, dtype: str) -> None:
     """Make output `index` of `sub` carry `dtype`: the cast takes over the output's name."""
     original_name = value.name
-    cast_out = builder.cache.get((id(value), dtype))
+    cast_out = builder.cache.get((value, dtype))
     if cast_out is not None:  # the same value listed as an output twice
         pass
     elif value.producer is not None and value.producer.graph is sub and not value.is_graph_input:

@@ -48,7 +48,7 @@ masked row is uniform as in fp32. The proof per case is above.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TypeGuard, cast
 
 import numpy as np
 
@@ -114,23 +114,23 @@ class _Mask:
 
 
 class _Components:
-    """Union-find over nodes and constants, keyed by id."""
+    """Union-find over nodes and constants."""
 
     def __init__(self) -> None:
-        self.parent: dict[int, int] = {}
+        self.parent: dict[Node | Value, Node | Value] = {}
 
-    def find(self, key: int) -> int:
+    def find(self, key: Node | Value) -> Node | Value:
         self.parent.setdefault(key, key)
         while self.parent[key] != key:
             self.parent[key] = self.parent[self.parent[key]]
             key = self.parent[key]
         return key
 
-    def union(self, a: int, b: int) -> None:
+    def union(self, a: Node | Value, b: Node | Value) -> None:
         self.parent[self.find(a)] = self.find(b)
 
 
-def _is_float(value: Value | None) -> bool:
+def _is_float(value: Value | None) -> TypeGuard[Value]:
     return value is not None and value.original_dtype in FLOAT_DTYPES
 
 
@@ -142,17 +142,17 @@ def _positive_constant(value: Value | None) -> bool:
     return data.size > 0 and bool(np.all(np.isfinite(data) & (data > 0)))
 
 
-def _after_heavy_ops(ctx: PassContext) -> set[int]:
-    """ids of values computed (transitively) from the output of an allow-class op: activations
+def _after_heavy_ops(ctx: PassContext) -> set[Value]:
+    """The values computed (transitively) from the output of an allow-class op: activations
     such as attention scores, as opposed to masks built from inputs and constants. A shape read
     (Shape, Size) carries no activation: T5's relative position bias is looked up from positions
     counted off the keys' shape, and is data like the mask it is added to."""
-    tainted: set[int] = set()
+    tainted: set[Value] = set()
     metadata = ctx.rules.metadata_ops
     for node in ctx.model.graph.nodes:
         if heavy(node) or (node.op_type not in metadata
-                           and any(v is not None and id(v) in tainted for v in node.inputs)):
-            tainted.update(id(v) for v in node.outputs if v is not None)
+                           and any(v is not None and v in tainted for v in node.inputs)):
+            tainted.update(v for v in node.outputs if v is not None)
     return tainted
 
 
@@ -174,15 +174,15 @@ def _overflowing_sources(ctx: PassContext) -> tuple[list[Value], list[Node]]:
                  if (tensor := value.known_constant) is not None and value.uses
                  and value.dtype == FLOAT32}
     ctx.range_check_all(constants.values(), target)
-    unordered = {id(value): value for value, tensor in constants.items()
+    unordered = {value: value for value, tensor in constants.items()
                  if ctx.range_check(tensor, target).overflowed}
     ordered: list[Value] = []
     for node in graph.nodes:
         if not unordered:
             break
         for value in node.inputs:
-            if value is not None and id(value) in unordered:
-                ordered.append(unordered.pop(id(value)))
+            if value is not None and value in unordered:
+                ordered.append(unordered.pop(value))
     return ordered, fills
 
 
@@ -195,64 +195,64 @@ def find_masks(ctx: PassContext) -> list[_Mask]:
         return []
     heavy = _after_heavy_ops(ctx)
     parts = _Components()
-    masked: set[int] = set()   # ids of fp32 values of a mask's construction (the mask itself)
-    summed: set[int] = set()   # ids of values carrying a masked sum (scores + mask)
-    role: dict[int, str] = {}  # id(node) -> construction / join / region / sink / refused: why
+    masked: set[Value] = set()   # the fp32 values of a mask's construction (the mask itself)
+    summed: set[Value] = set()   # the values carrying a masked sum (scores + mask)
+    role: dict[Node, str] = {}  # node -> construction / join / region / sink / refused: why
     for value in constants:
-        masked.add(id(value))
+        masked.add(value)
     for node in fills:
-        role[id(node)] = "construction"
+        role[node] = "construction"
         for out in node.outputs:
             if _is_float(out):
-                masked.add(id(out))
-                parts.union(id(out), id(node))
+                masked.add(out)
+                parts.union(out, node)
     for node in graph.nodes:
-        if id(node) in role:
+        if node in role:
             continue
         float_slots = [s for s, v in enumerate(node.inputs) if _is_float(v)]
-        mask_slots = [s for s in float_slots if id(node.inputs[s]) in masked]
-        sum_slots = [s for s in float_slots if id(node.inputs[s]) in summed]
+        mask_slots = [s for s in float_slots if node.inputs[s] in masked]
+        sum_slots = [s for s in float_slots if node.inputs[s] in summed]
         if not mask_slots and not sum_slots:
             continue
         for s in mask_slots + sum_slots:
-            parts.union(id(node), id(node.inputs[s]))
+            parts.union(node, present(node.inputs[s]))  # a float slot: never empty
         others = [s for s in float_slots if s not in mask_slots and s not in sum_slots]
         kind = rules.role(node.op_type)
         if sum_slots:
             verdict = _sum_step(node, kind, sum_slots, mask_slots, others, ctx)
-        elif kind in ("add", "sub") and others and all(id(node.inputs[s]) in heavy
+        elif kind in ("add", "sub") and others and all(node.inputs[s] in heavy
                                                        for s in others) \
                 and (kind == "add" or mask_slots == [1]):
             verdict = "join"  # the mask meets the scores
         elif node.op_type in rules.mask_build_ops \
-                and not any(id(node.inputs[s]) in heavy for s in others):
+                and not any(node.inputs[s] in heavy for s in others):
             verdict = "construction"
         else:
             verdict = (f"refused: the mask reaches {node.name} ({node.op_type}), which neither "
                        f"builds a mask nor adds it to the scores")
-        role[id(node)] = verdict
+        role[node] = verdict
         out_set = masked if verdict == "construction" else summed
         if verdict in ("construction", "join", "region"):
             for out in node.outputs:
                 if _is_float(out):
-                    out_set.add(id(out))
-                    parts.union(id(out), id(node))
+                    out_set.add(out)
+                    parts.union(out, node)
                     if out_set is summed and out is not None and out.graph_output_uses:
-                        role[id(node)] = (f"refused: the masked sum {out.name!r} is a graph "
+                        role[node] = (f"refused: the masked sum {out.name!r} is a graph "
                                           f"output")
                     if out_set is summed and out is not None and any(
                             consumer.graph is not graph for consumer, _ in out.uses):
-                        role[id(node)] = (f"refused: the masked sum {out.name!r} is read "
+                        role[node] = (f"refused: the masked sum {out.name!r} is read "
                                           f"inside a subgraph")
-    masks: dict[int, _Mask] = {}
+    masks: dict[Node | Value, _Mask] = {}
     for value in constants:
-        masks.setdefault(parts.find(id(value)), _Mask()).constants.append(value.name)
+        masks.setdefault(parts.find(value), _Mask()).constants.append(value.name)
     for node in graph.nodes:
-        found = role.get(id(node))
+        found = role.get(node)
         if found is None:
             continue
         verdict = found
-        mask = masks.setdefault(parts.find(id(node)), _Mask())
+        mask = masks.setdefault(parts.find(node), _Mask())
         if verdict.startswith("refused"):
             mask.refused = mask.refused or verdict[len("refused: "):]
         elif verdict == "construction":
@@ -302,11 +302,11 @@ def _selection_only(mask: _Mask, ctx: PassContext) -> list[Node]:
     sees the -inf before the saturated sum. Arithmetic (Mul, Sub, Add of masks) and constant
     fills stay fp32: (1 - m) * -inf would be NaN where m is 1."""
     carry = ctx.rules.carry_ops
-    joins = {id(n) for n in mask.joins + mask.region + mask.sinks}
-    fills = {id(n) for n in mask.construction if not any(v is not None for v in n.inputs)
+    joins = {n for n in mask.joins + mask.region + mask.sinks}
+    fills = {n for n in mask.construction if not any(v is not None for v in n.inputs)
              or n.op_type in ctx.rules.constant_fill_attrs}
-    selecting = {id(n): n for n in mask.construction
-                 if n.op_type in carry and id(n) not in fills}
+    selecting = {n: n for n in mask.construction
+                 if n.op_type in carry and n not in fills}
     changed = True
     while changed:
         changed = False
@@ -314,12 +314,12 @@ def _selection_only(mask: _Mask, ctx: PassContext) -> list[Node]:
             for out in node.outputs:
                 if out is None or not _is_float(out):
                     continue
-                if out.graph_output_uses or not all(id(c) in joins or id(c) in selecting
+                if out.graph_output_uses or not all(c in joins or c in selecting
                                                     for c, _ in out.uses):
                     del selecting[key]
                     changed = True
                     break
-    return [n for n in mask.construction if id(n) in selecting]
+    return [n for n in mask.construction if n in selecting]
 
 
 def _explain(mask: _Mask, ctx: PassContext) -> str:
@@ -352,7 +352,7 @@ def find_attention_masks(ctx: PassContext) -> tuple[int, list[str]]:
     accepted = 0
     notes = []
     for mask in find_masks(ctx):
-        ruled = [n.name for n in mask.construction if id(n) in ctx.user_rule_nodes]
+        ruled = [n.name for n in mask.construction if n in ctx.user_rule_nodes]
         if ruled and not mask.refused:
             mask.refused = f"a pattern rule decides its construction ({', '.join(ruled)})"
         if mask.refused:
@@ -396,9 +396,9 @@ def _constant_size(ctx: PassContext, name: str) -> int:
 
 
 def _bound(ctx: PassContext, graph: Graph, dtype: str, sign: int,
-           cache: dict[tuple[int, str, int], Value]) -> Value:
+           cache: dict[tuple[Graph, str, int], Value]) -> Value:
     """The constant -max or +max of the target, in `dtype`, one per graph."""
-    key = (id(graph), dtype, sign)
+    key = (graph, dtype, sign)
     if key not in cache:
         cache[key] = scalar_constant(
             ctx.model, graph, f"mask_saturation_{'max' if sign > 0 else 'min'}_{dtype}",
@@ -420,7 +420,7 @@ def saturate_masked_sums(ctx: PassContext) -> tuple[int, list[str]]:
     """Clip the input of every Softmax an accepted attention mask reaches to +-max of the target,
     where any step of the masked path runs in low precision."""
     op = ctx.rules.saturate_op
-    cache: dict[tuple[int, str, int], Value] = {}
+    cache: dict[tuple[Graph, str, int], Value] = {}
     added = 0
     for plan in saturation_plans(ctx):
         if not any(g.precision in LOW_PRECISION_DTYPES for g in plan.region):

@@ -9,19 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ...ir import FLOAT32, FLOAT_DTYPES, Graph, Node, TypeGroup, decisions
+from ...ir import FLOAT32, FLOAT_DTYPES, Graph, Node, TypeGroup, Value, decisions
 from ..base import FormatRules, PassContext, StructureRecord, register_pass
 from .matching import heavy, is_float
 
 
-def index_math_values(graph: Graph, rules: FormatRules) -> set[int]:
-    """ids of the float values of the main graph computed without a heavy (allow-class) op, a
+def index_math_values(graph: Graph, rules: FormatRules) -> set[Value]:
+    """The float values of the main graph computed without a heavy (allow-class) op, a
     table lookup (an embedding row is data) or a control-flow op: from graph inputs, constants
     and integers (shapes, positions, lengths, boolean masks) through light arithmetic."""
-    known: set[int] = set()
+    known: set[Value] = set()
     for value in list(graph.inputs) + list(graph.initializers.values()):
         if is_float(value):
-            known.add(id(value))
+            known.add(value)
     for node in graph.nodes:
         if node.subgraphs or heavy(node):
             continue
@@ -33,10 +33,10 @@ def index_math_values(graph: Graph, rules: FormatRules) -> set[int]:
                 and not (node.outputs and node.outputs[0] is not None
                          and node.outputs[0].const is not None):
             continue  # random ops and the like
-        if all(id(v) in known or not is_float(v) for v in inputs):
+        if all(v in known or not is_float(v) for v in inputs):
             for out in node.outputs:
                 if out is not None and is_float(out):
-                    known.add(id(out))
+                    known.add(out)
     return known
 
 
@@ -82,11 +82,11 @@ def keep_index_math_fp32(ctx: PassContext) -> tuple[int, list[str]]:
     index_math = index_math_values(graph, rules)
     follow = rules.follow_producer_inputs
     pinned = 0
-    visited: set[int] = set()
+    visited: set[Node] = set()
     for seed_node, slot in seeds:
         ctx.focus = seed_node
         seed = seed_node.inputs[slot]
-        if seed is None or id(seed) not in index_math or seed.const is not None:
+        if seed is None or seed not in index_math or seed.const is not None:
             continue
         use = f"{seed_node.name} ({seed_node.op_type})"
         why = (f"computes a shape, length or index (used by {use}), without a heavy op: "
@@ -95,21 +95,21 @@ def keep_index_math_fp32(ctx: PassContext) -> tuple[int, list[str]]:
         names: list[str] = []
         group = seed_node.input_group[slot] if slot < len(seed_node.input_group) else None
         if group is not None and group.name not in follow.get(seed_node.op_type, ()) \
-                and id(seed_node) not in ctx.user_rule_nodes:
+                and seed_node not in ctx.user_rule_nodes:
             pinned += _pin(group, why, names)
         stack = [seed]
         while stack:
             value = stack.pop()
             producer = value.producer
-            if producer is None or id(producer) in visited or producer.graph is not graph:
+            if producer is None or producer in visited or producer.graph is not graph:
                 continue
-            visited.add(id(producer))
-            if id(producer) in ctx.user_rule_nodes:
+            visited.add(producer)
+            if producer in ctx.user_rule_nodes:
                 continue  # the user's pattern rule decided this node
             for g in producer.type_groups:
                 pinned += _pin(g, why, names)
             stack.extend(v for v in producer.inputs
-                         if v is not None and id(v) in index_math and v.const is None)
+                         if v is not None and v in index_math and v.const is None)
         if names:
             ctx.structures.append(StructureRecord("index_math", names, why))
     return pinned, []

@@ -14,7 +14,7 @@ from ..base import PassContext, StructureRecord, register_pass
 
 def _neighbours(node: Node, downstream: bool, through: frozenset[str]) -> Iterator[Node]:
     """The consumers (or producers) of `node`, looking through the `through` ops."""
-    seen: set[int] = set()
+    seen: set[Node] = set()
     stack = [node]
     while stack:
         current = stack.pop()
@@ -23,9 +23,9 @@ def _neighbours(node: Node, downstream: bool, through: frozenset[str]) -> Iterat
         else:
             nexts = [v.producer for v in current.inputs if v is not None and v.producer]
         for other in nexts:
-            if other is None or id(other) in seen:
+            if other is None or other in seen:
                 continue
-            seen.add(id(other))
+            seen.add(other)
             yield other
             if other.op_type in through or other.qualified_op in through:
                 stack.append(other)
@@ -57,7 +57,7 @@ def apply_pattern_rules(ctx: PassContext) -> tuple[int, list[str]]:
                 continue
             reason = f"{rule.describe()} ({rule.source})"
             set_class(ctx, node, rule.op_class or FP32, reason, decisions.USER_OVERRIDE)
-            ctx.user_rule_nodes.add(id(node))
+            ctx.user_rule_nodes.add(node)
             hits.setdefault(index, []).append(node.name)
             changed += 1
             break  # the first matching rule wins

@@ -303,13 +303,13 @@ def _statistics_nodes(step: Node, x: Value) -> list[Node]:
     """The nodes between x and the scaling step (the square, mean, +eps, root, inverse), and it."""
     found: list[Node] = [step]
     stack = [v for v in step.inputs if v is not None and v is not x]
-    seen: set[int] = set()
+    seen: set[Node] = set()
     while stack:
         value = stack.pop()
         node = value.producer
-        if node is None or id(node) in seen or value.const is not None:
+        if node is None or node in seen or value.const is not None:
             continue
-        seen.add(id(node))
+        seen.add(node)
         found.append(node)
         stack.extend(v for v in node.inputs if v is not None and v is not x)
     return found
@@ -322,9 +322,9 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
     input is cast up once for the square, and the per-row scale (a small tensor) is cast down
     for the scaling step, which runs low where eps keeps the scale in range (see scaling_fits)."""
     found = 0
-    #: ids of the nodes an RMS norm pinned: two norms may share a square or a mean, and the
+    #: The nodes an RMS norm pinned: two norms may share a square or a mean, and the
     #: second still needs its own +eps, root and inverse pinned.
-    claimed: set[int] = set()
+    claimed: set[Node] = set()
     for node in list(ctx.model.graph.walk_nodes()):
         ctx.focus = node
         if node.pin_reason or node.class_kind == decisions.USER_OVERRIDE:
@@ -334,7 +334,7 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
             continue
         x, eps = match
         members = _statistics_nodes(node, x)
-        if any((m.pin_reason and id(m) not in claimed)
+        if any((m.pin_reason and m not in claimed)
                or m.class_kind == decisions.USER_OVERRIDE for m in members):
             continue
         parts = _square_and_mean(members, ctx.rules)
@@ -352,12 +352,12 @@ def recognize_rms_norm(ctx: PassContext) -> tuple[int, list[str]]:
                 low_class = member.op_class if member.op_class in (ALLOW, INFER) else INFER
                 set_class(ctx, member, low_class, scaling_why, decisions.STRUCTURE)
                 continue
-            if id(member) in claimed:
+            if member in claimed:
                 continue  # shared with a norm recognised before: pinned with its reason
             if member.op_class in (FP32, DENY):
                 set_class(ctx, member, INFER, why, decisions.STRUCTURE)
             member.pin_reason, member.pin_kind, member.pin_barrier = why, decisions.STRUCTURE, False
-            claimed.add(id(member))
+            claimed.add(member)
         record = StructureRecord("rms_norm", [m.name for m in members],
                                  why if scaling_why is None else f"{why}; {scaling_why}")
         ctx.structures.append(record)

@@ -98,7 +98,7 @@ def _periodic_readers(angle: Value, rules: FormatRules) -> list[Node] | None:
     its values unchanged or only selected (`rules.carry_ops`, float outputs); None when anything
     else reads it or what they carry (another op or slot, a graph output, a nested graph)."""
     readers: list[Node] = []
-    seen: set[int] = set()
+    seen: set[Node] = set()
     stack = [angle]
     while stack:
         value = stack.pop()
@@ -107,9 +107,9 @@ def _periodic_readers(angle: Value, rules: FormatRules) -> list[Node] | None:
         for node, slot in value.uses:
             if node.graph is not angle.graph:
                 return None
-            if id(node) in seen:
+            if node in seen:
                 continue
-            seen.add(id(node))
+            seen.add(node)
             readers.append(node)
             if node.op_type in rules.periodic_ops:
                 continue
@@ -174,7 +174,7 @@ def recognize_rotary_angles(ctx: PassContext) -> tuple[int, list[str]]:
         positions, frequencies, readers, cast = match
         members = [node, *readers, cast]  # the cast goes too: a pin on it counts
         if any(m.pin_reason or m.class_kind == decisions.USER_OVERRIDE
-               or id(m) in ctx.user_rule_nodes for m in members):
+               or m in ctx.user_rule_nodes for m in members):
             continue
         periodic = [m for m in readers if m.op_type in rules.periodic_ops]
         if not all(m.op_class in (ALLOW, INFER) and any(g.paintable for g in m.float_groups())
