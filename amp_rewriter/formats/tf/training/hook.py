@@ -428,8 +428,10 @@ def mixed_precision(step: Any, target: str = "fp16", **options: Any) -> MixedPre
             loss-scale rule: loss_scale ("dynamic", the fp16 default; "none", the bf16 default;
             or a fixed number), initial_scale (2**15), growth_interval (2000), growth_factor
             (2), backoff_factor (0.5), min_scale (1), hysteresis (1); and the update: weights
-            ("fp32", or "fp16"/"bf16": the weights hold 16-bit values, each update computed in
-            fp32 and rounded; the tf.Variables stay float32), rounding ("stochastic", the 16-bit
+            ("fp32", or "fp16"/"bf16": each update computed in fp32 and rounded to 16 bits;
+            variables built in that type, e.g. Keras layers with dtype="float16", stay stored
+            in it, the step run as its fp32 equivalent; float32 ones hold 16-bit values and
+            keep their storage, with a warning), rounding ("stochastic", the 16-bit
             default, or "nearest"), slots, rounding_seed, unscale ("auto", "gradients",
             "optimizer") and accumulate (N micro-steps per applied step).
 
