@@ -18,6 +18,7 @@ from .ir import DENY, LOW_PRECISION_DTYPES, LazyTensor, Node
 from .ir.dtypes import NUMPY_DTYPES
 from .op_lists import OpLists
 from .passes.base import FormatRules
+from .passes.structures.rms_norm import rescaled_mean_square
 from .passes.structures.tanh_gelu import tanh_gelu_cube
 from .report import CheckRule
 
@@ -242,8 +243,8 @@ def deny_op_findings(nodes: Iterable[Node], lists: OpLists, rules: FormatRules, 
                      where: str = "") -> tuple[list[dict[str, Any]], list[str]]:
     """`check`'s deny-list rule over a converted graph's nodes, for every format: a deny-list op
     with a low-precision input or output is a problem, unless it is a structure `convert` runs
-    low on purpose (the cube of a tanh-GELU), which is a note. `where` follows a node's name
-    (" (in FUNCTION)"). Returns (problems, notes)."""
+    low on purpose (the cube of a tanh-GELU, an RMS norm's rescaled mean square), which is a
+    note. `where` follows a node's name (" (in FUNCTION)"). Returns (problems, notes)."""
     problems: list[dict[str, Any]] = []
     notes: list[str] = []
     backend = lists.backend
@@ -252,7 +253,7 @@ def deny_op_findings(nodes: Iterable[Node], lists: OpLists, rules: FormatRules, 
         if op_class != DENY or not any(v is not None and v.dtype in LOW_PRECISION_DTYPES
                                        for v in node.inputs + node.outputs):
             continue
-        harmless = tanh_gelu_cube(node, rules)
+        harmless = tanh_gelu_cube(node, rules) or rescaled_mean_square(node, rules, lists)
         if harmless is not None:  # convert runs it low precision on purpose
             notes.append(f"{node.name} ({node.op_type}){where} runs in low precision: {harmless}")
             continue

@@ -38,24 +38,28 @@ def batches(x: np.ndarray, y: np.ndarray, size: int, seed: int = 0):
             yield x[index], y[index]
 
 
-def mlp(seed: int = 0):
-    """64 -> 64 (relu) -> 10 logits."""
+def mlp(seed: int = 0, dtype: str | None = None):
+    """64 -> 64 (relu) -> 10 logits; `dtype`: the layers' dtype policy ("float16",
+    "bfloat16": variables stored, and compute written, in 16 bits), None for Keras's default."""
     import keras
 
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
-                             keras.layers.Dense(10)])
+    return keras.Sequential([keras.Input((64,)),
+                             keras.layers.Dense(64, activation="relu", dtype=dtype),
+                             keras.layers.Dense(10, dtype=dtype)])
 
 
-def cnn(seed: int = 0):
-    """8x8x1 -> conv 16 (3x3, relu) -> conv 32 (3x3, relu) -> flatten -> 10 logits."""
+def cnn(seed: int = 0, dtype: str | None = None):
+    """8x8x1 -> conv 16 (3x3, relu) -> conv 32 (3x3, relu) -> flatten -> 10 logits; `dtype`
+    as `mlp`'s."""
     import keras
 
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((8, 8, 1)),
-                             keras.layers.Conv2D(16, 3, activation="relu"),
-                             keras.layers.Conv2D(32, 3, activation="relu"),
-                             keras.layers.Flatten(), keras.layers.Dense(10)])
+                             keras.layers.Conv2D(16, 3, activation="relu", dtype=dtype),
+                             keras.layers.Conv2D(32, 3, activation="relu", dtype=dtype),
+                             keras.layers.Flatten(dtype=dtype),
+                             keras.layers.Dense(10, dtype=dtype)])
 
 
 def accuracy(model, x: np.ndarray, y: np.ndarray) -> float:

@@ -10,6 +10,12 @@ halved), and after the last step the mirrored copies of every variable must be i
     .venv/bin/python examples/tf2_mirrored.py                     # 300 steps
     .venv/bin/python examples/tf2_mirrored.py --steps 8 --forms per_replica --json out.json
     .venv/bin/python examples/tf2_mirrored.py --weights fp16      # fp16 weights, stochastic
+    .venv/bin/python examples/tf2_mirrored.py --weights fp16 --build-16bit  # stored in fp16
+
+With --build-16bit the rewritten runs build the model in the weights' type (Keras layers with
+`dtype="float16"`: the mirrored variables and Adam's slots are stored in 16 bits), and every run
+uses Adam's epsilon 1e-4 (Keras keeps the second moment in the variables' type, where 1e-7 is
+too small: see tf2_custom_loop.py).
 
 It prints per form the test accuracy (and fp32's), the skipped steps, the scale, and whether the
 copies agree; it exits 1 when a check fails or a form ends more than 2 points below fp32.
@@ -37,10 +43,11 @@ def _copies(variable) -> list:
 
 
 def train(form: str, steps: int, bad_steps: dict[int, int], batch: int,
-          weights: str = "fp32") -> dict:
+          weights: str = "fp32", build16: bool = False) -> dict:
     """One run: `form` is "fp32", "per_replica" or "whole"; `bad_steps` maps a step to the
     replica whose shard gets an inf there; `weights`: "fp16" keeps the weights in fp16 values
-    (each update rounded stochastically)."""
+    (each update rounded stochastically); `build16`: a rewritten run's model is built in that
+    type (its variables stored in 16 bits)."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -50,8 +57,9 @@ def train(form: str, steps: int, bad_steps: dict[int, int], batch: int,
     strategy = tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(REPLICAS)])
     x_train, y_train, x_test, y_test = digits_data.digits()
     with strategy.scope():
-        model = digits_data.mlp(seed=0)
-        optimizer = keras.optimizers.Adam(1e-3)
+        built16 = build16 and form != "fp32" and weights != "fp32"
+        model = digits_data.mlp(seed=0, dtype="float16" if built16 else None)
+        optimizer = keras.optimizers.Adam(1e-3, epsilon=1e-4 if build16 else 1e-7)
         # built here: TensorFlow cannot make a mirrored optimizer slot on a tf.function's first
         # call (fp32 too: its initializers are not liftable and its cond fallback fails)
         optimizer.build(model.trainable_variables)
@@ -116,6 +124,7 @@ def train(form: str, steps: int, bad_steps: dict[int, int], batch: int,
             "skipped_steps": int(skipped) if skipped is not None else 0,
             "loss_scale": float(scale) if scale is not None else None,
             "optimizer_steps": int(optimizer.iterations.numpy()),
+            "weight_dtypes": sorted({v.dtype for v in model.trainable_variables}),
             "variables_stored_16bit": sorted(training["variables_stored_16bit"])
             if training is not None else []}
 
@@ -124,6 +133,9 @@ def main() -> int:
     parser = digits_data.arguments(__doc__, steps=300)
     parser.add_argument("--forms", default="per_replica,whole")
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--build-16bit", action="store_true",
+                        help="the rewritten runs build the model in fp16 (its variables stored "
+                             "in 16 bits); with --weights fp16")
     parser.add_argument("--weights", choices=("fp32", "fp16"), default="fp32",
                         help="fp16: the rewritten runs keep fp16 weights, rounded stochastically "
                              "(the random bits keyed by step and variable, the same on each "
@@ -135,13 +147,13 @@ def main() -> int:
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(REPLICAS)])
     bad_steps = {min(2, args.steps - 1): 1, min(4, args.steps - 1): 0}
-    results = [train("fp32", args.steps, {}, args.batch)]
+    results = [train("fp32", args.steps, {}, args.batch, build16=args.build_16bit)]
     reference = results[0]["test_accuracy"]
     print(f"fp32: test accuracy {reference:.1f}%, copies identical "
           f"{results[0]['copies_identical']} ({results[0]['seconds']} s)")
     ok = True
     for form in args.forms.split(","):
-        result = train(form, args.steps, bad_steps, args.batch, args.weights)
+        result = train(form, args.steps, bad_steps, args.batch, args.weights, args.build_16bit)
         results.append(result)
         good = (result["copies_identical"] and all(result["bad_steps_left_every_copy_unchanged"])
                 and result["skipped_steps"] == len(bad_steps)
@@ -153,7 +165,8 @@ def main() -> int:
               f"{min(bad_steps)} and replica 0 at step {max(bad_steps)}: skipped "
               f"{result['skipped_steps']}, every copy unchanged "
               f"{result['bad_steps_left_every_copy_unchanged']}; scale {result['loss_scale']:g}; "
-              f"mirrored copies identical {result['copies_identical']} ({result['seconds']} s)")
+              f"mirrored copies identical {result['copies_identical']}; weights stored in "
+              f"{', '.join(result['weight_dtypes'])} ({result['seconds']} s)")
     return digits_data.finish(results, args.json, ok)
 
 

@@ -5,6 +5,7 @@ Converted models run with real fp16 rounding (`run_as_fp16`) against fp32 in onn
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -715,3 +716,37 @@ def test_rms_norm_inverse_root_in_fp16_keeps_tiny_rows():
     for actual in (run_as_fp16(converted, {"x": x})[0], run(converted, {"x": x})[0]):
         assert np.isfinite(actual).all()
         assert_close_per_row(actual, expected, 3e-3)
+
+
+# -- check passes what convert wrote, rule by rule (issue 39) -------------------------------------
+def _t5_attention() -> onnx.ModelProto:
+    from test_attention_masks import t5_model
+
+    return t5_model()
+
+
+STRUCTURE_MODELS = {
+    "tanh_gelu": (gelu_mlp, "tanh_gelu", {}),
+    "index_math": (length_model, "index_math", {}),
+    "rms_norm": (rms_norm_block, "rms_norm", {"backend": RESCALING_BACKEND}),
+    "rotary_angles": (rotary_block, "rotary_angle", {}),
+    "attention_mask": (_t5_attention, "attention_mask", {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRUCTURE_MODELS))
+def test_check_passes_what_convert_wrote_for_each_structural_rule(name, tmp_path, capsys):
+    """Every structural rule convert applies is one check knows: check exits 0 on the output,
+    alone and against the fp32 model, with the backend convert had."""
+    build, rule, options = STRUCTURE_MODELS[name]
+    source, output = tmp_path / f"{name}.onnx", tmp_path / f"{name}_fp16.onnx"
+    onnx.save(build(), str(source))
+    backend = ["--backend", options["backend"]] if options else []
+    report = tmp_path / "report.json"
+    assert main(["convert", str(source), str(output), "--report", str(report), *backend]) == 0
+    applied = {entry["rule"] for entry in json.loads(report.read_text())["structures"]}
+    assert any(rule in applied_rule for applied_rule in applied), applied
+    capsys.readouterr()
+    for reference in ([], ["--reference", str(source)]):
+        code = main(["check", str(output), *reference, *backend])
+        assert code == 0, capsys.readouterr().out

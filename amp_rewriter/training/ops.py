@@ -159,6 +159,12 @@ class TrainingOps(Protocol):
         Raises AmpError when `value` names no variable the format can store so."""
         ...
 
+    def stored_dtype(self, value: Value) -> str | None:
+        """The 16-bit dtype the input already stores the variable `value` names in (a TF2
+        model built with 16-bit variables: its writes are updated in fp32 and rounded back
+        like `--weights`'), or None."""
+        ...
+
     def update_in_fp32(self, write: Node, variables: dict[int, StoredVariable]
                        ) -> dict[int, Value]:
         """Make `write` update fp32 copies of the variables its input slots `variables` name,

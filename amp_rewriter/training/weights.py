@@ -46,6 +46,10 @@ def _stored_variables(training: TrainingContext) -> dict[int, StoredVariable]:
             stored[id(value)] = ops.variable(value, dtype)
 
     for write in training.plan.writes:
+        for value in write.node.inputs:  # a variable the caller made 16-bit: every write
+            stored_as = ops.stored_dtype(value) if value is not None else None
+            if stored_as is not None:
+                store(value, stored_as)
         if not write.weight or write.variable_slot is None:
             continue
         if weight_dtype is not None:

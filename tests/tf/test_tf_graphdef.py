@@ -574,3 +574,41 @@ def test_check_accepts_the_tanh_gelu_cube_convert_runs_low(tmp_path, capsys):
     assert cli.main(["check", str(plain)]) == 1
     assert "square (Pow) runs in low precision but is on the fp16 deny list" \
         in capsys.readouterr().out
+
+
+def _rms_norm_model():
+    x = v1.placeholder(tf.float32, [None, 16], name="x")
+    h = tf.matmul(x, weights(16, 16), name="mm")
+    mean = tf.reduce_mean(tf.square(h, name="square"), axis=-1, keepdims=True, name="mean")
+    normed = tf.multiply(h, tf.math.rsqrt(tf.add(mean, 1e-6), name="inverse"), name="normed")
+    tf.identity(tf.matmul(normed, weights(16, 4), name="mm2"), name="y")
+
+
+def _index_math_model():
+    x = v1.placeholder(tf.float32, [None, 8], name="x")
+    lengths = v1.placeholder(tf.float32, [None], name="lengths")
+    h = tf.nn.relu(tf.matmul(x, weights(8, 8), name="mm"))
+    tf.identity(tf.matmul(h, weights(8, 4), name="mm2"), name="y")
+    frames = tf.floor(tf.add(tf.divide(tf.subtract(lengths, 3.0), 2.0), 1.0), name="floor")
+    tf.identity(tf.cast(frames, tf.int64), name="frames")
+
+
+@pytest.mark.parametrize("name,model,outputs,rule", [
+    ("rms_norm", _rms_norm_model, "y", "rms_norm"),
+    ("index_math", _index_math_model, "y,frames", None)])
+def test_check_passes_what_convert_wrote_for_each_structural_rule(tmp_path, capsys, name, model,
+                                                                  outputs, rule):
+    """Issue 39: every structural rule TF convert applies is one check knows; check exits 0 on
+    the output, alone and against the fp32 graph."""
+    src, out, report = tmp_path / f"{name}.pb", tmp_path / f"{name}16.pb", tmp_path / "r.json"
+    src.write_bytes(build(model).SerializeToString())
+    assert cli.main(["convert", str(src), str(out), "--target", "fp16", "--backend", "tf-gpu",
+                     "--outputs", outputs, "--report", str(report), "--quiet"]) == 0
+    written = json.loads(report.read_text())
+    if rule is not None:
+        assert any(rule in s["rule"] for s in written["structures"]), written["structures"]
+    else:  # the lengths' float arithmetic stays fp32, whichever rule or propagation says so
+        assert {n["name"]: n["precision"] for n in written["nodes"]}["floor"] == "fp32"
+    capsys.readouterr()
+    for reference in ([], ["--reference", str(src)]):
+        assert cli.main(["check", str(out), *reference]) == 0, capsys.readouterr().out

@@ -69,6 +69,7 @@ from ...ir import (
     short_name,
 )
 from ...ir.dtypes import FINITE_MAX, NUMPY_DTYPES, SMALLEST_NORMAL
+from ...op_lists import OpLists
 from ..analysis.classify import set_class
 from ..base import FormatRules, PassContext, StructureRecord, register_pass
 from ..rewrite.building import CAST, GraphEdits, PlanBuilder, dropped_sources, rewrite_plans
@@ -297,6 +298,40 @@ def rescale_refusal(ctx: PassContext, mean: Node) -> str | None:
     """Why the backend rules out the rescaled form (an op of it with no kernel, or one measured
     slow or wrong there), or None when a rewrite may build every op of it."""
     return ctx.lists.rewrite_refusal((*ctx.rules.rescale_ops.values(), mean.op_type))
+
+
+def rescaled_mean_square(node: Node, rules: FormatRules, lists: OpLists) -> str | None:
+    """Why `node` is the low-precision mean of a rescaled RMS-norm row that
+    `rescale_rms_statistics` builds, or None when it is not (or the backend rules that form out,
+    as convert would). `check` asks this of a deny-list op it finds in low precision.
+
+    The pattern, by structure: mean(y * y) with y = x / (Clip(ReduceMax(Abs(x)), ...) * c).
+    """
+    ops = rules.rescale_ops
+    if not ops or lists.rewrite_refusal((*ops.values(), node.op_type)) is not None \
+            or not node.inputs:
+        return None
+
+    def made_by(value: Value | None, role: str) -> Node | None:
+        producer = value.producer if value is not None else None
+        return producer if producer is not None and producer.op_type == ops.get(role) else None
+    squares = made_by(node.inputs[0], "mul")
+    if squares is None or len(squares.inputs) != 2 or squares.inputs[0] is not squares.inputs[1]:
+        return None
+    scaled = made_by(squares.inputs[0], "div")
+    if scaled is None or len(scaled.inputs) != 2:
+        return None
+    scale = made_by(scaled.inputs[1], "mul")
+    bounded = next((n for v in (scale.inputs if scale else []) if (n := made_by(v, "clip"))),
+                   None)
+    largest = made_by(bounded.inputs[0], "reduce_max") if bounded and bounded.inputs else None
+    magnitude = made_by(largest.inputs[0], "abs") if largest and largest.inputs else None
+    if largest is None or magnitude is None or not magnitude.inputs \
+            or magnitude.inputs[0] is not scaled.inputs[0]:
+        return None
+    return (f"the mean square of an RMS norm on its row divided by 2^-7 of its largest |x| "
+            f"(<- {largest.name}): every square is below 18500, and the backend's "
+            f"{node.op_type} accumulates in fp32")
 
 
 def _statistics_nodes(step: Node, x: Value) -> list[Node]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ from tensorflow.python.eager import backprop
 from tensorflow.python.ops import resource_variable_ops, summary_ops_v2
 
 from ....errors import AmpError
+from ....ir.dtypes import SHORT_NAMES as _SHORT
 from ....options import Options, TrainingOptions
 from ....report import Report
 from ....training import LossScaleRule
@@ -230,21 +232,26 @@ class _RewrittenFunction(tf.Module):
 
 #: The loss scaler's state variables, which a MixedPrecisionStep makes up front.
 _SCALER_STATES = ("scale", "good_steps", "bad_steps")
+#: The 16-bit dtypes a caller may build variables in, and their IR names.
+_SIXTEEN_BITS = {tf.float16: "float16", tf.bfloat16: "bfloat16"}
 #: What a distribution strategy appends to a replica's copy of a variable's name.
 _REPLICA_SUFFIX = re.compile(r"/replica_\d+$")
 
 
-def captured_variable_names(concrete: Any) -> tuple[dict[str, str], frozenset[str]]:
+def captured_variable_names(concrete: Any
+                            ) -> tuple[dict[str, str], frozenset[str], dict[str, str]]:
     """The names of the variables a traced step captures, by the argument of the body that
     takes their handle: a name without the replica suffix, numbered by its occurrence among
     the variables of one replica, so that every replica's copy of a variable gets the same name
     (16-bit weights' random bits are keyed by it) and no two variables of a replica share one;
-    and the arguments of the trainable ones (the weights, not an optimizer's slots)."""
+    and the arguments of the trainable ones (the weights, not an optimizer's slots); and the
+    IR dtype of those the caller built in 16 bits (float16, bfloat16), by argument."""
     arguments = [arg.name for arg in concrete.function_def.signature.input_arg]
     captured = list(concrete.captured_inputs)
     by_handle = {id(v.handle): v for v in concrete.graph.variables}
     names: dict[str, str] = {}
     trainable: set[str] = set()
+    sixteen: dict[str, str] = {}
     seen: dict[tuple[str, str], int] = {}
     first = len(arguments) - len(captured)
     for argument, handle in zip(arguments[first:], captured, strict=True):
@@ -260,7 +267,9 @@ def captured_variable_names(concrete: Any) -> tuple[dict[str, str], frozenset[st
         names[argument] = clean if occurrence == 0 else f"{clean}_{occurrence}"
         if variable.trainable:
             trainable.add(argument)
-    return names, frozenset(trainable)
+        if variable.dtype in _SIXTEEN_BITS:
+            sixteen[argument] = _SIXTEEN_BITS[variable.dtype]
+    return names, frozenset(trainable), sixteen
 
 
 def _state_variable(initial: Any, dtype: tf.DType, name: str) -> tf.Variable:
@@ -304,11 +313,13 @@ class MixedPrecisionStep(_RewrittenFunction):
 
     def rewrite(self, concrete: Any) -> RewrittenStep:
         library = concrete.graph.as_graph_def().library
-        names, trainable = captured_variable_names(concrete)
+        names, trainable, sixteen = captured_variable_names(concrete)
+        self._check_storage(names, trainable, sixteen)
         rewritten = rewrite_step_function(
             concrete.function_def, library, self._options, self.rule, self.update,
             variable_names=names, trainable=trainable,
-            resource_prefix=f"{concrete.function_def.signature.name}_{id(self):x}")
+            resource_prefix=f"{concrete.function_def.signature.name}_{id(self):x}",
+            stored_dtypes=sixteen)
         for name in rewritten.states:
             if name not in _SCALER_STATES and name not in self.update_state:
                 initial = rewritten.initials[name]
@@ -317,6 +328,26 @@ class MixedPrecisionStep(_RewrittenFunction):
         self._states = rewritten.states
         self._recorded(rewritten.report)
         return RewrittenStep(rewritten.function_def, concrete)
+
+    def _check_storage(self, names: dict[str, str], trainable: frozenset[str],
+                       sixteen: dict[str, str]) -> None:
+        """With 16-bit `weights`: the weights built in another 16-bit dtype are an AmpError;
+        weights all built float32 keep float32 storage, said in one warning line."""
+        wanted = self.update.weight_dtype
+        if wanted is None:
+            return
+        for argument in sorted(trainable & set(sixteen)):
+            if sixteen[argument] != wanted:
+                raise _error(f"weights={self.update.weights!r} but variable "
+                             f"{names.get(argument, argument)} is built in "
+                             f"{sixteen[argument]}: build the model in {wanted} or pass "
+                             f"weights={_SHORT[sixteen[argument]]!r}")
+        if trainable and not trainable & set(sixteen):
+            warnings.warn(
+                f"weights={self.update.weights!r}: the step's trainable variables are float32, "
+                f"so they hold {self.update.weights} values but keep float32 storage (memory "
+                f"and checkpoints unchanged); build them in {wanted} (Keras: "
+                f"dtype={wanted!r}) for 16-bit storage", UserWarning, stacklevel=2)
 
     def state_handles(self) -> list[Any]:
         variables = {"scale": self.loss_scale, "good_steps": self.good_steps,
@@ -397,8 +428,10 @@ def mixed_precision(step: Any, target: str = "fp16", **options: Any) -> MixedPre
             loss-scale rule: loss_scale ("dynamic", the fp16 default; "none", the bf16 default;
             or a fixed number), initial_scale (2**15), growth_interval (2000), growth_factor
             (2), backoff_factor (0.5), min_scale (1), hysteresis (1); and the update: weights
-            ("fp32", or "fp16"/"bf16": the weights hold 16-bit values, each update computed in
-            fp32 and rounded; the tf.Variables stay float32), rounding ("stochastic", the 16-bit
+            ("fp32", or "fp16"/"bf16": each update computed in fp32 and rounded to 16 bits;
+            variables built in that type, e.g. Keras layers with dtype="float16", stay stored
+            in it, the step run as its fp32 equivalent; float32 ones hold 16-bit values and
+            keep their storage, with a warning), rounding ("stochastic", the 16-bit
             default, or "nearest"), slots, rounding_seed, unscale ("auto", "gradients",
             "optimizer") and accumulate (N micro-steps per applied step).
 

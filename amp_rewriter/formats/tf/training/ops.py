@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ....errors import AmpError
 from ....ir import FLOAT32, FP32, Model, Node, Value, decisions, present
 from ....ir.rounding import NEAREST, ROUNDING_ATTR
 from ....passes.rewrite.building import array_constant, fill_node
@@ -207,6 +208,9 @@ class TfTrainingOps(PendingNodes):
     def variable(self, value: Value, dtype: str) -> StoredVariable:
         return stored_variable(value, dtype)
 
+    def stored_dtype(self, value: Value) -> str | None:
+        return None  # a graph's variables are stored as the rewrite decides
+
     def update_in_fp32(self, write: Node, variables: dict[int, StoredVariable]
                        ) -> dict[int, Value]:
         return self.store.update_in_fp32(write, variables)
@@ -255,7 +259,8 @@ class FunctionTrainingOps(TfTrainingOps):
     (appended to the function's arguments, in the order made), read once per call."""
 
     def __init__(self, model: Model, scope: str = SCOPE, *, resource_prefix: str = "",
-                 variable_names: dict[str, str] | None = None):
+                 variable_names: dict[str, str] | None = None,
+                 stored_dtypes: dict[str, str] | None = None):
         super().__init__(model, scope)
         #: The resource arguments added, in order: the caller passes its variables' handles.
         self.arguments: list[Value] = []
@@ -263,6 +268,8 @@ class FunctionTrainingOps(TfTrainingOps):
         self.resource_prefix = resource_prefix or scope
         #: The captured variables' names by argument name (16-bit weights' random keys).
         self.variable_names = dict(variable_names or {})
+        #: The captured variables the caller built in 16 bits: their dtype by argument name.
+        self.stored_dtypes = dict(stored_dtypes or {})
 
     def state_variable(self, name: str, initial: np.ndarray) -> StateVariable:
         dtype = initial.dtype.name
@@ -298,15 +305,26 @@ class FunctionTrainingOps(TfTrainingOps):
         if value.dtype not in (None, "resource") or value.producer is not None:
             return super().variable(value, dtype)
         name = self.variable_names.get(value.name, value.name)
-        return StoredVariable(value, dtype, name, TfStoredNodes(None, False, None))
+        storage = self.stored_dtypes.get(value.name, FLOAT32)
+        if storage != FLOAT32 and storage != dtype:
+            raise AmpError(f"variable {name} is stored in {storage}, not {dtype}")
+        return StoredVariable(value, dtype, name, TfStoredNodes(None, False, None, storage))
+
+    def stored_dtype(self, value: Value) -> str | None:
+        if value.producer is not None or value.dtype not in (None, "resource"):
+            return None
+        return self.stored_dtypes.get(value.name)
 
     def update_in_fp32(self, write: Node, variables: dict[int, StoredVariable]
                        ) -> dict[int, Value]:
-        return self.store.update_in_fp32(write, variables, view_dtype=FLOAT32)
+        return self.store.update_in_fp32(write, variables)
 
     def write_variable(self, variable: StoredVariable, value: Value, name: str) -> Node:
-        # the caller's variable stays float32: it holds the rounded value, exactly
-        return self.store.write(variable, self.cast(value, FLOAT32, f"{name}/exact"), name)
+        # the caller's variable keeps the dtype it was built in: a float32 one holds the
+        # rounded value exactly, a 16-bit one the rounded value itself
+        nodes: TfStoredNodes = variable.handle
+        return self.store.write(variable, self.cast(value, nodes.storage or FLOAT32,
+                                                    f"{name}/exact"), name)
 
     def store_variable(self, variable: StoredVariable) -> None:
         return  # the caller's tf.Variable keeps its float32 storage (see the module docstring)

@@ -40,6 +40,7 @@ from ..emit import emit_function
 from .ops import FunctionTrainingOps
 from .rewrite import training_summary
 from .step_plan import find_step_plan
+from .storage import read_as_fp32
 
 #: Names of the rewritten functions (registered with the runtime: each must be new).
 _FUNCTION_NUMBERS = itertools.count()
@@ -64,19 +65,27 @@ def rewrite_step_function(fdef: function_pb2.FunctionDef,
                           rule: LossScaleRule, update: UpdateOptions | None = None,
                           variable_names: dict[str, str] | None = None,
                           trainable: frozenset[str] | None = None,
-                          resource_prefix: str = "") -> StepRewrite:
+                          resource_prefix: str = "",
+                          stored_dtypes: dict[str, str] | None = None) -> StepRewrite:
     """The mixed-precision rewrite of a train step's body (see the module docstring);
     `update`: how it updates its variables (16-bit weights, unscaling, accumulation);
     `variable_names`: the captured variables' names by argument name (the random keys of
     16-bit weights); `trainable`: the arguments of the trainable ones (None: every variable an
     update writes from the gradients); `resource_prefix`: what the body's own resources are
-    named under."""
+    named under; `stored_dtypes`: the captured variables the caller built in 16 bits (their
+    dtype by argument name), with 16-bit `update.weights`: the body is read as fp32 first
+    (`storage.read_as_fp32`) and their writes rounded back into them."""
     contexts: list[TrainingContext] = []
+    upcast = 0
+    if stored_dtypes and update is not None and update.weight_dtype is not None:
+        fdef, upcast = read_as_fp32(fdef, library, stored_dtypes)
+    else:
+        stored_dtypes = None
     called = frozenset(f.signature.name for f in library.function)
 
     def plan_training(model: Model) -> TrainingContext:
         ops = FunctionTrainingOps(model, resource_prefix=resource_prefix,
-                                  variable_names=variable_names)
+                                  variable_names=variable_names, stored_dtypes=stored_dtypes)
         plan = find_step_plan(model, ops, called, trainable)
         problems = plan.problems()
         if problems:
@@ -112,6 +121,10 @@ def rewrite_step_function(fdef: function_pb2.FunctionDef,
         "results_released": sorted(context.released),
         **training_summary(context, report),
     }
+    if stored_dtypes:
+        report.training["variables_built_16bit"] = {
+            "variables": sorted(ops.variable_names.get(a, a) for a in stored_dtypes),
+            "values_read_as_fp32": upcast}
     return StepRewrite(out, report, [state.name for state in ops.variables], flag is not None,
                        {state.name: np.asarray(state.initial) for state in ops.variables})
 

@@ -42,12 +42,15 @@ RESTORE_OPS = frozenset({"RestoreV2", "Restore", "RestoreSlice"})
 
 @dataclass
 class TfStoredNodes:
-    """The op that makes a stored variable, whether it is a ref variable, and its shape (None
-    when unknown)."""
+    """The op that makes a stored variable, whether it is a ref variable, its shape (None
+    when unknown), and the dtype the caller's variable holds (a TF2 step's captured variable:
+    float32, or the 16-bit dtype it was built in; None: the graph's own, stored by the
+    rewrite)."""
 
     node: Node | None
     ref: bool
     shape: list[int] | None
+    storage: str | None = None
 
 
 def stored_variable(value: Value, dtype: str) -> StoredVariable:
@@ -75,19 +78,20 @@ class TfVariableStore:
         self.ops = ops
 
     def read(self, variable: StoredVariable, name: str, dtype: str | None = None) -> Value:
-        """The variable's value, in its (16-bit) dtype or the `dtype` it is stored in."""
+        """The variable's value, in `dtype`, else the dtype the caller stores it in, else its
+        (16-bit) dtype."""
         nodes: TfStoredNodes = variable.handle
         op = "Identity" if nodes.ref else "ReadVariableOp"
-        return self.ops.op(op, [variable.value], dtype or variable.dtype, name)
+        return self.ops.op(op, [variable.value], dtype or nodes.storage or variable.dtype, name)
 
-    def update_in_fp32(self, write: Node, variables: dict[int, StoredVariable],
-                       view_dtype: str | None = None) -> dict[int, Value]:
-        """See `TrainingOps.update_in_fp32` (and the module docstring); `view_dtype`: the
-        dtype the variables are read in when that is not their 16-bit one (a TF2 step's)."""
+    def update_in_fp32(self, write: Node, variables: dict[int, StoredVariable]
+                       ) -> dict[int, Value]:
+        """See `TrainingOps.update_in_fp32` (and the module docstring): each variable is read
+        in the dtype it is stored in (a TF2 caller's: `TfStoredNodes.storage`)."""
         updated: dict[int, Value] = {}
         for slot, variable in variables.items():
             base = f"round/{variable.name}"
-            view = self.ops.cast(self.read(variable, f"{base}/read", view_dtype), FLOAT32,
+            view = self.ops.cast(self.read(variable, f"{base}/read"), FLOAT32,
                                  f"{base}/view")
             nodes: TfStoredNodes = variable.handle
             if nodes.ref:
@@ -118,15 +122,39 @@ class TfVariableStore:
         scratch.set_attr("shared_name", scratch.name)
         handle = present(scratch.outputs[0])
         fill = self.ops.make("AssignVariableOp", [handle, view], [], f"{base}/scratch_fill")
+        original = write.inputs[slot]
         write.set_input(slot, handle)
         write.add_control_input(fill)
         read = self.ops.op("ReadVariableOp", [handle], FLOAT32, f"{base}/updated_read",
                            waits=[write])
         assert read.producer is not None
+        later = self._read_after(write, original, base, handle)
         free = self.ops.make("DestroyResourceOp", [handle], [], f"{base}/scratch_free",
-                             waits=[read.producer],
+                             waits=[read.producer, *later],
                              attrs={"ignore_lookup_error": True})
         return self.ops.op("Identity", [read], FLOAT32, f"{base}/updated", waits=[free])
+
+    def _read_after(self, write: Node, variable: Value | None, base: str,
+                    handle: Value) -> list[Node]:
+        """Reads of the variable that the step orders after `write` (Keras's momentum: the
+        weight's update reads the slot just written) read the scratch copy's fresh value
+        instead, cast to the dtype they read; the new reads."""
+        later: list[Node] = []
+        if variable is None:
+            return later
+        for reader, slot in list(variable.uses):
+            if reader.op_type != "ReadVariableOp" or slot != 0 \
+                    or not any(w is write for w in reader.control_inputs):
+                continue
+            old = present(reader.outputs[0])
+            fresh = self.ops.op("ReadVariableOp", [handle], FLOAT32, f"{base}/read_after_write",
+                                waits=[write])
+            assert fresh.producer is not None
+            later.append(fresh.producer)
+            value = self.ops.cast(fresh, old.dtype or FLOAT32, f"{base}/read_after_write_cast")
+            for user, user_slot in list(old.uses):
+                user.set_input(user_slot, value)
+        return later
 
     def write(self, variable: StoredVariable, value: Value, name: str) -> Node:
         """A node that writes `value` (of the variable's dtype) into the variable."""
