@@ -8,10 +8,10 @@ tensorflow: each format's library is imported when that format is used.
 
 from .api import convert, convert_auto, convert_file, diagnose
 from .errors import AmpError, CheckFailed
-from .options import AutoOptions, Options, TrainingOptions
+from .options import AutoOptions, OnnxOptions, Options, TfOptions, TrainingOptions
 from .report import Report
 from .version import package_version
 
 __all__ = ["convert", "convert_auto", "convert_file", "diagnose", "AmpError", "CheckFailed",
-           "Options", "TrainingOptions", "AutoOptions", "Report"]
+           "Options", "OnnxOptions", "TfOptions", "TrainingOptions", "AutoOptions", "Report"]
 __version__ = package_version()

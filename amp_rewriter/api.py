@@ -4,8 +4,10 @@
     graph_def, report = amp_rewriter.convert("frozen.pb", target="bf16", outputs=["y"])
     _, report = amp_rewriter.convert_file("model.onnx", "model_fp16.onnx", clamp=True)
 
-Keyword arguments are the fields of `amp_rewriter.Options`. Only the format asked for is
-imported: converting ONNX never imports TensorFlow and the other way round.
+Keyword arguments are the fields of the format's options (`amp_rewriter.OnnxOptions`,
+`amp_rewriter.TfOptions`: the shared `Options` fields and the format's own); another format's
+option is refused in one line. Only the format asked for is imported: converting ONNX never
+imports TensorFlow and the other way round.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import formats
-from .options import DEFAULT_TARGET, AutoOptions, Options, files_read, split_kwargs
+from .options import DEFAULT_TARGET, AutoOptions, files_read, split_kwargs
 from .report import Report
 
 
@@ -30,8 +32,9 @@ def convert(model_or_path: Any, target: str = DEFAULT_TARGET, backend: str | Non
         target: "fp16" or "bf16".
         backend: a backend profile (see `amp-rewriter convert --help`; default: the format's
             for the target).
-        **options: the other fields of `Options` (keep_io_types, clamp, allow, infer, deny,
-            clear, keep_nodes, config, outputs, check); base_dir: the folder an in-memory
+        **options: the other fields of the format's options (keep_io_types, clamp, allow,
+            infer, deny, clear, keep_nodes, config, check; ONNX's optimize, external_data, ...;
+            TensorFlow's outputs, keep_fp32_weights); base_dir: the folder an in-memory
             model's own files (ONNX's external data) are relative to.
 
     Returns:
@@ -39,7 +42,7 @@ def convert(model_or_path: Any, target: str = DEFAULT_TARGET, backend: str | Non
     """
     base_dir = options.pop("base_dir", None)
     fmt = formats.for_model_or_path(model_or_path)
-    return fmt.convert(model_or_path, Options(target=target, backend=backend, **options),
+    return fmt.convert(model_or_path, fmt.options(target=target, backend=backend, **options),
                        Path(base_dir) if base_dir is not None else None)
 
 
@@ -50,10 +53,11 @@ def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
     success, and an output that is, or would overwrite, an input file is refused.
 
     Returns the converted ModelProto for ONNX (None for TensorFlow: read `output_path`) and
-    the Report. Keyword arguments are the fields of `Options`.
+    the Report. Keyword arguments are the fields of the format's options.
     """
     input_path = Path(input_path)
-    return formats.for_path(input_path).convert_to(input_path, output_path, Options(**options))
+    fmt = formats.for_path(input_path)
+    return fmt.convert_to(input_path, output_path, fmt.options(**options))
 
 
 def convert_auto(input_path: str | os.PathLike, output_path: str | os.PathLike,
@@ -66,15 +70,15 @@ def convert_auto(input_path: str | os.PathLike, output_path: str | os.PathLike,
     batches, with a warning in `report.warnings`). `metric` is "max-rel", "cosine" or
     "module:function" (see `amp_rewriter.accuracy.metrics`). Other keyword arguments are the
     fields of `AutoOptions` (data_max, flush_max, local_max, max_reduction, max_trials,
-    random_batches) and of `Options`. `report.auto` describes the search; every node it pinned
-    has kind "measurement" and the measurement as its reason.
+    random_batches) and of the format's options. `report.auto` describes the search; every
+    node it pinned has kind "measurement" and the measurement as its reason.
     """
     from .accuracy import run_auto
 
     auto, rest = split_kwargs(AutoOptions, {**options, "max_error": max_error, "metric": metric})
-    conversion = Options(**rest)
     input_path = Path(input_path)
     fmt = formats.for_path(input_path)
+    conversion = fmt.options(**rest)
     with fmt.transaction(input_path,
                          files_read(conversion.config, inputs, auto.metric)) as outputs:
         staged = fmt.stage_output(outputs, output_path, input_path, conversion)
@@ -90,13 +94,14 @@ def diagnose(model_path: str | os.PathLike, inputs: Sequence[str | os.PathLike] 
     """`amp-rewriter diagnose` as a dict (the JSON report): per node its fp32 range, overflow and
     flush fractions in the target, the converted model's error there and the error it adds on
     its own, sorted by contribution; `first_nonfinite` names the first node with NaN/Inf.
-    Keyword arguments: fields of `Options` and the data-range fields of `AutoOptions`."""
+    Keyword arguments: fields of the format's options and the data-range fields of `AutoOptions`."""
     from .accuracy import run_diagnose
 
     auto, rest = split_kwargs(AutoOptions, options)
-    conversion = Options(**rest)
     model_path = Path(model_path)
-    runner = formats.for_path(model_path).accuracy_runner(model_path, conversion)
+    fmt = formats.for_path(model_path)
+    conversion = fmt.options(**rest)
+    runner = fmt.accuracy_runner(model_path, conversion)
     backend = getattr(runner, "options", conversion).backend or ""
     report, warnings = run_diagnose(runner, [str(p) for p in inputs] if inputs else None, auto,
                                     conversion.target, backend)

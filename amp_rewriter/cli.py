@@ -25,13 +25,13 @@ from .fileio import OutputTransaction, check_input_path, read_input_bytes, write
 from .ir import short_name
 from .op_lists import Overrides, backend_help
 from .options import (
+    FORMAT_OPTIONS,
     AutoOptions,
     Options,
     TrainingOptions,
     cli_flags,
     cli_given,
     files_read,
-    from_cli,
 )
 from .plots import diagnose_figure, plot_paths, precision_map_figure, save
 from .report import Report
@@ -57,7 +57,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of every command; conversion flags come from `Options`' fields."""
+    """The parser of every command; conversion flags come from every format's options."""
     parser = _Parser(prog=PROG, description="Automatic mixed precision for ONNX and TensorFlow "
                                             "models.")
     parser.add_argument("--version", action="version", version=f"{PROG} {package_version()}")
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("input", help="the fp32 model: .onnx, a TensorFlow GraphDef (.pb, "
                                        ".pbtxt, .meta) or a SavedModel directory")
     convert.add_argument("output", help="where to write the converted model")
-    cli_flags(convert, Options)
+    cli_flags(convert, *FORMAT_OPTIONS)
     convert.add_argument("--report", metavar="JSON", help="write the decisions as JSON")
     convert.add_argument("--validate", action="store_true",
                          help="run both models on the backend profile's runtime (onnxruntime "
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose = commands.add_parser(
         "diagnose", help="which node overflows, flushes or adds the error, on calibration data")
     diagnose.add_argument("model", help="the fp32 model: .onnx or a TensorFlow GraphDef")
-    cli_flags(diagnose, Options)
+    cli_flags(diagnose, *FORMAT_OPTIONS)
     diagnose.add_argument("--inputs", metavar="FILE|DIR", nargs="+",
                           help="calibration batches: .npz files, folders of them, Polygraphy "
                                "JSON input files (default: seeded random batches)")
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     explain = commands.add_parser("explain", help="why does a node run in its precision?")
     explain.add_argument("source", help="a report JSON from convert, or a model")
     explain.add_argument("node", help="the node name")
-    cli_flags(explain, Options)
+    cli_flags(explain, *FORMAT_OPTIONS)
     return parser
 
 
@@ -240,7 +240,7 @@ def _convert(args: argparse.Namespace) -> int:
         flags = training_given.given_flags()
         raise AmpError(f"{', '.join(flags)} only apply with --training")
     plots = plot_paths(args.plot)  # before any work: a bad name or no matplotlib costs none
-    options = dataclasses.replace(from_cli(args, Options), precision_map=bool(plots))
+    options = dataclasses.replace(_options(args, fmt), precision_map=bool(plots))
     if args.inputs:
         load_inputs(args.inputs[0])  # a bad inputs file is refused before anything is converted
     library_warnings: list[str] = []
@@ -321,7 +321,7 @@ def _run_auto(args: argparse.Namespace, auto: AutoOptions) -> int:
     input_path = Path(args.input)
     fmt = formats.for_path(input_path)
     plots = plot_paths(args.plot)
-    options = dataclasses.replace(from_cli(args, Options), precision_map=bool(plots))
+    options = dataclasses.replace(_options(args, fmt), precision_map=bool(plots))
     say = None if args.quiet else (lambda line: print(line, flush=True))
     # Staged like a plain conversion: the model and the report appear together or not at all.
     with fmt.transaction(input_path, _extra_inputs(args)) as outputs:
@@ -361,7 +361,7 @@ def _run_diagnose(args: argparse.Namespace) -> int:
     check_input_path(args.model)
     model = Path(args.model)
     fmt = formats.for_path(model)
-    options = from_cli(args, Options)
+    options = _options(args, fmt)
     auto = AutoOptions(**cli_given(args, AutoOptions))
     if args.top < 1:
         raise AmpError(f"--top must be >= 1, got {args.top}")
@@ -545,18 +545,26 @@ def _print_check(model: ci.CheckedModel, several: bool) -> None:
         print(f"  {line}")
 
 
+def _options(args: argparse.Namespace, fmt: formats.base.Format) -> Options:
+    """The conversion flags given, as the options of `fmt` (the parser offers every format's;
+    another format's is refused in one line)."""
+    return fmt.options(**cli_given(args, *FORMAT_OPTIONS))
+
+
 def _run_explain(args: argparse.Namespace) -> int:
     from .report import explain_text, load_report
 
     source = Path(args.source)
     check_input_path(source)
     if formats.model_format(source) is not None:
-        report = formats.for_path(source).explain(source, from_cli(args, Options))
+        fmt = formats.for_path(source)
+        report = fmt.explain(source, _options(args, fmt))
     else:
-        given = cli_given(args, Options)
+        given = cli_given(args, *FORMAT_OPTIONS)
         if given:
-            flags = [f.metadata["cli"]["flag"] for f in dataclasses.fields(Options)
-                     if f.name in given]
+            flags = [f.metadata["cli"]["flag"] for cls in FORMAT_OPTIONS
+                     for f in dataclasses.fields(cls) if f.name in given]
+            flags = list(dict.fromkeys(flags))
             raise AmpError(f"{', '.join(flags)} only apply when explaining a model: a report "
                            f"already holds the decisions of its conversion")
         report = load_report(source)

@@ -1,8 +1,12 @@
-"""The conversion options: one `Options` object from the CLI or the Python API down to the passes.
+"""The conversion options: one object from the CLI or the Python API down to the passes.
 
-Each field declares its command-line flag beside its default (`cli_flags` adds them to a parser,
-`from_cli` reads them back), so adding an option means adding a field here and using it where it
-matters; the API takes every field as a keyword argument.
+`Options` holds the fields every format shares; each format's options subclass it with that
+format's own fields (`OnnxOptions`, `TfOptions`; a `Format` names its class in
+`options_class`). They are declared here rather than in the format packages because the
+command line offers every format's flags before it knows the format, and importing a format
+package imports its library. Each field declares its command-line flag beside its default
+(`cli_flags` adds them to a parser, `cli_given` reads them back); the API takes every field as a
+keyword argument, and `format_options` refuses, in one line, a field of another format's options.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from .errors import AmpError
 from .flags import flag_field as _flag
@@ -23,6 +27,7 @@ from .training.rule import LossScaleRule
 from .training.update import UpdateOptions
 
 T = TypeVar("T")
+OptionsT = TypeVar("OptionsT", bound="Options")
 
 #: The target of every entry point (CLI, Python API, every format) when none is given.
 DEFAULT_TARGET = "fp16"
@@ -33,16 +38,14 @@ EXTERNAL_LAYOUTS = ("single", "per-tensor", "inline")
 
 @dataclass
 class Options:
-    """What a conversion does, for every format (fields a format does not use are refused by
-    that format when set)."""
+    """What a conversion does, in every format: the fields the formats share (a format's own
+    fields are in its subclass)."""
+
+    #: The format the fields are for, as messages name it.
+    format_title: ClassVar[str] = "every format"
 
     target: str = _flag(DEFAULT_TARGET, "--target", f"fp16 or bf16 (default {DEFAULT_TARGET})")
     backend: str | None = _flag(None, "--backend", backend_help())
-    #: TensorFlow GraphDefs: the fetch tensors ("y" or "y:1"); ONNX models name their outputs.
-    outputs: list[str] | None = _flag(
-        None, "--outputs", "TensorFlow GraphDefs: the fetch nodes or tensors (y or y:1), "
-        "comma-separated; they keep their dtype (default: nodes nothing reads)",
-        metavar="A,B", kind="comma")
     allow: list[str] = _flag([], "--allow", "move OP to the allow class (repeatable)",
                              metavar="OP", kind="list")
     infer: list[str] = _flag([], "--infer", "move OP to the infer class (repeatable)",
@@ -62,28 +65,6 @@ class Options:
                                 negation="--no-keep-io-types")
     clamp: bool = _flag(False, "--clamp", "saturate constants beyond the target's range instead "
                                           "of keeping them fp32", kind="switch")
-    #: ONNX: onnxruntime's transformer optimizer (its fusions) runs first (formats/onnx/optimize).
-    optimize: str | None = _flag(
-        None, "--optimize", "ONNX: run onnxruntime's transformer optimizer for this model type "
-        "first (bert, gpt2, ...: its Attention, SkipLayerNormalization, ... fusions), then convert",
-        metavar="MODEL_TYPE")
-    num_heads: int | None = _flag(None, "--num-heads", "with --optimize: the attention heads "
-                                                       "(default: detected)", type=int)
-    hidden_size: int | None = _flag(None, "--hidden-size", "with --optimize: the hidden size "
-                                                           "(default: detected)", type=int)
-    keep_fp32_weights: bool = _flag(
-        False, "--keep-fp32-weights", "TensorFlow SavedModels: keep every variable fp32 (by "
-        "default variables read only in low precision are stored in it)", kind="switch")
-    #: ONNX files: where the output's initializers go (formats/onnx/emit.py `save_onnx`).
-    external_data: str | None = _flag(
-        None, "--external-data", "ONNX: where the output's weights go: single (one OUT.data "
-        "beside the model; the default when the input has external data or the output passes "
-        "2 GiB), per-tensor (one OUT.N.data file each) or inline (all in the .onnx, at most "
-        "2 GiB)", metavar="single|per-tensor|inline")
-    external_data_threshold: int | None = _flag(
-        None, "--external-data-threshold", "ONNX, with external data: tensors of at least this "
-        "many bytes go external, counted as onnx.save_model counts them (default 1024)",
-        metavar="BYTES", type=int)
     #: Python API only: run the format's validity check (onnx.checker, TF import) on the result.
     check: bool = True
     #: Python API only (the CLI's `convert --plot` sets it): record the converted graph's nodes
@@ -97,24 +78,6 @@ class Options:
             raise AmpError(f"unknown target {self.target!r} (expected fp16 or bf16)")
         for name in ("allow", "infer", "deny", "clear", "keep_nodes"):
             setattr(self, name, _names(getattr(self, name)))
-        if self.outputs is not None:
-            self.outputs = _names(self.outputs) or None
-        for name, flag in (("num_heads", "--num-heads"), ("hidden_size", "--hidden-size")):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if self.optimize is None:
-                raise AmpError(f"{flag} only applies with --optimize")
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise AmpError(f"{flag} must be a positive integer, got {value!r}")
-        if self.external_data is not None and self.external_data not in EXTERNAL_LAYOUTS:
-            raise AmpError(f"--external-data must be one of {', '.join(EXTERNAL_LAYOUTS)}, got "
-                           f"{self.external_data!r}")
-        threshold = self.external_data_threshold
-        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int)
-                                      or threshold < 0):
-            raise AmpError(f"--external-data-threshold must be an integer >= 0, got "
-                           f"{threshold!r}")
         self._overrides = self._build_overrides()
         self._patterns = self._overrides.keep_node_patterns()
 
@@ -144,13 +107,104 @@ class Options:
         linear time, whatever the pattern)."""
         return self._patterns
 
-    def with_backend(self, default: str) -> Options:
+    def with_backend(self: OptionsT, default: str) -> OptionsT:
         """These options with `default` as the backend when none was chosen."""
         return self if self.backend else dataclasses.replace(self, backend=default)
 
     def as_kwargs(self) -> dict[str, Any]:
         """The options as the Python API's keyword arguments."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+
+@dataclass
+class OnnxOptions(Options):
+    """A conversion of an ONNX model: the shared fields and ONNX's own."""
+
+    format_title: ClassVar[str] = "ONNX"
+
+    #: ONNX: onnxruntime's transformer optimizer (its fusions) runs first (formats/onnx/optimize).
+    optimize: str | None = _flag(
+        None, "--optimize", "ONNX: run onnxruntime's transformer optimizer for this model type "
+        "first (bert, gpt2, ...: its Attention, SkipLayerNormalization, ... fusions), then convert",
+        metavar="MODEL_TYPE")
+    num_heads: int | None = _flag(None, "--num-heads", "with --optimize: the attention heads "
+                                                       "(default: detected)", type=int)
+    hidden_size: int | None = _flag(None, "--hidden-size", "with --optimize: the hidden size "
+                                                           "(default: detected)", type=int)
+    #: ONNX files: where the output's initializers go (formats/onnx/emit.py `save_onnx`).
+    external_data: str | None = _flag(
+        None, "--external-data", "ONNX: where the output's weights go: single (one OUT.data "
+        "beside the model; the default when the input has external data or the output passes "
+        "2 GiB), per-tensor (one OUT.N.data file each) or inline (all in the .onnx, at most "
+        "2 GiB)", metavar="single|per-tensor|inline")
+    external_data_threshold: int | None = _flag(
+        None, "--external-data-threshold", "ONNX, with external data: tensors of at least this "
+        "many bytes go external, counted as onnx.save_model counts them (default 1024)",
+        metavar="BYTES", type=int)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, flag in (("num_heads", "--num-heads"), ("hidden_size", "--hidden-size")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if self.optimize is None:
+                raise AmpError(f"{flag} only applies with --optimize")
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise AmpError(f"{flag} must be a positive integer, got {value!r}")
+        if self.external_data is not None and self.external_data not in EXTERNAL_LAYOUTS:
+            raise AmpError(f"--external-data must be one of {', '.join(EXTERNAL_LAYOUTS)}, got "
+                           f"{self.external_data!r}")
+        threshold = self.external_data_threshold
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int)
+                                      or threshold < 0):
+            raise AmpError(f"--external-data-threshold must be an integer >= 0, got "
+                           f"{threshold!r}")
+
+
+@dataclass
+class TfOptions(Options):
+    """A conversion of a TensorFlow graph or SavedModel: the shared fields and TensorFlow's
+    own."""
+
+    format_title: ClassVar[str] = "TensorFlow"
+
+    #: GraphDefs: the fetch tensors ("y" or "y:1"); a SavedModel's signatures name its outputs.
+    outputs: list[str] | None = _flag(
+        None, "--outputs", "TensorFlow GraphDefs: the fetch nodes or tensors (y or y:1), "
+        "comma-separated; they keep their dtype (default: nodes nothing reads)",
+        metavar="A,B", kind="comma")
+    keep_fp32_weights: bool = _flag(
+        False, "--keep-fp32-weights", "TensorFlow SavedModels: keep every variable fp32 (by "
+        "default variables read only in low precision are stored in it)", kind="switch")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.outputs is not None:
+            self.outputs = _names(self.outputs) or None
+
+
+#: Every format's options (the command line offers all their flags).
+FORMAT_OPTIONS: tuple[type[Options], ...] = (OnnxOptions, TfOptions)
+
+
+def format_options(cls: type[OptionsT], kwargs: dict[str, Any]) -> OptionsT:
+    """`cls` (a format's options) from keyword arguments. A field of another format's options
+    is refused in one line naming its flag and that format when it is set (at its default it
+    asks for nothing and is dropped); any other unknown name is a TypeError, as for a call."""
+    own = {f.name for f in dataclasses.fields(cls)}
+    mine = dict(kwargs)
+    for other in FORMAT_OPTIONS:
+        for f in dataclasses.fields(other):
+            if f.name in own or f.name not in mine:
+                continue
+            value = mine.pop(f.name)
+            if value is None or value == f.default:
+                continue
+            flag = f.metadata["cli"]["flag"] if "cli" in f.metadata else f.name
+            raise AmpError(f"{flag} is an option of {other.format_title} models, not of "
+                           f"{cls.format_title} ones")
+    return cls(**mine)
 
 
 @dataclass
@@ -314,12 +368,17 @@ def split_kwargs(cls: type[T], kwargs: dict[str, Any]) -> tuple[T, dict[str, Any
 
 # -- the command line ---------------------------------------------------------------------------
 
-def cli_flags(parser: argparse.ArgumentParser | Any, cls: type) -> None:
-    """Add a flag for every field of `cls` that declares one."""
-    for f in dataclasses.fields(cls):
-        cli = f.metadata.get("cli")
-        if cli is None:
-            continue
+def _flagged_fields(classes: tuple[type, ...]) -> list[dataclasses.Field]:
+    """The fields of `classes` that declare a flag, each name once (in the order met)."""
+    fields = {f.name: f for cls in classes for f in dataclasses.fields(cls)
+              if "cli" in f.metadata}
+    return list(fields.values())
+
+
+def cli_flags(parser: argparse.ArgumentParser | Any, *classes: type) -> None:
+    """Add a flag for every field of `classes` that declares one (a field they share, once)."""
+    for f in _flagged_fields(classes):
+        cli = f.metadata["cli"]
         if cli["kind"] == "switch":
             parser.add_argument(cli["flag"], dest=f.name, action="store_true", default=None,
                                 help=cli["help"])
@@ -334,13 +393,13 @@ def cli_flags(parser: argparse.ArgumentParser | Any, cls: type) -> None:
                                 metavar=cli["metavar"], help=cli["help"])
 
 
-def cli_given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The fields of `cls` whose flags were given, as keyword arguments."""
+def cli_given(args: argparse.Namespace, *classes: type) -> dict[str, Any]:
+    """The fields of `classes` whose flags were given, as keyword arguments."""
     given = {}
-    for f in dataclasses.fields(cls):
-        cli = f.metadata.get("cli")
+    for f in _flagged_fields(classes):
+        cli = f.metadata["cli"]
         value = getattr(args, f.name, None)
-        if cli is None or value is None:
+        if value is None:
             continue
         if cli["kind"] == "comma":
             value = [part.strip() for part in value.split(",") if part.strip()]

@@ -23,7 +23,7 @@ from amp_rewriter.accuracy.measure import measure
 from amp_rewriter.accuracy.runner import ProbePlan
 from amp_rewriter.formats.onnx.accuracy import OnnxRunner
 from amp_rewriter.formats.onnx.emulation import WHOLE_MODEL, emulate_low_precision
-from amp_rewriter.options import AutoOptions, Options
+from amp_rewriter.options import AutoOptions
 
 TOLERANCE = 1e-2
 
@@ -400,7 +400,7 @@ def test_statistics_are_streamed_one_batch_at_a_time(tmp_path):
     """No batch's activations outlive it: when the probe runs batch i, every array it returned
     for batch i-1 is already gone, and the statistics are a few numbers per tensor."""
     (model, folder), _, _ = matmul_overflow(tmp_path)
-    runner = OnnxRunner(model, Options())
+    runner = OnnxRunner(model, amp_rewriter.OnnxOptions())
     calibration, _ = calibration_for(runner, [str(folder)], AutoOptions())
     real_prepare = runner.prepare_probe
     alive: list[weakref.ref] = []
@@ -477,7 +477,7 @@ def test_a_probe_holds_only_the_weights_of_the_nodes_it_measures(tmp_path):
     from amp_rewriter.formats.onnx.accuracy import PREFIX
 
     (model, _folder), culprit, _ = matmul_overflow(tmp_path)
-    runner = OnnxRunner(model, Options())
+    runner = OnnxRunner(model, amp_rewriter.OnnxOptions())
 
     def probe_parts(plan: ProbePlan) -> tuple[int, int]:
         probe = runner.prepare_probe(runner.convert({}), plan).written
@@ -588,7 +588,7 @@ def test_the_metric_must_hold_for_the_fp32_model_itself(tmp_path):
 
 def test_calibration_set_reads_batches_lazily(tmp_path):
     (model, folder), _, _ = matmul_overflow(tmp_path)
-    runner = OnnxRunner(model, Options())
+    runner = OnnxRunner(model, amp_rewriter.OnnxOptions())
     calibration = CalibrationSet.from_paths([folder, folder / "batch0.npz"],
                                             runner.input_specs())
     assert len(calibration) == 5

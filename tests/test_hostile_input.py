@@ -14,7 +14,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from amp_rewriter import Options
+from amp_rewriter import OnnxOptions, Options
 from amp_rewriter.errors import AmpError
 from amp_rewriter.fileio import read_input_bytes
 from amp_rewriter.formats.onnx import convert_file, convert_model
@@ -33,7 +33,7 @@ def _first_weight(model: onnx.ModelProto) -> onnx.TensorProto:
 
 def _refused(model: onnx.ModelProto, fragment: str) -> None:
     with pytest.raises(AmpError, match=fragment):
-        convert_model(model, Options())
+        convert_model(model, OnnxOptions())
 
 
 def test_initializer_declaring_more_elements_than_it_holds_is_refused() -> None:

@@ -104,8 +104,8 @@ def test_converting_a_model_in_memory_reads_it_only(name):
     converted, report = amp_rewriter.convert(model, keep_io_types=True)
     assert model.SerializeToString() == before
     from amp_rewriter.formats.onnx.convert import convert_model_ir
-    from amp_rewriter.options import Options
-    on_copy, copy_report, _ = convert_model_ir(model, Options(keep_io_types=True))
+    from amp_rewriter.options import OnnxOptions
+    on_copy, copy_report, _ = convert_model_ir(model, OnnxOptions(keep_io_types=True))
     assert converted.SerializeToString() == on_copy.SerializeToString()
     assert report.to_json() == copy_report.to_json()
     assert "".join(report.json_pieces()) == report.to_json()  # what convert --report writes

@@ -9,14 +9,14 @@ import json
 import pytest
 
 import amp_rewriter
-from amp_rewriter import AmpError, Options, TrainingOptions
+from amp_rewriter import AmpError, OnnxOptions, Options, TfOptions, TrainingOptions
 from amp_rewriter.cli import build_parser, main
 from amp_rewriter.ir import decisions
-from amp_rewriter.options import cli_given, from_cli
+from amp_rewriter.options import FORMAT_OPTIONS, cli_given, format_options, from_cli
 from amp_rewriter.training import LossScaleRule
 from models import BUILDERS
 
-FLAGGED = [f for f in dataclasses.fields(Options) if "cli" in f.metadata]
+FLAGGED = [f for cls in FORMAT_OPTIONS for f in dataclasses.fields(cls) if "cli" in f.metadata]
 
 
 def help_text(command: str) -> str:
@@ -50,23 +50,62 @@ def test_flags_come_back_as_the_same_options():
         "convert", "in.onnx", "out.onnx", "--target", "bf16", "--backend", "ort-cpu",
         "--allow", "Tanh", "--deny", "Exp", "--deny", "Pow", "--keep-node", "mm.*",
         "--no-keep-io-types", "--clamp", "--outputs", "a, b:1"])
-    options = from_cli(args, Options)
-    assert options == Options(target="bf16", backend="ort-cpu", allow=["Tanh"],
-                              deny=["Exp", "Pow"], keep_nodes=["mm.*"], keep_io_types=False,
-                              clamp=True, outputs=["a", "b:1"])
+    options = from_cli(args, TfOptions)
+    assert options == TfOptions(target="bf16", backend="ort-cpu", allow=["Tanh"],
+                                deny=["Exp", "Pow"], keep_nodes=["mm.*"], keep_io_types=False,
+                                clamp=True, outputs=["a", "b:1"])
     nothing = build_parser().parse_args(["convert", "in.onnx", "out.onnx"])
-    assert cli_given(nothing, Options) == {} and from_cli(nothing, Options) == Options()
+    assert cli_given(nothing, *FORMAT_OPTIONS) == {}
+    assert from_cli(nothing, OnnxOptions) == OnnxOptions()
 
 
 def test_every_field_is_a_keyword_of_the_api(tmp_path):
     model = BUILDERS["transformer_block"]()
-    defaults = {f.name: getattr(Options(), f.name) for f in dataclasses.fields(Options) if f.init}
-    defaults["outputs"] = None
+    defaults = {f.name: getattr(OnnxOptions(), f.name) for f in dataclasses.fields(OnnxOptions)
+                if f.init}
+    defaults["outputs"] = None  # another format's option at its default asks for nothing
     converted, report = amp_rewriter.convert(model, **defaults)
     plain, _ = amp_rewriter.convert(model)
     assert converted.SerializeToString() == plain.SerializeToString()
     with pytest.raises(TypeError):
         amp_rewriter.convert(model, no_such_option=True)
+
+
+def test_each_format_has_its_own_options_on_one_shared_base():
+    shared = {f.name for f in dataclasses.fields(Options)}
+    onnx_only = {f.name for f in dataclasses.fields(OnnxOptions)} - shared
+    tf_only = {f.name for f in dataclasses.fields(TfOptions)} - shared
+    assert issubclass(OnnxOptions, Options) and issubclass(TfOptions, Options)
+    assert onnx_only == {"optimize", "num_heads", "hidden_size", "external_data",
+                         "external_data_threshold"}
+    assert tf_only == {"outputs", "keep_fp32_weights"}
+
+
+@pytest.mark.parametrize("cls, options, message", [
+    (OnnxOptions, dict(outputs=["y"]), "--outputs is an option of TensorFlow models, not of ONNX"),
+    (OnnxOptions, dict(keep_fp32_weights=True), "--keep-fp32-weights is an option of TensorFlow"),
+    (TfOptions, dict(optimize="bert"), "--optimize is an option of ONNX models, not of TensorFlow"),
+    (TfOptions, dict(external_data="single"), "--external-data is an option of ONNX models"),
+])
+def test_another_formats_option_is_one_line_naming_it_and_the_format(cls, options, message):
+    with pytest.raises(AmpError) as caught:
+        format_options(cls, options)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+    assert format_options(cls, {name: None for name in options}) == cls()  # unset: no error
+    with pytest.raises(TypeError):
+        format_options(cls, {"no_such_option": 1})
+
+
+def test_the_api_and_the_cli_refuse_another_formats_option(tmp_path, capsys):
+    model = BUILDERS["transformer_block"]()
+    with pytest.raises(AmpError, match="--outputs is an option of TensorFlow models"):
+        amp_rewriter.convert(model, outputs=["y"])
+    source = tmp_path / "m.onnx"
+    source.write_bytes(model.SerializeToString())
+    assert main(["convert", str(source), str(tmp_path / "o.onnx"), "--outputs", "y"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--outputs is an option of TensorFlow models, not of ONNX" in err[0]
+    assert not (tmp_path / "o.onnx").exists()
 
 
 def test_options_reach_the_passes(tmp_path):

@@ -418,7 +418,7 @@ def test_activation_accesses_counted_on_the_emitted_model():
 
     from amp_rewriter.formats.onnx.convert import convert_model_ir
     from amp_rewriter.formats.onnx.shapes import activation_traffic, validation_input_shapes
-    from amp_rewriter.options import Options
+    from amp_rewriter.options import OnnxOptions
 
     branch_out = helper.make_tensor_value_info("b", TensorProto.FLOAT, ["n", 4])
     then_branch = helper.make_graph([helper.make_node("Relu", ["h"], ["b"])], "then", [],
@@ -444,7 +444,7 @@ def test_activation_accesses_counted_on_the_emitted_model():
         [helper.make_tensor("w", TensorProto.FLOAT, [4, 4], np.eye(4, dtype=np.float32).ravel()),
          helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    converted, report, _ = convert_model_ir(model, Options(target="fp16"))
+    converted, report, _ = convert_model_ir(model, OnnxOptions(target="fp16"))
     # x's cast and the MatMul's cast back to fp32 are the converter's; h: Mul twice, Softmax,
     # the graph output (the If branches' reads are theirs); c and w are constants.
     counted = {"x": 1, "x_fp16": 2, "m": 2, "m_fp32": 2, "h": 5, "sq": 2, "s": 2, "p": 2,

@@ -860,7 +860,7 @@ def test_convert_does_not_modify_its_input(build):
     converted, _ = convert(model)
     assert model.SerializeToString() == before
     assert converted is not model
-    on_copy, _, _ = convert_model_ir(model, amp_rewriter.Options())
+    on_copy, _, _ = convert_model_ir(model, amp_rewriter.OnnxOptions())
     assert converted.SerializeToString() == on_copy.SerializeToString()
     converted.graph.node[0].name = "changed"  # and the result shares nothing with the input
     assert model.SerializeToString() == before

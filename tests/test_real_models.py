@@ -473,7 +473,7 @@ def test_check_passes_every_output_validate_accepts(real_model, name: str, opset
     rtol = STANDALONE_RELATIVE_ERROR_LIMIT[name]
     # What `convert --validate --inputs --rtol` runs (ONNX validation reads no report).
     validation = formats.get("onnx").validate(case.fp32_path, case.ours.path, None,  # type: ignore[arg-type]
-                                              amp_rewriter.Options(), str(inputs), rtol)
+                                              amp_rewriter.OnnxOptions(), str(inputs), rtol)
     assert validation.passed, validation.to_dict()
     result = check_model(case.ours.path, reference=case.fp32_path, rtol=rtol, inputs=inputs)
     assert result.ok, result.problems

@@ -1,7 +1,8 @@
 """The contract every format package fulfils, so the CLI and the API never name a format's
 details: a format converts a model in memory or a file, validates a conversion, checks a
-converted model and explains a model, all with the same `Options`; `convert_to` is the one
-transaction around a conversion that writes a file."""
+converted model and explains a model, all with the format's options (`options_class`, a
+subclass of `Options`, built by `options`); `convert_to` is the one transaction around a
+conversion that writes a file."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic
 
 from .. import op_lists
 from ..errors import AmpError
 from ..fileio import Companions, InputFiles, OutputTransaction
 from ..op_lists import Overrides
-from ..options import Options, TrainingOptions, files_read
+from ..options import OptionsT, TrainingOptions, files_read, format_options
 from ..passes.base import FormatRules
 from ..report import CheckResult, CheckRule, Report
 from ..validation import Validation
@@ -26,14 +27,21 @@ if TYPE_CHECKING:
     from ..accuracy.runner import ModelRunner
 
 
-class Format(ABC):
+class Format(ABC, Generic[OptionsT]):
     """One model format (ONNX, TensorFlow): its rules for the passes and its entry points."""
 
     #: Short name ("onnx", "tf"), as in op_lists/<name>.toml.
     name: str
+    #: The format's options: `Options`' shared fields and the format's own.
+    options_class: type[OptionsT]
     rules: FormatRules
     #: What `check` looks for (the kinds of its problems), for reports that list what passed.
     check_rules: tuple[CheckRule, ...] = ()
+
+    def options(self, **kwargs: Any) -> OptionsT:
+        """The format's options from keyword arguments (the API's, the parsed flags): another
+        format's option is refused in one line naming it and that format."""
+        return format_options(self.options_class, kwargs)
 
     def default_backend(self, target: str) -> str:
         """The backend profile used when the user names none (the format's list file says)."""
@@ -44,7 +52,7 @@ class Format(ABC):
         """Whether `model` is an in-memory model of this format (its library's message type)."""
 
     @abstractmethod
-    def convert(self, model: Any, options: Options, source_dir: Path | None = None
+    def convert(self, model: Any, options: OptionsT, source_dir: Path | None = None
                 ) -> tuple[Any, Report]:
         """Convert in memory: `model` is an in-memory model of the format (left unmodified)
         or the path of a model file; returns the converted model and the report. `source_dir`:
@@ -52,7 +60,7 @@ class Format(ABC):
         is in memory."""
 
     @abstractmethod
-    def convert_file(self, input_path: Path, output_path: Path, options: Options,
+    def convert_file(self, input_path: Path, output_path: Path, options: OptionsT,
                      training: TrainingOptions | None = None) -> tuple[Any, Report]:
         """Convert `input_path` and write the result to `output_path`, a fresh path in the
         private folder of an `OutputTransaction` (which moves it, and any file written beside
@@ -61,7 +69,7 @@ class Format(ABC):
         report. A format without training graphs refuses `training`."""
 
     @abstractmethod
-    def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
+    def validate(self, input_path: Path, output_path: Path, report: Report, options: OptionsT,
                  inputs: str | None, rtol: float, device: str | None = None) -> Validation:
         """Run the fp32 and converted models on the same inputs and compare their outputs
         (the converted one where the backend profile runs, or on `device`: "cpu", or "cuda"
@@ -76,7 +84,7 @@ class Format(ABC):
         `device`). `overrides`: the config's profiles and class moves, as convert had them."""
 
     @abstractmethod
-    def explain(self, source: Path, options: Options) -> Report:
+    def explain(self, source: Path, options: OptionsT) -> Report:
         """Convert `source` in memory (nothing written) for `explain`."""
 
     def input_files(self, input_path: Path) -> list[tuple[Path, str]]:
@@ -97,7 +105,7 @@ class Format(ABC):
         return OutputTransaction([self.input_entry(input_path), *more_reads],
                                  lambda: self.input_files(input_path))
 
-    def convert_to(self, input_path: Path, output: str | os.PathLike, options: Options,
+    def convert_to(self, input_path: Path, output: str | os.PathLike, options: OptionsT,
                    training: TrainingOptions | None = None) -> tuple[Any, Report]:
         """Convert `input_path` and write the result at `output` (with what the format writes
         beside it): all of it or, on failure, nothing, never over a file the run reads; the
@@ -116,13 +124,13 @@ class Format(ABC):
         """Whether an existing, non-empty output directory may be replaced (a model of ours)."""
         return False
 
-    def output_companions(self, output_name: str, options: Options) -> Companions | None:
+    def output_companions(self, output_name: str, options: OptionsT) -> Companions | None:
         """The files a conversion with `options` may write beside an output named
         `output_name` (ONNX: its external data); None when it writes none."""
         return None
 
     def stage_output(self, outputs: OutputTransaction, output: str | os.PathLike,
-                     input_path: Path, options: Options) -> Path:
+                     input_path: Path, options: OptionsT) -> Path:
         """Stage the converted model's destination in `outputs`, with what the format writes
         there (a file or a directory, files beside it), so that every path the conversion
         will write is checked before anything is; returns the path to write the model to."""
@@ -130,7 +138,7 @@ class Format(ABC):
                              replace_dir=self.replaceable_output_dir,
                              companions=self.output_companions(os.path.basename(output), options))
 
-    def accuracy_runner(self, path: Path, options: Options) -> ModelRunner:
+    def accuracy_runner(self, path: Path, options: OptionsT) -> ModelRunner:
         """The model at `path` as `convert --auto` and `diagnose` run it."""
         raise AmpError(f"--auto and diagnose do not support {self.name} models yet")
 

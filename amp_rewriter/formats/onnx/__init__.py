@@ -13,7 +13,7 @@ from ...accuracy.runner import ModelRunner
 from ...errors import AmpError
 from ...fileio import Companions
 from ...op_lists import Overrides, find_profile
-from ...options import Options, TrainingOptions
+from ...options import OnnxOptions, TrainingOptions
 from ...report import CheckResult, Report
 from ...validation import Validation, load_inputs
 from ..base import Format
@@ -33,27 +33,28 @@ from .shapes import activation_traffic
 from .validate import random_inputs, validate_conversion
 
 
-class OnnxFormat(Format):
+class OnnxFormat(Format[OnnxOptions]):
     """ONNX models (.onnx files, external data beside them) on onnxruntime."""
 
     name = "onnx"
+    options_class = OnnxOptions
     rules = ONNX_RULES
     check_rules = ONNX_CHECK_RULES
 
     def accepts(self, model: object) -> bool:
         return isinstance(model, onnx.ModelProto)
 
-    def convert(self, model: Any, options: Options, source_dir: Path | None = None
+    def convert(self, model: Any, options: OnnxOptions, source_dir: Path | None = None
                 ) -> tuple[onnx.ModelProto, Report]:
         return convert_model(model, options, source_dir)
 
-    def convert_file(self, input_path: Path, output_path: Path, options: Options,
+    def convert_file(self, input_path: Path, output_path: Path, options: OnnxOptions,
                      training: TrainingOptions | None = None) -> tuple[onnx.ModelProto, Report]:
         if training is not None:
             raise AmpError("--training is for TensorFlow training graphs (.meta, .pb, .pbtxt)")
         return convert_model_file(input_path, output_path, options)
 
-    def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
+    def validate(self, input_path: Path, output_path: Path, report: Report, options: OnnxOptions,
                  inputs: str | None, rtol: float, device: str | None = None) -> Validation:
         feeds = load_inputs(inputs) if inputs else random_inputs(read_model_file(input_path))
         backend = ((report.backend if report is not None else None) or options.backend
@@ -74,16 +75,16 @@ class OnnxFormat(Format):
               device: str | None = None, overrides: Overrides | None = None) -> CheckResult:
         return check_model(path, target, backend, reference, rtol, inputs, device, overrides)
 
-    def explain(self, source: Path, options: Options) -> Report:
+    def explain(self, source: Path, options: OnnxOptions) -> Report:
         return convert_model(source, dataclasses.replace(options, check=False))[1]
 
     def input_files(self, input_path: Path) -> list[tuple[Path, str]]:
         return input_files(input_path)
 
-    def output_companions(self, output_name: str, options: Options) -> Companions | None:
+    def output_companions(self, output_name: str, options: OnnxOptions) -> Companions | None:
         return data_files(output_name, options.external_data)
 
-    def accuracy_runner(self, path: Path, options: Options) -> ModelRunner:
+    def accuracy_runner(self, path: Path, options: OnnxOptions) -> ModelRunner:
         from .accuracy import OnnxRunner
 
         return OnnxRunner(path, options)

@@ -45,7 +45,7 @@ from ...errors import AmpError, first_line
 from ...fileio import scratch_dir
 from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, TARGET_DTYPES, Graph, Node, Value
 from ...op_lists import default_backend, find_profile
-from ...options import Options
+from ...options import OnnxOptions
 from ...passes.base import Pin
 from ...report import Report
 from .convert import ConvertedIR, convert_model_file, convert_model_ir
@@ -227,10 +227,7 @@ class OnnxRunner(ModelRunner):
     normalization_ops = NORMALIZATION_OPS
     _written = 0
 
-    def __init__(self, path: Path, options: Options):
-        if options.outputs:
-            raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its "
-                           "outputs")
+    def __init__(self, path: Path, options: OnnxOptions):
         self.path = path
         self.options = options.with_backend(default_backend("onnx", options.target))
         self.profile = find_profile("onnx", self.options.backend or "", self.options.overrides)

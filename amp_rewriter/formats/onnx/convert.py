@@ -20,7 +20,7 @@ from ...fileio import owned_prefix
 from ...host import record_bf16_host_check
 from ...ir import LazyTensor, Model, Node, ValueNames
 from ...op_lists import OpLists, default_backend
-from ...options import DEFAULT_TARGET, Options
+from ...options import DEFAULT_TARGET, OnnxOptions
 from ...passes import PassContext, Pin, run_pipeline
 from ...passes.analysis.pins import keep_node_match
 from ...passes.pipeline import passes_of
@@ -68,7 +68,7 @@ def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = DE
             or of the `config` file: which kernels the op lists assume.
         base_dir: for a ModelProto with external data, the folder its data is relative to
             (a path's own folder is used otherwise).
-        **options: the other fields of `amp_rewriter.Options`: keep_io_types, clamp, allow,
+        **options: the other fields of `amp_rewriter.OnnxOptions`: keep_io_types, clamp, allow,
             infer, deny, clear (op types moved to that class), keep_nodes (node names or regexes
             pinned to fp32), config (a TOML file with the same overrides), optimize (a model
             type: onnxruntime's transformer optimizer fuses the model first), num_heads and
@@ -78,11 +78,13 @@ def convert(model_or_path: onnx.ModelProto | str | os.PathLike, target: str = DE
     Returns:
         The converted ModelProto and the Report of every decision.
     """
-    return convert_model(model_or_path, Options(target=target, backend=backend, **options),
+    from . import FORMAT
+
+    return convert_model(model_or_path, FORMAT.options(target=target, backend=backend, **options),
                          base_dir)
 
 
-def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: Options,
+def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: OnnxOptions,
                   base_dir: str | os.PathLike | None = None,
                   pins: dict[str, Pin] | None = None, *,
                   deferred: dict[str, LazyTensor] | None = None
@@ -94,7 +96,6 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
     (see `emit_onnx`); their protos stay without data until `save_onnx` writes them. Without
     it the returned model holds every converted weight.
     """
-    _refuse_tf_options(options)
     if options.optimize:
         source = (Path(model_or_path) if not isinstance(model_or_path, onnx.ModelProto)
                   else model_or_path)
@@ -117,13 +118,12 @@ def convert_model(model_or_path: onnx.ModelProto | str | os.PathLike, options: O
     return result.model, result.report
 
 
-def convert_model_ir(model_or_path: onnx.ModelProto | str | os.PathLike, options: Options,
+def convert_model_ir(model_or_path: onnx.ModelProto | str | os.PathLike, options: OnnxOptions,
                      base_dir: str | os.PathLike | None = None,
                      pins: dict[str, Pin] | None = None
                      ) -> tuple[onnx.ModelProto, Report, ConvertedIR]:
     """`convert_model`, also returning the IR the passes left (for the accuracy tools, which map
     the converted model's tensors back onto the original's)."""
-    _refuse_tf_options(options)
     if options.optimize:
         raise AmpError("--optimize does not combine with --auto or diagnose yet: fuse the model "
                        "first (onnxruntime.transformers.optimizer), then run them on it")
@@ -155,7 +155,7 @@ class _Converted(NamedTuple):
     external: bool
 
 
-def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: Options,
+def _convert_owned(take_model: Callable[[], onnx.ModelProto], options: OnnxOptions,
                    base: Path | None,
                    original: onnx.ModelProto | str | os.PathLike, *,
                    pins: dict[str, Pin] | None = None,
@@ -327,15 +327,6 @@ def _refuse_old_opset(opset: int) -> None:
                        f"upgrade it first with onnx.version_converter.convert_version(model, 17)")
 
 
-def _refuse_tf_options(options: Options) -> None:
-    if options.outputs:
-        raise AmpError("--outputs is for TensorFlow GraphDefs: an ONNX model names its outputs")
-    if options.keep_fp32_weights:
-        raise AmpError("--keep-fp32-weights is for TensorFlow SavedModels (their variables): an "
-                       "ONNX model's initializers convert with the nodes that read them, "
-                       "range-checked")
-
-
 def default_opset(model: onnx.ModelProto) -> int:
     """The model's opset of the default (ai.onnx) domain; 0 when it imports none."""
     return next((imp.version for imp in model.opset_import if imp.domain in ("", "ai.onnx")), 0)
@@ -404,7 +395,7 @@ def _load(model_or_path: onnx.ModelProto | str | os.PathLike, *, copy: bool
     return read_model_file(path), path.resolve().parent
 
 
-def _override_warnings(options: Options, nodes: list[Node]) -> list[str]:
+def _override_warnings(options: OnnxOptions, nodes: list[Node]) -> list[str]:
     """Overrides that cannot have done anything: likely typos."""
     warnings = []
     overrides = options.overrides
@@ -505,7 +496,7 @@ def convert_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
     or, on failure, nothing; the input is never touched (`Format.convert_to`)."""
     from . import FORMAT
 
-    return FORMAT.convert_to(Path(input_path), output_path, Options(**options))
+    return FORMAT.convert_to(Path(input_path), output_path, FORMAT.options(**options))
 
 
 def input_files(model_path: Path) -> list[tuple[Path, str]]:
@@ -521,7 +512,7 @@ def input_files(model_path: Path) -> list[tuple[Path, str]]:
     return files
 
 
-def convert_model_file(input_path: Path, output_path: Path, options: Options,
+def convert_model_file(input_path: Path, output_path: Path, options: OnnxOptions,
                        pins: dict[str, Pin] | None = None) -> tuple[onnx.ModelProto, Report]:
     """Convert `input_path` and write the model (and its .data) at `output_path`, which is a
     fresh path: the CLI and `convert_file` give the private path of an `OutputTransaction`.
@@ -537,9 +528,8 @@ def convert_model_file(input_path: Path, output_path: Path, options: Options,
     return model, report
 
 
-def _convert_and_save(input_path: Path, output_path: Path, options: Options,
+def _convert_and_save(input_path: Path, output_path: Path, options: OnnxOptions,
                       pins: dict[str, Pin] | None = None) -> tuple[onnx.ModelProto, Report]:
-    _refuse_tf_options(options)
     source = read_model_file(input_path)
     # The model read here is converted in place (no copy of a model that may have a million
     # nodes); weights in the input's external data are read, range checked and converted a

@@ -22,7 +22,7 @@ import onnx
 
 from ...errors import AmpError
 from ...fileio import scratch_dir
-from ...options import Options
+from ...options import OnnxOptions
 from . import ort_registry
 from .emit import has_external_data
 from .load import PROTOBUF_LIMIT, load_external_data
@@ -31,7 +31,7 @@ from .load import PROTOBUF_LIMIT, load_external_data
 OPTIMIZED_NAME = "optimized.onnx"
 
 
-def options_after(options: Options) -> Options:
+def options_after(options: OnnxOptions) -> OnnxOptions:
     """The options for converting the fused model: the optimizer has run."""
     return dataclasses.replace(options, optimize=None, num_heads=None, hidden_size=None)
 
@@ -62,7 +62,7 @@ def _op_counts(model: onnx.ModelProto) -> Counter[str]:
 
 
 @contextlib.contextmanager
-def optimized_copy(source: Path | onnx.ModelProto, options: Options,
+def optimized_copy(source: Path | onnx.ModelProto, options: OnnxOptions,
                    base_dir: Path | None = None) -> Iterator[tuple[Path, dict[str, Any]]]:
     """Run onnxruntime's transformer optimizer on `source` (a file, or a ModelProto whose
     external data lives in `base_dir`) and yield the fused model's path in a temporary folder,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ...accuracy.runner import ModelRunner
 from ...errors import AmpError
 from ...op_lists import Overrides
-from ...options import Options, TrainingOptions
+from ...options import TfOptions, TrainingOptions
 from ...report import CheckResult, Report
 from ...training import LossScaleRule
 from ...validation import Validation, load_inputs
@@ -42,10 +42,11 @@ if TYPE_CHECKING:  # imported for real only after `_tensorflow` has quieted Tens
     from tensorflow.core.framework import graph_pb2
 
 
-class TfFormat(Format):
+class TfFormat(Format[TfOptions]):
     """TensorFlow GraphDefs (.pb, .pbtxt), MetaGraphDefs (.meta) and SavedModel directories."""
 
     name = "tf"
+    options_class = TfOptions
     rules = TF_RULES
     check_rules = TF_CHECK_RULES
 
@@ -54,12 +55,12 @@ class TfFormat(Format):
 
         return isinstance(model, graph_pb2.GraphDef)
 
-    def convert(self, model: Any, options: Options, source_dir: Path | None = None
+    def convert(self, model: Any, options: TfOptions, source_dir: Path | None = None
                 ) -> tuple[graph_pb2.GraphDef, Report]:
         graph_def = model if self.accepts(model) else read_graphdef(Path(model))
         return rewrite_graphdef(graph_def, options)
 
-    def convert_file(self, input_path: Path, output_path: Path, options: Options,
+    def convert_file(self, input_path: Path, output_path: Path, options: TfOptions,
                      training: TrainingOptions | None = None) -> tuple[None, Report]:
         if training is not None:
             return None, convert_training_file(input_path, output_path, options, training)
@@ -68,7 +69,7 @@ class TfFormat(Format):
     def input_entry(self, path: Path, what: str = "input") -> tuple[Path, str]:
         return path, f"the {what} {'SavedModel' if is_saved_model_dir(path) else 'model'}"
 
-    def validate(self, input_path: Path, output_path: Path, report: Report, options: Options,
+    def validate(self, input_path: Path, output_path: Path, report: Report, options: TfOptions,
                  inputs: str | None, rtol: float, device: str | None = None) -> Validation:
         _cpu_only(device)
         feeds = load_inputs(inputs) if inputs else None
@@ -89,7 +90,7 @@ class TfFormat(Format):
         _cpu_only(device)
         return check_tf_graph(path, target, backend, reference, rtol, inputs, overrides)
 
-    def explain(self, source: Path, options: Options) -> Report:
+    def explain(self, source: Path, options: TfOptions) -> Report:
         options = dataclasses.replace(options, check=False)
         if is_saved_model_dir(source):
             return convert_saved_model_proto(source, options)[1]
@@ -100,7 +101,7 @@ class TfFormat(Format):
             return rewrite_graphdef(meta.graph_def, options)[1]
         return rewrite_graphdef(read_graphdef(source), options)[1]
 
-    def accuracy_runner(self, path: Path, options: Options) -> ModelRunner:
+    def accuracy_runner(self, path: Path, options: TfOptions) -> ModelRunner:
         from .accuracy import TfRunner
 
         return TfRunner(path, options)

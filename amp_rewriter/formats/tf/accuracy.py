@@ -41,7 +41,7 @@ from ...accuracy.runner import (
 )
 from ...errors import AmpError, first_line
 from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, TARGET_DTYPES, Model, Node, ValueNames
-from ...options import Options
+from ...options import TfOptions
 from ...passes.base import Pin
 from ...report import Report
 from ._tensorflow import imported_graph
@@ -154,7 +154,7 @@ class TfRunner(ModelRunner):
 
     format = "tf"
 
-    def __init__(self, path: Path, options: Options):
+    def __init__(self, path: Path, options: TfOptions):
         self.path = path
         self.meta = read_meta_graph(path) if path.suffix == ".meta" else None
         self.user_options = options

@@ -28,7 +28,7 @@ from ...errors import AmpError, first_line
 from ...host import record_bf16_host_check
 from ...ir import ALLOW, TARGET_DTYPES, Model, ValueNames, decisions, short_name
 from ...op_lists import OpLists
-from ...options import DEFAULT_TARGET, Options
+from ...options import DEFAULT_TARGET, TfOptions
 from ...passes import PassContext, Pin, StoredRange, run_pipeline
 from ...precision_map import PrecisionMap
 from ...report import NodeEntries, Report, build_report
@@ -61,7 +61,7 @@ _CHECKPOINT_OPS = frozenset({"SaveV2", "RestoreV2", "MergeV2Checkpoints", "Save"
                              "RestoreSlice", "SaveSlices"})
 
 
-def _run(ir_model: Model, lists: OpLists, options: Options, graph_name: str,
+def _run(ir_model: Model, lists: OpLists, options: TfOptions, graph_name: str,
          pipeline: str = "tf", pins: Mapping[str, Pin] | None = None,
          stored: Mapping[str, StoredRange] | None = None,
          training: TrainingContext | None = None) -> Report:
@@ -74,20 +74,14 @@ def _run(ir_model: Model, lists: OpLists, options: Options, graph_name: str,
     return build_report(ctx, original + added, results, lambda node: graph_name)
 
 
-def _resolved(options: Options) -> tuple[Options, OpLists]:
+def _resolved(options: TfOptions) -> tuple[TfOptions, OpLists]:
     """The options with the target's default backend filled in, and their op lists."""
-    if options.optimize:
-        raise AmpError("--optimize runs onnxruntime's transformer optimizer: it is for ONNX "
-                       "models, not TensorFlow graphs")
-    if options.external_data is not None or options.external_data_threshold is not None:
-        raise AmpError("--external-data and --external-data-threshold are for ONNX outputs, not "
-                       "TensorFlow graphs")
     options = options.with_backend(default_backend(options.target))
     assert options.backend is not None
     return options, load_tf_lists(options.target, options.backend, options.overrides)
 
 
-def _warnings(options: Options, report: Report, unknown_ops: set[str]) -> list[str]:
+def _warnings(options: TfOptions, report: Report, unknown_ops: set[str]) -> list[str]:
     """Overrides that cannot have done anything (likely typos), and ops TF does not know."""
     warnings = []
     overrides = options.overrides
@@ -111,14 +105,16 @@ def convert_graphdef(graph_def: graph_pb2.GraphDef, outputs: Iterable[str] | Non
 
     `outputs` are the fetch tensors ("y" or "y:1"); by default the nodes nothing reads. With
     `keep_io_types` their nodes are preserved, as Grappler preserves fetch nodes, so the outputs
-    keep their names and dtypes. `**options` are the other fields of `amp_rewriter.Options`;
+    keep their names and dtypes. `**options` are the other fields of `amp_rewriter.TfOptions`;
     `check` imports the result into a tf.Graph.
     """
-    return rewrite_graphdef(graph_def, Options(
+    from . import FORMAT
+
+    return rewrite_graphdef(graph_def, FORMAT.options(
         target=target, backend=backend, outputs=list(outputs) if outputs else None, **options))
 
 
-def rewrite_graphdef(graph_def: graph_pb2.GraphDef, options: Options,
+def rewrite_graphdef(graph_def: graph_pb2.GraphDef, options: TfOptions,
                       pipeline: str = "tf", pins: Mapping[str, Pin] | None = None
                       ) -> tuple[graph_pb2.GraphDef, Report]:
     """`convert_graphdef` with the options as one object; `pins` maps node names to why a front
@@ -128,7 +124,7 @@ def rewrite_graphdef(graph_def: graph_pb2.GraphDef, options: Options,
     return converted, report
 
 
-def rewrite_graphdef_ir(graph_def: graph_pb2.GraphDef, options: Options,
+def rewrite_graphdef_ir(graph_def: graph_pb2.GraphDef, options: TfOptions,
                          pipeline: str = "tf", pins: Mapping[str, Pin] | None = None,
                          plan_training: Callable[[Model], TrainingContext] | None = None
                          ) -> tuple[graph_pb2.GraphDef, Report, tuple[Model, ValueNames]]:
@@ -160,7 +156,7 @@ def rewrite_graphdef_ir(graph_def: graph_pb2.GraphDef, options: Options,
 
 
 def rewrite_function_ir(fdef: function_pb2.FunctionDef,
-                        library: function_pb2.FunctionDefLibrary, options: Options,
+                        library: function_pb2.FunctionDefLibrary, options: TfOptions,
                         pipeline: str = "tf",
                         plan_training: Callable[[Model], TrainingContext] | None = None
                         ) -> tuple[Model, Report]:
@@ -196,7 +192,7 @@ def meta_graph_fetches(meta: meta_graph_pb2.MetaGraphDef) -> list[str]:
     return fetches
 
 
-def convert_meta_graph_file(input_path: Path, output_path: Path, options: Options) -> Report:
+def convert_meta_graph_file(input_path: Path, output_path: Path, options: TfOptions) -> Report:
     """Convert the graph of a .meta file; signatures, collections and saver stay as they are."""
     meta = read_meta_graph(input_path)
     if not options.outputs:
@@ -229,7 +225,7 @@ def convert_saved_model(input_dir: str | os.PathLike, output_dir: str | os.PathL
     every signature serves the same input and output dtypes. `check` loads the result with
     tf.saved_model.load. The output directory appears whole or not at all (an existing
     SavedModel there is replaced only on success). `**options` are the other fields of
-    `amp_rewriter.Options`.
+    `amp_rewriter.TfOptions`.
     """
     from . import FORMAT
 
@@ -237,16 +233,16 @@ def convert_saved_model(input_dir: str | os.PathLike, output_dir: str | os.PathL
     if not is_saved_model_dir(input_dir):
         raise AmpError(f"{input_dir}: not a SavedModel directory (no saved_model.pb)")
     return FORMAT.convert_to(input_dir, output_dir,
-                             Options(target=target, backend=backend, **options))[1]
+                             FORMAT.options(target=target, backend=backend, **options))[1]
 
 
-def refuse_outputs_for_saved_models(options: Options) -> None:
+def refuse_outputs_for_saved_models(options: TfOptions) -> None:
     """`--outputs` names a GraphDef's fetches; a SavedModel's signatures name its outputs."""
     if options.outputs:
         raise AmpError("--outputs is for GraphDefs: a SavedModel's signatures name its outputs")
 
 
-def convert_saved_model_proto(input_dir: Path, options: Options,
+def convert_saved_model_proto(input_dir: Path, options: TfOptions,
                               pins: Mapping[str, Pin] | None = None
                               ) -> tuple[saved_model_pb2.SavedModel, Report,
                                          Callable[[Path], None] | None]:
@@ -295,7 +291,7 @@ def convert_saved_model_proto(input_dir: Path, options: Options,
     return saved, report, write_variables
 
 
-def convert_saved_model_dir(input_dir: Path, output_dir: Path, options: Options,
+def convert_saved_model_dir(input_dir: Path, output_dir: Path, options: TfOptions,
                             pins: Mapping[str, Pin] | None = None) -> Report:
     """Convert a SavedModel directory and write it at `output_dir`, a fresh path (the private
     path of an `OutputTransaction`), then load it back when `options.check`."""
@@ -321,7 +317,7 @@ def _checkpoint_functions(meta_graph: meta_graph_pb2.MetaGraphDef) -> frozenset[
                      if not convertible_function(f))
 
 
-def _variable_ranges(saved: saved_model_pb2.SavedModel, input_dir: Path, options: Options
+def _variable_ranges(saved: saved_model_pb2.SavedModel, input_dir: Path, options: TfOptions
                      ) -> VariableRanges | None:
     """The captured variables' range checks in the target dtype (`check_variable_ranges`);
     None without a TF2 checkpoint."""
@@ -333,7 +329,7 @@ def _variable_ranges(saved: saved_model_pb2.SavedModel, input_dir: Path, options
                                  _checkpoint_functions(meta_graph))
 
 
-def _lower_weights(saved: saved_model_pb2.SavedModel, options: Options, report: Report,
+def _lower_weights(saved: saved_model_pb2.SavedModel, options: TfOptions, report: Report,
                    ranges: VariableRanges | None
                    ) -> Callable[[Path], None] | None:
     """Plan and apply low-precision storage of the weights only read in low precision (TF2
@@ -367,7 +363,7 @@ def _lower_weights(saved: saved_model_pb2.SavedModel, options: Options, report: 
     return write_variables
 
 
-def _convert_main_graph(meta_graph, lists: OpLists, options: Options,
+def _convert_main_graph(meta_graph, lists: OpLists, options: TfOptions,
                         pins: Mapping[str, Pin] | None = None) -> list[Report]:
     """A MetaGraph's own graph (where TF1 SavedModels keep their compute), with the signatures'
     output tensors as preserved fetches. TF2 graphs hold only variables and calls: skipped."""
@@ -404,7 +400,7 @@ _MODEL_COUNTS = ("nodes", "low_precision_nodes", "compute_ops", "low_precision_c
                  "compute_ops_by_type")
 
 
-def merge_reports(reports: list[Report], options: Options,
+def merge_reports(reports: list[Report], options: TfOptions,
                   served: list[bool] | None = None) -> Report:
     """One report for many function bodies: nodes concatenated, counts added. `served[i]` says
     whether report i's graph is one the signatures run; the model counts (nodes, compute ops)
@@ -492,10 +488,10 @@ def convert_tf_file(input_path: str | os.PathLike, output_path: str | os.PathLik
                     backend: str | None = None, **options: Any) -> Report:
     """Convert a GraphDef file (.pb/.pbtxt/.meta) or a SavedModel directory; the input is
     untouched and the output appears whole or not at all. `**options` are the other fields of
-    `amp_rewriter.Options`."""
+    `amp_rewriter.TfOptions`."""
     from . import FORMAT
 
-    return FORMAT.convert_to(Path(input_path), output_path, Options(
+    return FORMAT.convert_to(Path(input_path), output_path, FORMAT.options(
         target=target, backend=backend, outputs=list(outputs) if outputs else None,
         **options))[1]
 
@@ -505,7 +501,7 @@ def output_kind(input_path: Path) -> str:
     return "dir" if is_saved_model_dir(input_path) else "file"
 
 
-def convert_file(input_path: Path, output_path: Path, options: Options) -> Report:
+def convert_file(input_path: Path, output_path: Path, options: TfOptions) -> Report:
     """`convert_tf_file` writing at `output_path`, a fresh path (the private path of an
     `OutputTransaction`)."""
     if is_saved_model_dir(input_path):

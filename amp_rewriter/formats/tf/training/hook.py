@@ -50,7 +50,7 @@ from tensorflow.python.ops import resource_variable_ops, summary_ops_v2
 
 from ....errors import AmpError
 from ....ir.dtypes import SHORT_NAMES as _SHORT
-from ....options import Options, TrainingOptions
+from ....options import TfOptions, TrainingOptions, format_options
 from ....report import Report
 from ....training import LossScaleRule
 from ....training.update import UpdateOptions
@@ -184,7 +184,7 @@ class _RewrittenFunction(tf.Module):
     """A step function run in mixed precision (see the module docstring): the calls, per
     replica or not; the subclasses say how a traced body is rewritten."""
 
-    def __init__(self, step: Any, options: Options, name: str):
+    def __init__(self, step: Any, options: TfOptions, name: str):
         super().__init__(name=name)
         self._calls = _Calls(as_tf_function(step))
         self._options = options
@@ -288,7 +288,7 @@ class MixedPrecisionStep(_RewrittenFunction):
     skipped for a non-finite gradient; `report` is the last trace's Report (`explain` reads
     it)."""
 
-    def __init__(self, step: Any, options: Options, rule: LossScaleRule,
+    def __init__(self, step: Any, options: TfOptions, rule: LossScaleRule,
                  update: UpdateOptions | None = None):
         super().__init__(step, options, "mixed_precision_step")
         self.rule = rule
@@ -381,7 +381,7 @@ class MixedPrecisionFunction(_RewrittenFunction):
     """An inference function (Keras's test or predict step) run in mixed precision: the `tf`
     pipeline on its traced body, no loss scaling. `report` is the last trace's Report."""
 
-    def __init__(self, step: Any, options: Options):
+    def __init__(self, step: Any, options: TfOptions):
         super().__init__(step, options, "mixed_precision_function")
 
     def rewrite(self, concrete: Any) -> RewrittenStep:
@@ -397,7 +397,7 @@ STEP_OPTIONS = ("backend", "allow", "infer", "deny", "clear", "keep_nodes", "con
 
 
 def step_options(target: str, options: dict[str, Any]
-                 ) -> tuple[Options, LossScaleRule, UpdateOptions]:
+                 ) -> tuple[TfOptions, LossScaleRule, UpdateOptions]:
     """The conversion options, the loss-scale rule and the update options of a
     `mixed_precision` call's keyword arguments; AmpError names an unknown or misplaced one, or a
     bad value."""
@@ -411,7 +411,7 @@ def step_options(target: str, options: dict[str, Any]
                        f"{', '.join(STEP_OPTIONS)}, loss_scale, "
                        f"{', '.join(LossScaleRule.knobs())}, "
                        f"{', '.join(UpdateOptions.knobs())})")
-    converted = Options(target=target, **rest)
+    converted = format_options(TfOptions, {"target": target, **rest})
     return converted, training.loss_scale_rule(converted.target), training.update_options()
 
 

@@ -31,7 +31,7 @@ from tensorflow.python.framework import meta_graph as tf_meta_graph
 
 from ....errors import AmpError
 from ....ir import Model, Value
-from ....options import Options, TrainingOptions
+from ....options import TfOptions, TrainingOptions, format_options
 from ....report import Report
 from ....training.passes import TrainingContext
 from .. import convert as tf_convert
@@ -157,7 +157,7 @@ def _add_local_variables(meta: meta_graph_pb2.MetaGraphDef, ops: TfTrainingOps) 
             definition.SerializeToString())
 
 
-def rewrite_training_meta_graph(source: Any, options: Options, training: TrainingOptions
+def rewrite_training_meta_graph(source: Any, options: TfOptions, training: TrainingOptions
                                 ) -> tuple[meta_graph_pb2.MetaGraphDef, dict, Report]:
     """The rewrite as protos: (MetaGraphDef, names, report). See `rewrite_training_graph`."""
     if options.outputs:
@@ -286,7 +286,7 @@ def rewrite_training_graph(
         loss_scale: "dynamic" (fp16 default), "none" (bf16 default) or a number (fixed scale).
         **options: the loss scaler's rule (`TrainingOptions`: initial_scale (2**15),
             growth_interval (2000), growth_factor (2), backoff_factor (0.5), min_scale (1),
-            hysteresis (1)) and the conversion options of `amp_rewriter.Options` (allow, infer,
+            hysteresis (1)) and the conversion options of `amp_rewriter.TfOptions` (allow, infer,
             deny, clear, keep_nodes, config, clamp).
 
     Returns:
@@ -297,7 +297,8 @@ def rewrite_training_graph(
     training, rest = TrainingOptions.from_kwargs({**options, "loss": loss, "train_op": train_op,
                                                   "loss_scale": loss_scale})
     meta, names, report = rewrite_training_meta_graph(
-        graph_or_graph_def_or_meta_graph, Options(target=target, backend=backend, **rest),
+        graph_or_graph_def_or_meta_graph,
+        format_options(TfOptions, {"target": target, "backend": backend, **rest}),
         training)
     graph = imported_graph(meta, "the rewritten training graph")
     return TrainingRewrite(graph=graph, meta_graph_def=meta, report=report,
@@ -310,7 +311,7 @@ def rewrite_training_graph(
                            micro_step=names.get("micro_step"))
 
 
-def convert_training_file(input_path: Path, output_path: Path, options: Options,
+def convert_training_file(input_path: Path, output_path: Path, options: TfOptions,
                           training: TrainingOptions) -> Report:
     """`convert --training`: a .meta (or a .pb/.pbtxt with --loss and --train-op) in, the
     rewritten graph out in the output's format (.meta keeps collections, signatures, saver)."""

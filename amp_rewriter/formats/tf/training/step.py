@@ -30,7 +30,7 @@ from tensorflow.python.framework import function_def_to_graph
 
 from ....errors import AmpError, first_line
 from ....ir import Model
-from ....options import Options
+from ....options import TfOptions
 from ....report import Report
 from ....training import LossScaleRule
 from ....training.passes import TrainingContext
@@ -61,7 +61,7 @@ class StepRewrite:
 
 
 def rewrite_step_function(fdef: function_pb2.FunctionDef,
-                          library: function_pb2.FunctionDefLibrary, options: Options,
+                          library: function_pb2.FunctionDefLibrary, options: TfOptions,
                           rule: LossScaleRule, update: UpdateOptions | None = None,
                           variable_names: dict[str, str] | None = None,
                           trainable: frozenset[str] | None = None,
@@ -131,7 +131,7 @@ def rewrite_step_function(fdef: function_pb2.FunctionDef,
 
 def rewrite_inference_function(fdef: function_pb2.FunctionDef,
                                library: function_pb2.FunctionDefLibrary,
-                               options: Options) -> tuple[function_pb2.FunctionDef, Report]:
+                               options: TfOptions) -> tuple[function_pb2.FunctionDef, Report]:
     """The mixed-precision rewrite of an inference function's body (Keras's test and predict
     steps): the `tf` pipeline, arguments and return values keeping their dtypes."""
     model, report = tf_convert.rewrite_function_ir(fdef, library, options)
