@@ -184,3 +184,30 @@ def test_the_readme_diagram_lists_the_passes_of_each_pipeline():
         found[drawings[source]] = [word for word in re.findall(r"[a-z0-9_]+", drawing)
                                    if word in REGISTRY]
     assert found == {name: PIPELINES[name] for name in drawings.values()}
+
+
+def test_formats_are_declared_by_their_list_files(tmp_path, monkeypatch):
+    """A format is its package and its op_lists/<name>.toml: the registry reads each list
+    file's [format] table (library, suffixes, the files that make a directory one model), and a
+    misspelt key there is an error naming the file and the key."""
+    from amp_rewriter import formats, op_lists
+    from amp_rewriter.errors import AmpError
+
+    declared = formats.declarations()
+    assert declared["onnx"].suffixes == (".onnx",) and declared["tf"].library == "tensorflow"
+    assert declared["tf"].package == "amp_rewriter.formats.tf"
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "saved_model.pb").write_bytes(b"")
+    assert formats.model_format(saved) == "tf" and formats.model_format(tmp_path) is None
+    assert formats.model_path(saved / "saved_model.pb") == saved
+    assert [formats.model_format(tmp_path / n) for n in ("m.onnx", "g.meta", "r.json")] \
+        == ["onnx", "tf", None]
+
+    (tmp_path / "lists").mkdir()
+    (tmp_path / "lists" / "mine.toml").write_text(
+        'title = "Mine"\n[format]\nlibrary = "mine"\nsufixes = [".mine"]\n')
+    monkeypatch.setattr(op_lists, "_DATA_DIR", tmp_path / "lists")
+    monkeypatch.setattr(op_lists, "_LIST_CACHE", {})
+    with pytest.raises(AmpError, match=r"mine\.toml \[format\]: unknown key\(s\) 'sufixes'"):
+        op_lists.format_declarations()

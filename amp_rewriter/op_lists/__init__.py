@@ -461,6 +461,38 @@ def _list_formats() -> list[str]:
     return sorted(path.stem for path in _DATA_DIR.glob("*.toml"))
 
 
+#: Keys of a list file's `[format]` table: how the format's models are recognised.
+FORMAT_KEYS = ("library", "suffixes", "directory_files")
+
+
+@dataclass(frozen=True)
+class FormatDeclaration:
+    """A format as its list file declares it: the library its in-memory models come from, the
+    suffixes of its model files, and the files that make a directory one model (a SavedModel's
+    saved_model.pb). Its code is the package `amp_rewriter.formats.<name>`."""
+
+    name: str
+    library: str
+    suffixes: tuple[str, ...]
+    directory_files: tuple[str, ...] = ()
+
+    @property
+    def package(self) -> str:
+        return f"{__package__.rsplit('.', 1)[0]}.formats.{self.name}"
+
+
+def format_declarations() -> dict[str, FormatDeclaration]:
+    """Every format with a list file beside this module, from its `[format]` table (a bad key
+    names the file and the key)."""
+    declared = {}
+    for fmt in _list_formats():
+        table = _read_list_file(fmt).get("format", {})
+        refuse_unknown_keys(table, FORMAT_KEYS, f"{fmt}.toml [format]")
+        declared[fmt] = FormatDeclaration(fmt, table["library"], tuple(table["suffixes"]),
+                                          tuple(table.get("directory_files", ())))
+    return declared
+
+
 def builtin_profiles(fmt: str) -> dict[str, BackendProfile]:
     """The backend profiles of `fmt`'s list file, validated (a bad key names file and key)."""
     if fmt not in _PROFILE_CACHE:

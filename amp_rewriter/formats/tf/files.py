@@ -17,11 +17,16 @@ from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
 from ...errors import AmpError, first_line
 from ...fileio import copy_regular_file, non_regular_kind, read_input_bytes, write_atomically
-from .. import is_saved_model_dir
+from .. import directory_format
 
 __all__ = ["check_function_library", "check_saved_model_tree", "is_saved_model_dir",
            "read_graphdef", "read_meta_graph", "read_saved_model", "write_graphdef",
            "write_saved_model"]
+
+
+def is_saved_model_dir(path: str | os.PathLike) -> bool:
+    """A directory holding a SavedModel (by the files tf.toml's [format] table names)."""
+    return directory_format(path) == "tf"
 
 
 def _parse_text(text: str, proto: message.Message, label: str, what: str) -> None:
