@@ -119,3 +119,18 @@ def test_weights_of_another_16_bit_dtype_are_one_line_errors():
                                        "weights='bf16'") as error:
         run(x, y)
     assert "\n" not in str(error.value)
+
+
+def test_slots_of_another_16_bit_dtype_are_one_line_errors():
+    """Keras makes the momentum in the weights' dtype: slots='bf16' cannot hold, and says so
+    instead of being ignored."""
+    model = digits_data.mlp(dtype="float16")
+    opt = keras.optimizers.SGD(0.05, momentum=0.9)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    run = mixed_precision(tf.function(digits_data.keras_train_step(model, opt, loss_fn)),
+                          "fp16", weights="fp16", slots="bf16")
+    x, y = next(digits_data.batches(*digits_data.digits()[:2], 16))
+    with pytest.raises(AmpError, match=r"slots='bf16' but variable .* is built in float16 "
+                                       r"\(Keras makes .*pass slots='fp16'") as error:
+        run(x, y)
+    assert "\n" not in str(error.value)

@@ -332,7 +332,16 @@ class MixedPrecisionStep(_RewrittenFunction):
     def _check_storage(self, names: dict[str, str], trainable: frozenset[str],
                        sixteen: dict[str, str]) -> None:
         """With 16-bit `weights`: the weights built in another 16-bit dtype are an AmpError;
-        weights all built float32 keep float32 storage, said in one warning line."""
+        weights all built float32 keep float32 storage, said in one warning line. With 16-bit
+        `slots`: other variables (a Keras optimizer makes its slots in the weights' dtype)
+        built in another 16-bit dtype are an AmpError, not a setting silently ignored."""
+        slots = self.update.slot_dtype
+        for argument in sorted(set(sixteen) - trainable) if slots is not None else ():
+            if sixteen[argument] != slots:
+                raise _error(f"slots={self.update.slots!r} but variable "
+                             f"{names.get(argument, argument)} is built in {sixteen[argument]} "
+                             f"(Keras makes an optimizer's slots in its weights' dtype): pass "
+                             f"slots={_SHORT[sixteen[argument]]!r} or leave slots unset")
         wanted = self.update.weight_dtype
         if wanted is None:
             return
