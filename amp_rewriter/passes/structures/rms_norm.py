@@ -308,26 +308,23 @@ def rescaled_mean_square(node: Node, rules: FormatRules, lists: OpLists) -> str 
     The pattern, by structure: mean(y * y) with y = x / (Clip(ReduceMax(Abs(x)), ...) * c).
     """
     ops = rules.rescale_ops
-    if not ops or lists.rewrite_refusal((*ops.values(), node.op_type)) is not None \
-            or not node.inputs:
+    if not ops or lists.rewrite_refusal((*ops.values(), node.op_type)) is not None:
         return None
 
-    def made_by(value: Value | None, role: str) -> Node | None:
+    def made_by(reader: Node | None, slot: int, role: str) -> Node | None:
+        """The producer of `reader`'s input `slot` when it is the op `_rescale` builds for
+        `role` there."""
+        value = reader.inputs[slot] if reader is not None and slot < len(reader.inputs) else None
         producer = value.producer if value is not None else None
         return producer if producer is not None and producer.op_type == ops.get(role) else None
-    squares = made_by(node.inputs[0], "mul")
-    if squares is None or len(squares.inputs) != 2 or squares.inputs[0] is not squares.inputs[1]:
-        return None
-    scaled = made_by(squares.inputs[0], "div")
-    if scaled is None or len(scaled.inputs) != 2:
-        return None
-    scale = made_by(scaled.inputs[1], "mul")
-    bounded = next((n for v in (scale.inputs if scale else []) if (n := made_by(v, "clip"))),
-                   None)
-    largest = made_by(bounded.inputs[0], "reduce_max") if bounded and bounded.inputs else None
-    magnitude = made_by(largest.inputs[0], "abs") if largest and largest.inputs else None
-    if largest is None or magnitude is None or not magnitude.inputs \
-            or magnitude.inputs[0] is not scaled.inputs[0]:
+    # The walk follows `_rescale`'s input positions, from the mean back to |x|.
+    squares = made_by(node, 0, "mul")
+    scaled = made_by(squares, 0, "div")
+    largest = made_by(made_by(made_by(scaled, 1, "mul"), 0, "clip"), 0, "reduce_max")
+    magnitude = made_by(largest, 0, "abs")
+    if squares is None or scaled is None or largest is None or magnitude is None \
+            or len(squares.inputs) != 2 or squares.inputs[0] is not squares.inputs[1] \
+            or not magnitude.inputs or magnitude.inputs[0] is not scaled.inputs[0]:
         return None
     return (f"the mean square of an RMS norm on its row divided by 2^-7 of its largest |x| "
             f"(<- {largest.name}): every square is below 18500, and the backend's "

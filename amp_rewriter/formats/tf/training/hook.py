@@ -336,8 +336,8 @@ class MixedPrecisionStep(_RewrittenFunction):
         `slots`: other variables (a Keras optimizer makes its slots in the weights' dtype)
         built in another 16-bit dtype are an AmpError, not a setting silently ignored."""
         slots = self.update.slot_dtype
-        for argument in sorted(set(sixteen) - trainable) if slots is not None else ():
-            if sixteen[argument] != slots:
+        for argument in sorted(set(sixteen) - trainable):
+            if slots is not None and sixteen[argument] != slots:
                 raise _error(f"slots={self.update.slots!r} but variable "
                              f"{names.get(argument, argument)} is built in {sixteen[argument]} "
                              f"(Keras makes an optimizer's slots in its weights' dtype): pass "
