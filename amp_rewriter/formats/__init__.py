@@ -56,8 +56,8 @@ def model_path(argument: str | os.PathLike) -> Path:
     """The model a path argument names: a SavedModel's saved_model.pb stands for its folder
     (what a pre-commit hook passes when a SavedModel changes)."""
     path = Path(argument)
-    if any(path.name in d.directory_files for d in declarations().values()) \
-            and directory_format(path.parent) is not None:
+    folder = directory_format(path.parent)
+    if folder is not None and path.name in declarations()[folder].directory_files:
         return path.parent
     return path
 
