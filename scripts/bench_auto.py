@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model is None:
-        from models.torch_export import export_minilm
+        from testkit.models.torch_export import export_minilm
 
         model = work / "minilm.onnx"
         if not model.exists():

@@ -32,7 +32,6 @@ import gc
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -43,116 +42,20 @@ from typing import Any
 
 SCRIPTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = SCRIPTS_DIR.parent
-# The worker imports amp_rewriter from the checkout, without requiring an installed package.
+# The worker imports amp_rewriter (and this testkit) from the checkout, without an installed package.
 sys.path.insert(0, str(REPO_ROOT))
+
+from testkit.bench import (  # noqa: E402  (after the path set-up)
+    current_rss_kib,
+    parse_sizes,
+    peak_rss_kib,
+    reset_peak_rss,
+    sampled_run,
+)
 
 CONVERTERS = ("ours", "theirs")
 CONVERTER_LABELS = {"ours": "amp_rewriter", "theirs": "onnxconverter-common"}
 DEFAULT_SIZES = (1000, 10000, 50000, 100000)
-
-
-# ---------------------------------------------------------------------------------------------
-# Memory measurement (worker side)
-# ---------------------------------------------------------------------------------------------
-
-
-def _read_proc_status_kib(field_name: str, pid: int | str = "self") -> int | None:
-    """Return a ``VmRSS``/``VmHWM``-style field of /proc/PID/status in KiB (this process's by
-    default), or None off Linux or for a process that is gone."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _ru_maxrss_kib() -> int:
-    # ru_maxrss is in KiB on Linux but in bytes on macOS.
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return maxrss // 1024 if platform.system() == "Darwin" else maxrss
-
-
-def _current_rss_kib() -> int:
-    current = _read_proc_status_kib("VmRSS")
-    return current if current is not None else _ru_maxrss_kib()
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's RSS high-water mark (Linux >= 4.0); return whether that worked."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
-            clear_refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_kib(peak_was_reset: bool) -> int:
-    if peak_was_reset:
-        high_water_mark = _read_proc_status_kib("VmHWM")
-        if high_water_mark is not None:
-            return high_water_mark
-    return _ru_maxrss_kib()
-
-
-# ---------------------------------------------------------------------------------------------
-# Memory of a measured process together with the processes it starts
-# ---------------------------------------------------------------------------------------------
-
-#: How often `sampled_run` reads the resident sets.
-SAMPLE_SECONDS = 0.02
-
-
-@dataclass
-class SampledRun:
-    """A finished command, and the peak of its resident set plus those of the processes it
-    started (amp_rewriter's background check), read every `SAMPLE_SECONDS` (0 where /proc has
-    no such numbers)."""
-
-    returncode: int
-    stderr: str
-    peak_with_children_kib: int
-    peak_children_kib: int
-
-
-def sampled_run(command: list[str], timeout_s: float, cwd: Path) -> SampledRun:
-    """Run `command` (raises subprocess.TimeoutExpired past `timeout_s`), sampling memory."""
-    with tempfile.TemporaryFile() as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, cwd=cwd)
-        deadline = time.monotonic() + timeout_s
-        peak = peak_children = 0
-        while process.poll() is None:
-            if time.monotonic() > deadline:
-                process.kill()
-                process.wait()
-                raise subprocess.TimeoutExpired(command, timeout_s)
-            # A child's own children (a worker) are read too: /proc/PID/task/PID/children.
-            children = sum(_read_proc_status_kib("VmRSS", child) or 0
-                           for child in _descendants_of(process.pid))
-            peak = max(peak, (_read_proc_status_kib("VmRSS", process.pid) or 0) + children)
-            peak_children = max(peak_children, children)
-            time.sleep(SAMPLE_SECONDS)
-        stderr.seek(0)
-        return SampledRun(process.returncode, stderr.read().decode("utf-8", "replace"), peak,
-                          peak_children)
-
-
-def _descendants_of(pid: int) -> list[int]:
-    """The processes `pid` started, and theirs, as /proc lists them now."""
-    found, stack = [], [pid]
-    while stack:
-        parent = stack.pop()
-        try:
-            with open(f"/proc/{parent}/task/{parent}/children", encoding="ascii") as children:
-                kids = [int(child) for child in children.read().split()]
-        except OSError:
-            kids = []
-        found += kids
-        stack += kids
-    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,7 +90,7 @@ def run_worker(
         def convert(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Any]:
             return float16.convert_float_to_float16(model, keep_io_types=True, **block_list_argument), None
 
-    rss_after_imports_kib = _current_rss_kib()
+    rss_after_imports_kib = current_rss_kib()
 
     start = time.perf_counter()
     model = onnx.load(str(model_path))
@@ -195,12 +98,12 @@ def run_worker(
     nodes_in = len(model.graph.node)
 
     gc.collect()
-    rss_before_convert_kib = _current_rss_kib()
-    peak_was_reset = _reset_peak_rss()
+    rss_before_convert_kib = current_rss_kib()
+    peak_was_reset = reset_peak_rss()
     start = time.perf_counter()
     converted, report = convert(model)
     convert_seconds = time.perf_counter() - start
-    peak_rss_kib = _peak_rss_kib(peak_was_reset)
+    peak_kib = peak_rss_kib(peak_was_reset)
 
     result: dict[str, Any] = {
         "converter": converter,
@@ -211,8 +114,8 @@ def run_worker(
         "convert_seconds": convert_seconds,
         "rss_after_imports_mb": rss_after_imports_kib / 1024,
         "rss_before_convert_mb": rss_before_convert_kib / 1024,
-        "peak_rss_mb": peak_rss_kib / 1024,
-        "convert_peak_delta_mb": (peak_rss_kib - rss_before_convert_kib) / 1024,
+        "peak_rss_mb": peak_kib / 1024,
+        "convert_peak_delta_mb": (peak_kib - rss_before_convert_kib) / 1024,
         "peak_measured_with": "VmHWM after clear_refs" if peak_was_reset else "ru_maxrss",
     }
     if converter == "ours":
@@ -367,16 +270,6 @@ def markdown_table(
     return "\n".join(lines)
 
 
-def parse_sizes(text: str) -> list[int]:
-    """Parse ``1000,10k,50000`` into [1000, 10000, 50000] (a ``k`` suffix means thousands)."""
-    sizes = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        if item:
-            sizes.append(int(float(item[:-1]) * 1000) if item.endswith("k") else int(item))
-    return sizes
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=parse_sizes, default=list(DEFAULT_SIZES), help="comma-separated node counts")
@@ -404,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Imported here so the worker processes start without them.
     import onnx
-    from synthetic_graph import build_synthetic_model
+
+    from testkit.synthetic import build_synthetic_model
 
     converters = [args.only] if args.only else list(CONVERTERS)
     results: dict[tuple[str, int], Measurement] = {}

@@ -6,7 +6,7 @@ commit comparing every data file with every other).
     python scripts/bench_external_layouts.py                  # 10,000 tensors, 3 rounds
     python scripts/bench_external_layouts.py --tensors 3000 --rounds 5
 
-The model is models/many_weights.py: a chain of Add nodes, each adding its own [32, 32] float32
+The model is testkit/models/many_weights.py: a chain of Add nodes, each adding its own [32, 32] float32
 weight (4 KiB; 2 KiB in fp16, so every converted weight goes external under the default
 threshold). Both layouts
 convert the same file through the CLI's `main` in this process, interleaved (single, then
@@ -35,7 +35,7 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from amp_rewriter import cli  # noqa: E402
-from models.many_weights import build_model  # noqa: E402
+from testkit.models.many_weights import build_model  # noqa: E402
 
 LAYOUTS = ("single", "per-tensor")
 

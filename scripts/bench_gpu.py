@@ -67,7 +67,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
-from bench_transformers import compare  # noqa: E402  (scripts/ is on the path when run)
+
+from testkit.bench import output_errors  # noqa: E402
 
 MODELS = ("resnet50", "bert", "gpt2", "llama", "llama-kv")
 TRANSFORMERS = ("bert", "gpt2", "llama", "llama-kv")
@@ -143,7 +144,7 @@ def export(model: str, size: str, work: Path, for_fusion: bool = False) -> Path:
     import torch
     from torch import nn
 
-    from models import torch_export
+    from testkit.models import torch_export
 
     dims = dims_of(model, size)
     torch.manual_seed(0)
@@ -162,7 +163,7 @@ def export(model: str, size: str, work: Path, for_fusion: bool = False) -> Path:
     if model == "llama-kv":
         return torch_export.export_llama_with_cache(dims, path)
     attention = "eager" if torchscript else "sdpa"
-    with torch_export._quiet_transformers():  # noqa: SLF001  (the repo's own export helper)
+    with torch_export.quiet_transformers():
         if model == "bert":
             from transformers import BertConfig, BertModel
 
@@ -208,12 +209,12 @@ def export(model: str, size: str, work: Path, for_fusion: bool = False) -> Path:
 
 def export_classic_gpt2(size: str, work: Path) -> Path:
     """GPT-2 with transformers' pre-4.27 attention code (same function and weights' shapes; see
-    models.torch_export.export_gpt2_classic_attention), the form whose attention ORT fuses."""
+    testkit.models.torch_export.export_gpt2_classic_attention), the form whose attention ORT fuses."""
     path = work / f"gpt2_{size}_classic.onnx"
     if not path.exists():
         import torch
 
-        from models import torch_export
+        from testkit.models import torch_export
 
         torch.manual_seed(0)
         torch_export.export_gpt2_classic_attention(dims_of("gpt2", size), path)
@@ -655,7 +656,7 @@ def bench_model(model: str, args: argparse.Namespace, work: Path) -> tuple[list[
                 bound[row.key].run()
             # bench_transformers' comparison: max|y - ref| / max|ref| per output, and the
             # non-finite values where the reference is finite.
-            compared = compare(references[row.form], bound[row.key].outputs())
+            compared = output_errors(references[row.form], bound[row.key].outputs())
             row.relative_error = compared["worst_relative_error"]
             row.nonfinite = compared["nonfinite"]
         except Exception as exc:  # noqa: BLE001  (a model that does not load or run is a result)

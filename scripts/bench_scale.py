@@ -46,13 +46,12 @@ from typing import Any
 SCRIPTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = SCRIPTS_DIR.parent
 sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(SCRIPTS_DIR))
 
-from bench_convert import (  # noqa: E402  (after the path set-up)
-    _current_rss_kib,
-    _peak_rss_kib,
-    _reset_peak_rss,
+from testkit.bench import (  # noqa: E402  (after the path set-up)
+    current_rss_kib,
     parse_sizes,
+    peak_rss_kib,
+    reset_peak_rss,
     sampled_run,
 )
 
@@ -81,31 +80,31 @@ def run_worker(mode: str, model_path: Path, result_path: Path) -> None:
 
     import amp_rewriter
 
-    rss_after_imports_kib = _current_rss_kib()
+    rss_after_imports_kib = current_rss_kib()
     result: dict[str, Any] = {"mode": mode}
     if mode == "convert":
         model = onnx.load(str(model_path))
         result["nodes"] = len(model.graph.node)
-        rss_before_kib = _current_rss_kib()
+        rss_before_kib = current_rss_kib()
         result["loaded_model_mb"] = (rss_before_kib - rss_after_imports_kib) / 1024
-        peak_was_reset = _reset_peak_rss()
+        peak_was_reset = reset_peak_rss()
         start, cpu_start = time.perf_counter(), _cpu_seconds()
         converted, _report = amp_rewriter.convert(model, target="fp16", keep_io_types=True)
         result["seconds"] = time.perf_counter() - start
         result["cpu_seconds"] = _cpu_seconds() - cpu_start
-        result["peak_above_start_mb"] = (_peak_rss_kib(peak_was_reset) - rss_before_kib) / 1024
+        result["peak_above_start_mb"] = (peak_rss_kib(peak_was_reset) - rss_before_kib) / 1024
         result["rss_before_kib"] = rss_before_kib
         result["nodes_out"] = len(converted.graph.node)
     else:
         with tempfile.TemporaryDirectory(dir=result_path.parent) as scratch:
-            rss_before_kib = _current_rss_kib()
-            peak_was_reset = _reset_peak_rss()
+            rss_before_kib = current_rss_kib()
+            peak_was_reset = reset_peak_rss()
             start, cpu_start = time.perf_counter(), _cpu_seconds()
             amp_rewriter.convert_file(model_path, Path(scratch) / "converted.onnx", target="fp16",
                                       keep_io_types=True)
             result["seconds"] = time.perf_counter() - start
             result["cpu_seconds"] = _cpu_seconds() - cpu_start
-            result["peak_above_start_mb"] = (_peak_rss_kib(peak_was_reset) - rss_before_kib) / 1024
+            result["peak_above_start_mb"] = (peak_rss_kib(peak_was_reset) - rss_before_kib) / 1024
             result["rss_before_kib"] = rss_before_kib
             result["output_mb"] = (Path(scratch) / "converted.onnx").stat().st_size / 1e6
     result["peak_measured_with"] = "VmHWM after clear_refs" if peak_was_reset else "ru_maxrss"
@@ -239,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     import onnx
-    from synthetic_graph import build_synthetic_model
+
+    from testkit.synthetic import build_synthetic_model
 
     modes = [mode for mode in args.modes.split(",") if mode]
     if "file" in modes and "convert" not in modes:

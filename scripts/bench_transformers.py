@@ -52,6 +52,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 
+from testkit.bench import output_errors  # noqa: E402
+
 CONVERTERS = ("ours", "ort", "occ", "autocast")
 LABELS = {"ours": "amp-rewriter", "ort": "ORT float16 tool", "occ": "onnxconverter-common",
           "autocast": "NVIDIA AutoCast"}
@@ -95,12 +97,12 @@ def export(model: str, size: str, work: Path) -> Path:
     import torch
     from torch import nn
 
-    from models import torch_export
+    from testkit.models import torch_export
 
     dims = SIZES[size][model]
     torch.manual_seed(0)
     net: nn.Module
-    with torch_export._quiet_transformers():  # noqa: SLF001  (the repo's own export helpers)
+    with torch_export.quiet_transformers():
         if model == "bert":
             from transformers import BertConfig, BertModel
 
@@ -296,21 +298,6 @@ def run_model(model_or_path: Any, feeds: dict[str, np.ndarray], optimize: bool =
     return dict(zip(names, session.run(names, prepared)))
 
 
-def compare(reference: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Relative error per output and the non-finite values where fp32 is finite."""
-    errors, new_nonfinite = {}, 0
-    for name, expected in reference.items():
-        got = outputs[name].astype(np.float64)
-        expected = expected.astype(np.float64)
-        finite = np.isfinite(expected)
-        new_nonfinite += int(np.count_nonzero(finite & ~np.isfinite(got)))
-        scale = float(np.max(np.abs(expected[finite]), initial=0.0)) or 1.0
-        both = finite & np.isfinite(got)
-        errors[name] = float(np.max(np.abs(got[both] - expected[both]), initial=0.0)) / scale
-    return {"relative_error": errors, "worst_relative_error": max(errors.values()),
-            "nonfinite": new_nonfinite}
-
-
 def analyse(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, Any]:
     """Static measures of a converted model: validity, casts, fp32 compute ops, byte share."""
     import onnx
@@ -442,11 +429,11 @@ def measure(path: Path, feeds: dict[str, np.ndarray], reference: dict[str, np.nd
         result["loads_in_ort"] = str(exc).strip().splitlines()[0][:160]
     try:
         emulated = emulate_low_precision(onnx.load(str(path)), policy=EVERY_NODE).model
-        result["emulated"] = compare(reference, run_model(emulated, feeds))
+        result["emulated"] = output_errors(reference, run_model(emulated, feeds))
     except Exception as exc:  # noqa: BLE001
         result["emulated"] = {"error": str(exc).strip().splitlines()[0][:160]}
     if result["loads_in_ort"] == "ok":
-        result["cpu"] = compare(reference, run_model(str(path), feeds))
+        result["cpu"] = output_errors(reference, run_model(str(path), feeds))
     return result
 
 

@@ -34,7 +34,7 @@ step "install the wheel with [cpu] into a fresh venv away from the checkout"
 venv=$work/venv/bin
 pip_install "$wheel[cpu]"
 mkdir "$work/run"
-cp models/examples/tiny_cnn.onnx "$work/run/"
+cp examples/tiny_cnn.onnx "$work/run/"
 cd "$work/run"
 location=$("$venv/python" -c "import amp_rewriter; print(amp_rewriter.__file__)")
 [[ $location == "$work/venv/"* ]] || fail "amp_rewriter imported from $location, not the venv"

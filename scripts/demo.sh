@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh cpu
 mkdir -p out
-.venv/bin/amp-rewriter convert models/examples/tiny_cnn.onnx out/tiny_cnn_fp16.onnx \
+.venv/bin/amp-rewriter convert examples/tiny_cnn.onnx out/tiny_cnn_fp16.onnx \
   --report out/tiny_cnn_report.json --validate
 echo
 echo "Why is the final Softmax fp32?"

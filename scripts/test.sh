@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh test
-.venv/bin/ruff check amp_rewriter tests scripts models examples
+.venv/bin/ruff check amp_rewriter testkit tests scripts examples
 .venv/bin/mypy
 # A worker per core, at most 4 (each holds TensorFlow, torch and onnxruntime: about 1.5 GB);
 # CI has 2. A test file stays on one worker, so its module-scoped fixtures (the fuzz run, the

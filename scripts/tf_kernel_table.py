@@ -18,7 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from amp_rewriter.formats.tf.lists import kernel_checker  # noqa: E402
-from amp_rewriter.op_lists import _read_list_file  # noqa: E402
+from amp_rewriter.op_lists import read_list_file  # noqa: E402
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
@@ -26,7 +26,7 @@ DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 def main() -> None:
     import tensorflow as tf
 
-    data = _read_list_file("tf")
+    data = read_list_file("tf")
     print(f"# TensorFlow {tf.__version__}")
     for target, dtype in DTYPES.items():
         check = kernel_checker("GPU", dtype)

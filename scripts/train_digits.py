@@ -80,7 +80,7 @@ tf = _import_tensorflow_quietly()
 tf.get_logger().setLevel("ERROR")
 
 from amp_rewriter.tf import rewrite_training_graph  # noqa: E402
-from models.tf_training import OPTIMIZERS, build_training_graph, digits_data, train  # noqa: E402
+from testkit.models.tf_training import OPTIMIZERS, build_training_graph, digits_data, train  # noqa: E402
 
 MODELS = ("mlp", "cnn")
 VARIANTS = ("fp32", "fp16", "bf16")

@@ -19,40 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def run(model: str, optimizer: str, weights: str | None, steps: int, data) -> dict:
-    """One run: test accuracy and the checkpoint bytes of the model's weights."""
-    import tensorflow as tf
-
-    from amp_rewriter.tf import rewrite_training_graph
-    from models.tf_training import batches, build_training_graph
-
-    graph = build_training_graph(model, optimizer)
-    if weights is not None:
-        graph = rewrite_training_graph(graph, target=weights, weights=weights).graph
-    with graph.as_default():
-        saver = tf.compat.v1.train.Saver()
-    x_train, y_train, x_test, y_test = data
-    with tf.compat.v1.Session(graph=graph) as session, tempfile.TemporaryDirectory() as tmp:
-        session.run("init")
-        for xb, yb in batches(x_train, y_train, 64, steps):
-            session.run("train", {"x:0": xb, "y:0": yb})
-        accuracy = float(session.run("accuracy:0", {"x:0": x_test, "y:0": y_test}))
-        path = saver.save(session, str(Path(tmp) / "ckpt"))
-        reader = tf.train.load_checkpoint(path)
-        names = [name for name in reader.get_variable_to_dtype_map()
-                 if name.startswith("model/") and "/" not in name[len("model/"):]]
-        weight_bytes = sum(reader.get_tensor(name).nbytes for name in names)
-        dtypes = sorted({reader.get_variable_to_dtype_map()[name].name for name in names})
-    return {"model": model, "optimizer": optimizer, "weights": weights or "fp32",
-            "steps": steps, "test_accuracy": round(100 * accuracy, 2),
-            "checkpoint_weight_bytes": weight_bytes, "checkpoint_weight_dtypes": dtypes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,18 +33,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     args = parser.parse_args(argv)
-    from models.tf_training import digits_data
+    from testkit.models.tf_training import digits_data, train_and_measure  # imports TensorFlow
 
     data = digits_data()
     results, ok = [], True
     for model in args.models.split(","):
         for optimizer in args.optimizers.split(","):
-            reference = run(model, optimizer, None, args.steps, data)
+            reference = train_and_measure(model, optimizer, None, args.steps, data)
             results.append(reference)
             print(f"{model} {optimizer} fp32: test accuracy {reference['test_accuracy']:.1f}%, "
                   f"weights {reference['checkpoint_weight_bytes']} bytes in the checkpoint")
             for weights in args.types.split(","):
-                result = run(model, optimizer, weights, args.steps, data)
+                result = train_and_measure(model, optimizer, weights, args.steps, data)
                 results.append(result)
                 drop = reference["test_accuracy"] - result["test_accuracy"]
                 half = 2 * result["checkpoint_weight_bytes"] == \

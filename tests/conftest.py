@@ -1,4 +1,4 @@
-"""Shared test helpers: make the repo importable and run the amp_rewriter CLI as a subprocess."""
+"""Shared test helpers: run the amp_rewriter CLI as a subprocess, record conversions on request."""
 
 from __future__ import annotations
 
@@ -12,11 +12,6 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# Plain `pytest` (unlike `python -m pytest`) does not put the repo root on sys.path,
-# and the tests import the `models` package that lives there.
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
 # Every conversion in the tests, in-process or through the CLI, checks the IR's invariants after
 # loading and after every pass (an error names the pass that broke them).
 os.environ["AMP_REWRITER_LINT"] = "1"
@@ -24,7 +19,7 @@ os.environ["AMP_REWRITER_LINT"] = "1"
 # AMP_REWRITER_RECORD_CASES=DIR: every in-process conversion is kept as a case for
 # scripts/same_output.py (installed before test modules import the entry points).
 if os.environ.get("AMP_REWRITER_RECORD_CASES"):
-    from record_cases import install as _install_recorder
+    from testkit.record_cases import install as _install_recorder
 
     _install_recorder()
 

@@ -81,7 +81,7 @@ def test_importing_ir_passes_training_and_the_package_loads_no_format_library():
 
 
 def test_the_onnx_path_loads_no_tensorflow(tmp_path):
-    model = REPO / "models" / "examples" / "tiny_cnn.onnx"
+    model = REPO / "examples" / "tiny_cnn.onnx"
     loaded = loaded_modules(
         "import amp_rewriter.formats.onnx\n"
         "from amp_rewriter.cli import main\n"

@@ -11,19 +11,13 @@ the fp16 ops in fp32 and never see the -inf.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from builder import GraphBuilder, check, count_casts, precisions, run, run_as_fp16  # noqa: E402
-
 import amp_rewriter  # noqa: E402
+from testkit.builder import GraphBuilder, check, count_casts, precisions, run, run_as_fp16  # noqa: E402
 
 B, S = 4, 6
 MIN = np.float32(-3.4028234663852886e38)

@@ -13,7 +13,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from builder import GraphBuilder
 from conftest import describe_run
 
 import amp_rewriter
@@ -24,6 +23,7 @@ from amp_rewriter.accuracy.runner import ProbePlan
 from amp_rewriter.formats.onnx.accuracy import OnnxRunner
 from amp_rewriter.formats.onnx.emulation import WHOLE_MODEL, emulate_low_precision
 from amp_rewriter.options import AutoOptions
+from testkit.builder import GraphBuilder
 
 TOLERANCE = 1e-2
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import onnx
 import pytest
-from builder import GraphBuilder
 from conftest import run_in_process as run
 
 from amp_rewriter import op_lists
 from amp_rewriter.errors import AmpError
 from amp_rewriter.formats.onnx.execution import select_execution
 from amp_rewriter.op_lists import BackendProfile, OpLists, Overrides
+from testkit.builder import GraphBuilder
 
 
 def small_model(path: Path) -> Path:
@@ -74,7 +74,7 @@ def test_an_unknown_key_in_a_config_profile_names_the_file_and_key(tmp_path: Pat
 
 
 def test_an_unknown_key_in_a_builtin_profile_names_the_list_file(monkeypatch) -> None:
-    data = dict(op_lists._read_list_file("onnx"))
+    data = dict(op_lists.read_list_file("onnx"))
     backends = {name: dict(table) for name, table in data["backends"].items()}
     backends["ort-cpu"]["kernel_sources"] = "table"
     monkeypatch.setitem(op_lists._LIST_CACHE, "onnx", {**data, "backends": backends})

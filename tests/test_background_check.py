@@ -8,12 +8,12 @@ import importlib
 
 import onnx
 import pytest
-from builder import GraphBuilder
 
 import amp_rewriter
 from amp_rewriter.errors import AmpError
 from amp_rewriter.formats.onnx import background_check, shapes
 from amp_rewriter.formats.onnx.background_check import BackgroundCheck
+from testkit.builder import GraphBuilder
 
 # The module (the package exports a function of the same name).
 convert = importlib.import_module("amp_rewriter.formats.onnx.convert")

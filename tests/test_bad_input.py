@@ -14,7 +14,7 @@ import pytest
 from conftest import CliRunner, describe_run
 from onnx import TensorProto, helper
 
-from models import BUILDERS
+from testkit.models import BUILDERS
 
 OUTPUT_NAME = "converted.onnx"
 

@@ -14,12 +14,12 @@ import numpy as np
 import onnx
 import onnx.version_converter
 import pytest
-from builder import GraphBuilder
 from conftest import one_error_line
 from conftest import run_in_process as run
 from onnx import TensorProto, helper, numpy_helper
 
-from models import BUILDERS
+from testkit.builder import GraphBuilder
+from testkit.models import BUILDERS
 
 
 def write(model: onnx.ModelProto, path: Path) -> Path:
@@ -192,7 +192,7 @@ def test_summary_counts_compute_ops_apart_from_shape_arithmetic(tmp_path: Path, 
 
 
 def _with_module_scopes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Node metadata as torch's dynamo exporter writes it (see models/torch_export.py)."""
+    """Node metadata as torch's dynamo exporter writes it (see testkit/models/torch_export.py)."""
     for index, node in enumerate(model.graph.node):
         layer = f"model.layers.{index % 2}"
         scopes = ["", "model", layer, f"{layer}.proj", f"op_{index}"]

@@ -19,7 +19,7 @@ from conftest import REPO_ROOT, describe_run, one_error_line
 from junitparser import Failure, JUnitXml, Skipped
 from onnx import TensorProto, helper
 
-from models import BUILDERS
+from testkit.models import BUILDERS
 
 
 def run_cli(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -153,9 +153,9 @@ def test_the_github_actions_job_runs_as_written(tmp_path: Path) -> None:
     yaml = pytest.importorskip("yaml")
     workflow = yaml.safe_load((REPO_ROOT / "docs" / "ci" / "github-actions.yml").read_text())
     (job,) = workflow["jobs"].values()
-    example = tmp_path / "models" / "examples" / "tiny_cnn.onnx"
+    example = tmp_path / "examples" / "tiny_cnn.onnx"
     example.parent.mkdir(parents=True)
-    shutil.copy(REPO_ROOT / "models" / "examples" / "tiny_cnn.onnx", example)
+    shutil.copy(REPO_ROOT / "examples" / "tiny_cnn.onnx", example)
     step_summary = tmp_path / "step_summary.md"
     env = {**os.environ, **workflow["env"], "GITHUB_STEP_SUMMARY": str(step_summary),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}

@@ -11,7 +11,7 @@ import onnx
 from conftest import run_in_process
 from onnx import TensorProto, helper
 
-from models import BUILDERS
+from testkit.models import BUILDERS
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

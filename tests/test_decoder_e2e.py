@@ -6,18 +6,14 @@ fp32 with fp16 rounding emulated."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from builder import run, run_as_fp16  # noqa: E402
-
 from amp_rewriter.cli import main  # noqa: E402
+from testkit.builder import run, run_as_fp16  # noqa: E402
 
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -29,7 +25,7 @@ NORMS = 2 * DIMS["layers"] + 1  # two per layer and the final one
 
 @pytest.fixture(scope="module")
 def decoder(tmp_path_factory) -> Path:
-    from models.torch_export import export_llama_with_cache
+    from testkit.models.torch_export import export_llama_with_cache
 
     torch.manual_seed(0)
     return export_llama_with_cache(DIMS, tmp_path_factory.mktemp("decoder") / "decoder.onnx")

@@ -20,9 +20,9 @@ from conftest import CliRunner, describe_run
 from onnx import TensorProto
 
 from amp_rewriter.formats.onnx.emulation import EVERY_NODE, emulate_low_precision
-from models import BUILDERS, MODEL_NAMES
-from models.cnn import TINY_EXAMPLE_PATH, build_tiny_model
-from models.custom_op import CUSTOM_DOMAIN, CUSTOM_NODE_NAME, CUSTOM_OP
+from testkit.models import BUILDERS, MODEL_NAMES
+from testkit.models.cnn import TINY_EXAMPLE_PATH, build_tiny_model
+from testkit.models.custom_op import CUSTOM_DOMAIN, CUSTOM_NODE_NAME, CUSTOM_OP
 
 #: max|converted - fp32| / max|fp32| allowed per output. fp16 has an 11-bit significand
 #: (~5e-4 per rounding) and a few dozen roundings compound along these graphs; 2e-2 leaves room

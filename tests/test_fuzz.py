@@ -213,11 +213,8 @@ def test_compact_constant_output_stays_small(fuzz_run: dict) -> None:
 def test_regression_recipes_build(tmp_path: Path) -> None:
     """Every regression recipe names a family and op the generator knows (a typo here would make
     a regression silently test something else)."""
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    try:
-        import fuzz_cases
-    finally:
-        sys.path.remove(str(REPO_ROOT / "scripts"))
+    from testkit import fuzz_cases
+
     known_ops = {"tf_proto": fuzz_cases.TF_PROTO_OPS, "onnx_proto": fuzz_cases.ONNX_PROTO_OPS,
                  "saved_model": fuzz_cases.SAVED_MODEL_OPS, "paths": fuzz_cases.PATH_CASES,
                  "cli_misuse": fuzz_cases.CLI_MISUSES,

@@ -25,15 +25,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from builder import GraphBuilder
 from conftest import run_in_process as run
 
 from amp_rewriter.report import to_json
-from models import BUILDERS
+from testkit.builder import GraphBuilder
+from testkit.models import BUILDERS
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("AMP_UPDATE_GOLDEN") == "1"
-EXAMPLES = Path(__file__).resolve().parents[1] / "models" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _masked_attention() -> onnx.ModelProto:
@@ -69,7 +69,7 @@ def _tiny_cnn(folder: Path) -> tuple[Path, list[str]]:
 def _tf_graph(name: str, *args: str) -> Callable[[Path], tuple[Path, list[str]]]:
     def write(folder: Path) -> tuple[Path, list[str]]:
         pytest.importorskip("tensorflow")
-        from models import tf_graphs
+        from testkit.models import tf_graphs
 
         graph_def, outputs = getattr(tf_graphs, name)()
         path = folder / "model.pb"

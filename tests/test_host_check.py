@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from builder import GraphBuilder
 from conftest import run_in_process
 
 from amp_rewriter.host import read_cpuinfo
+from testkit.builder import GraphBuilder
 
 #: /proc/cpuinfo of an AVX2 server (abridged) and of a Sapphire Rapids one.
 AVX2_CPU = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse sse2 avx avx2 fma f16c\n"

@@ -20,7 +20,7 @@ from amp_rewriter.fileio import read_input_bytes
 from amp_rewriter.formats.onnx import convert_file, convert_model
 from amp_rewriter.ir import LazyTensor
 from amp_rewriter.ir.tensors import check_range
-from models import BUILDERS
+from testkit.models import BUILDERS
 
 
 def _cnn() -> onnx.ModelProto:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from builder import GraphBuilder
 from onnx import TensorProto
 
 import amp_rewriter
 from amp_rewriter.formats.onnx import shapes
+from testkit.builder import GraphBuilder
 
 
 def _layers(count: int, hidden: int = 8, targets: list[list[int]] | None = None

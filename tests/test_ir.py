@@ -14,7 +14,7 @@ from amp_rewriter.options import Options
 from amp_rewriter.passes import REGISTRY, PassContext, PassError, run_pipeline
 from amp_rewriter.passes.base import register_pass
 from amp_rewriter.passes.pipeline import PIPELINES
-from models import BUILDERS
+from testkit.models import BUILDERS
 
 
 def chain_graph() -> tuple[Graph, list[Node], Value]:

@@ -7,7 +7,6 @@ the IR's node order and reachability agree with networkx on random DAG models.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import networkx as nx
@@ -18,10 +17,6 @@ from onnx import TensorProto, helper
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-sys.path.insert(0, str(TESTS))
-sys.path.insert(0, str(REPO))
-
-from builder import GraphBuilder, assert_close, check, feeds_for, run  # noqa: E402
 
 import amp_rewriter  # noqa: E402
 from amp_rewriter.formats.onnx import emit  # noqa: E402
@@ -29,9 +24,10 @@ from amp_rewriter.formats.onnx.emit import emit_onnx, emit_onnx_parts  # noqa: E
 from amp_rewriter.formats.onnx.load import load_onnx  # noqa: E402
 from amp_rewriter.ir import lint  # noqa: E402
 from amp_rewriter.passes.analysis.group_graph import GroupGraph  # noqa: E402
-from models import BUILDERS  # noqa: E402
+from testkit.builder import GraphBuilder, assert_close, check, feeds_for, run  # noqa: E402
+from testkit.models import BUILDERS  # noqa: E402
 
-EXAMPLES = sorted((REPO / "models" / "examples").glob("*.onnx"))
+EXAMPLES = sorted((REPO / "examples").glob("*.onnx"))
 
 
 def roundtrip(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None

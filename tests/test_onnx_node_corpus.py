@@ -1,6 +1,6 @@
 """A curated slice of the ONNX backend test corpus through convert + checker + onnxruntime.
 
-`scripts/corpus_check.py` sweeps the whole corpus (about 2000 models); this test keeps a
+`scripts/onnx_corpus.py` sweeps the whole corpus (about 2000 models); this test keeps a
 representative 90 of them that pass today, so a regression in the loader, the passes or the
 emitter on any of these op types shows up in the normal test run:
 
@@ -10,7 +10,7 @@ emitter on any of these op types shows up in the normal test run:
   If, linear attention with Scan, Range with Loop), If/Loop/Scan and sequence models, a few
   pytorch exports and AlexNet from `data/light` (weights made by ConstantOfShape).
 
-Each model runs as `corpus_check.check_case` does it: `amp_rewriter.convert` in-process, then
+Each model runs as `onnx_corpus.check_case` does it: `amp_rewriter.convert` in-process, then
 `onnx.checker.check_model(full_check=True)`, graph I/O dtypes kept, and the fp32 and converted
 models run in onnxruntime's CPU provider on the test's own inputs (bf16 emulated), outputs within
 max|a-b|/max|a| <= 5e-2 (fp16) / 2.5e-1 (bf16). "allow-all" configurations move every op type of
@@ -25,16 +25,9 @@ Bugs the sweep found are kept as regression cases (FIXED_BUGS), with what went w
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT / "scripts") not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-
-import corpus_check  # noqa: E402  (scripts/corpus_check.py)
+from testkit import onnx_corpus
 
 #: name -> check_case options.
 CONFIGS: dict[str, dict] = {
@@ -200,9 +193,9 @@ def _params():
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """'suite/name' -> model path, generating the node tests once if the wheel lacks them."""
     try:
-        cases = corpus_check.list_cases()
+        cases = onnx_corpus.list_cases()
     except OSError:  # the cache folder is not writable: generate into this session's tmp
-        cases = corpus_check.list_cases(cache_dir=tmp_path_factory.mktemp("onnx-node-corpus"))
+        cases = onnx_corpus.list_cases(cache_dir=tmp_path_factory.mktemp("onnx-node-corpus"))
     return {f"{suite}/{name}": path for suite, name, path in cases}
 
 
@@ -217,7 +210,7 @@ def test_corpus_model(corpus: dict[str, str], case: str, config: str, fixed: tup
     path = corpus.get(case)
     if path is None:
         pytest.skip(f"{case} is not in the corpus of this onnx version")
-    record = corpus_check.check_case(path, **CONFIGS[config])
+    record = onnx_corpus.check_case(path, **CONFIGS[config])
     assert record["outcome"] in fixed, _describe(record)
 
 
@@ -227,7 +220,7 @@ def test_curated_set_converts_something(corpus: dict[str, str]):
                  "node/test_linear_attention_linear_expanded"):
         if case not in corpus:
             continue
-        record = corpus_check.check_case(corpus[case], target="fp16")
+        record = onnx_corpus.check_case(corpus[case], target="fp16")
         assert record["outcome"] == "ok", _describe(record)
         assert record["low_precision_nodes"] > 0, f"{case}: nothing converted"
 
@@ -240,5 +233,5 @@ def test_has_bfloat16_sees_subgraphs(corpus: dict[str, str]):
     if case not in corpus:
         pytest.skip(f"{case} is not in the corpus of this onnx version")
     converted, _report = amp_rewriter.convert(corpus[case], target="bf16")
-    assert corpus_check.has_bfloat16_anywhere(converted)
+    assert onnx_corpus.has_bfloat16_anywhere(converted)
     assert has_bfloat16(converted)

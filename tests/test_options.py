@@ -14,7 +14,7 @@ from amp_rewriter.cli import build_parser, main
 from amp_rewriter.ir import decisions
 from amp_rewriter.options import FORMAT_OPTIONS, cli_given, format_options, from_cli
 from amp_rewriter.training import LossScaleRule
-from models import BUILDERS
+from testkit.models import BUILDERS
 
 FLAGGED = [f for cls in FORMAT_OPTIONS for f in dataclasses.fields(cls) if "cli" in f.metadata]
 

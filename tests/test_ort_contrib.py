@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from builder import GraphBuilder, assert_close, run
-from conftest import REPO_ROOT
 from onnx import TensorProto
 
 import amp_rewriter
@@ -23,10 +20,9 @@ from amp_rewriter.formats.onnx import ort_registry
 from amp_rewriter.formats.onnx.emulation import EVERY_NODE, emulate_low_precision
 from amp_rewriter.formats.onnx.load import load_onnx
 from amp_rewriter.formats.onnx.validate import validate_conversion
-from amp_rewriter.op_lists import _read_list_file
-
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import ort_cpu_kernels  # noqa: E402  (scripts/ is not a package)
+from amp_rewriter.op_lists import read_list_file
+from testkit import ort_kernels
+from testkit.builder import GraphBuilder, assert_close, run
 
 MS = "com.microsoft"
 
@@ -149,7 +145,7 @@ def test_backend_profiles_classify_fused_ops(target, backend, node, precision, k
 def test_ort_cpu_bf16_contrib_entries_agree_with_onnxruntimes_kernel_registry():
     """The ort-cpu bf16 table lists exactly the classified contrib ops that have a bf16 CPU
     kernel (fails when onnxruntime changes: re-run scripts/ort_cpu_kernels.py)."""
-    data = _read_list_file("onnx")
+    data = read_list_file("onnx")
     listed = set(data["backends"]["ort-cpu"]["bf16"]["kernels"])
     classified = {op for table in ("fp16", "bf16") for ops in data[table].values() for op in ops
                   if op.startswith(MS + ".") or op == "SimplifiedLayerNormalization"}
@@ -165,14 +161,14 @@ def torchscript_bert(tmp_path_factory) -> Path:
     """A tiny BERT exported the way onnxruntime's optimizer fuses completely (eager attention,
     TorchScript exporter)."""
     pytest.importorskip("torch")
-    from models import torch_export
+    from testkit.models import torch_export
 
     path = tmp_path_factory.mktemp("bert") / "bert.onnx"
     return torch_export.export_bert(path, 17, attn_implementation="eager", torchscript=True)
 
 
 def optimize_flags() -> list[str]:
-    from models import torch_export
+    from testkit.models import torch_export
 
     return ["--optimize", "bert", "--num-heads", str(torch_export.SMALL_NUM_HEADS),
             "--hidden-size", str(torch_export.SMALL_HIDDEN_SIZE)]
@@ -242,12 +238,12 @@ def test_optimize_gpt2_fuses_attention_in_the_classic_attention_export(capsys, t
     torch = pytest.importorskip("torch")
     from transformers import GPT2Config, GPT2Model
 
-    from models import torch_export
+    from testkit.models import torch_export
 
     config = GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_inner=64,
                         n_positions=64, use_cache=False, attn_implementation="eager")
     torch.manual_seed(0)
-    with torch_export._quiet_transformers():  # noqa: SLF001  (the export helper's own quieting)
+    with torch_export.quiet_transformers():
         gpt2 = GPT2Model(config).eval()
     ids = torch.randint(0, 100, (2, 9))
     with torch.no_grad():
@@ -292,8 +288,8 @@ REAL_FP16_CPU_OPS = ["SkipLayerNormalization", "SkipSimplifiedLayerNormalization
 def test_emulation_agrees_with_a_real_fp16_cpu_kernel(op):
     """Acceptance: wherever ORT CPU runs the op in fp16, the emulation (fp32 compute, fp16
     rounding at every fp16 tensor) gives what the real kernel gives, to within one fp16 step."""
-    model = ort_cpu_kernels.build(op, TensorProto.FLOAT16)
-    feeds = ort_cpu_kernels.feeds_for(op, np.float16)
+    model = ort_kernels.build(op, TensorProto.FLOAT16)
+    feeds = ort_kernels.feeds_for(op, np.float16)
     assert validate_ready(model)
     real = run(model, feeds)[0].astype(np.float32)
     emulation = emulate_low_precision(model, policy=EVERY_NODE)
@@ -532,7 +528,7 @@ def test_the_cost_inference_of_a_big_graph_in_slices_finds_the_same_shapes(name,
     slices down to one node the cost summary and the type check come out as inferring the
     whole graph does."""
     from amp_rewriter.formats.onnx import shapes
-    from models import BUILDERS
+    from testkit.models import BUILDERS
 
     model = _reshape_by_computed_shape() if name == "computed_shape" else BUILDERS[name]()
     converted, _ = amp_rewriter.convert(model, keep_io_types=True)
@@ -554,7 +550,7 @@ def test_the_conversions_cost_summary_reads_slices_from_the_emitted_encoding(nam
     emitter encoded them (`EncodedNodes`, names kept in chunks) instead of from protobuf: the
     summary must be the whole graph's."""
     from amp_rewriter.formats.onnx import encoding, shapes
-    from models import BUILDERS
+    from testkit.models import BUILDERS
 
     model = _reshape_by_computed_shape() if name == "computed_shape" else BUILDERS[name]()
     whole, _ = amp_rewriter.convert(model, keep_io_types=True)

@@ -21,7 +21,7 @@ from conftest import one_error_line
 from conftest import run_in_process as run
 from onnx import TensorProto, helper
 
-from models import BUILDERS
+from testkit.models import BUILDERS
 
 
 def snapshot(folder: Path) -> dict[str, tuple]:

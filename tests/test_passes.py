@@ -1,6 +1,6 @@
 """Unit tests of the precision passes through `amp_rewriter.convert`, on tiny hand-built graphs.
 
-Each test builds a few-node model with `tests/builder.py`, converts it, and asserts the decisions
+Each test builds a few-node model with `testkit/builder.py`, converts it, and asserts the decisions
 (`report.nodes[*].precision`), the casts in the result, that the result passes the ONNX checker
 (full check) and, where the graph runs on onnxruntime's CPU provider, that its outputs stay close to
 fp32. The scenarios follow the rules in `amp_rewriter/passes/propagate.py` (after TensorFlow
@@ -14,18 +14,15 @@ are deny.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from builder import (  # noqa: E402
+import amp_rewriter  # noqa: E402
+from amp_rewriter.formats.onnx.convert import convert_model_ir  # noqa: E402
+from amp_rewriter.report import explain_text  # noqa: E402
+from testkit.builder import (  # noqa: E402
     GraphBuilder,
     all_nodes,
     assert_close,
@@ -39,10 +36,6 @@ from builder import (  # noqa: E402
     producers,
     run,
 )
-
-import amp_rewriter  # noqa: E402
-from amp_rewriter.formats.onnx.convert import convert_model_ir  # noqa: E402
-from amp_rewriter.report import explain_text  # noqa: E402
 
 FLOAT, FLOAT16, BFLOAT16 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16
 

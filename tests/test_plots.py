@@ -11,11 +11,11 @@ from xml.etree import ElementTree
 import numpy as np
 import onnx
 import pytest
-from builder import GraphBuilder
 from conftest import describe_run, one_error_line, run_amp_rewriter
 
-from models import BUILDERS
-from models.transformer_block import build_stack
+from testkit.builder import GraphBuilder
+from testkit.models import BUILDERS
+from testkit.models.transformer_block import build_stack
 
 pytest.importorskip("matplotlib")
 

@@ -4,15 +4,8 @@ moved and the kind of each decision."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from builder import GraphBuilder  # noqa: E402
 
 from amp_rewriter.formats.onnx.load import load_onnx  # noqa: E402
 from amp_rewriter.formats.onnx.rules import ONNX_RULES  # noqa: E402
@@ -22,6 +15,7 @@ from amp_rewriter.options import Options  # noqa: E402
 from amp_rewriter.passes import REGISTRY, PassContext, StoredRange  # noqa: E402
 from amp_rewriter.passes.analysis import propagate  # noqa: E402
 from amp_rewriter.passes.analysis.group_graph import GroupGraph  # noqa: E402
+from testkit.builder import GraphBuilder  # noqa: E402
 
 
 def painting(model, target: str = "fp16", backend: str = "ort-cuda",

@@ -1,6 +1,6 @@
 """fp16 conversion of real exported architectures: BERT, GPT-2, all-MiniLM-L6-v2, ResNet, MobileNetV2.
 
-The models come from ``models/torch_export.py`` (torch.onnx at opsets 17 and 18), each exported
+The models come from ``testkit/models/torch_export.py`` (torch.onnx at opsets 17 and 18), each exported
 once per module. Every model is converted with ``amp_rewriter.convert`` (fp16, ort-cuda op lists,
 fp32 graph inputs/outputs) and, as the yardstick, with onnxruntime's own
 ``onnxruntime.transformers.float16.convert_float_to_float16``. The tests then check that our
@@ -25,7 +25,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import amp_rewriter  # noqa: E402  (after the skips: collecting this module without torch must not fail)
-from models import torch_export  # noqa: E402
+from testkit.models import torch_export  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -33,7 +33,7 @@ from amp_rewriter.formats.onnx.emit import _fp16_chunk, _ort_fp16_cast, save_onn
 from amp_rewriter.formats.onnx.validate import validate_conversion
 from amp_rewriter.ir import tensors
 from amp_rewriter.ir.tensors import _check_block, _check_range, convert_array
-from models import BUILDERS
+from testkit.models import BUILDERS
 
 REPO = Path(__file__).resolve().parent.parent
 

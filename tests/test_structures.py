@@ -6,7 +6,6 @@ Converted models run with real fp16 rounding (`run_as_fp16`) against fp32 in onn
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +13,12 @@ import numpy as np
 import onnx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from builder import GraphBuilder, check, count_casts, precisions, run, run_as_fp16  # noqa: E402
-
 import amp_rewriter  # noqa: E402
 from amp_rewriter import AmpError  # noqa: E402
 from amp_rewriter.cli import main  # noqa: E402
 from amp_rewriter.formats.onnx.check import check_model  # noqa: E402
-from models import BUILDERS  # noqa: E402
+from testkit.builder import GraphBuilder, check, count_casts, precisions, run, run_as_fp16  # noqa: E402
+from testkit.models import BUILDERS  # noqa: E402
 
 SQRT_2_OVER_PI = float(np.sqrt(2 / np.pi))
 

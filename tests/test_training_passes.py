@@ -1,4 +1,4 @@
-"""The training plan and passes on tiny IR graphs, without TensorFlow (tests/training_ir.py):
+"""The training plan and passes on tiny IR graphs, without TensorFlow (testkit/training_ir.py):
 each pass does its one job, the IR stays sound after every one, and the scaler update the passes
 write computes exactly `LossScaleRule.step`."""
 
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from training_ir import _node, evaluate, tiny_step
 
 from amp_rewriter.ir import decisions, lint
 from amp_rewriter.passes import PassError, run_pipeline
@@ -14,6 +13,7 @@ from amp_rewriter.passes.pipeline import PIPELINES, TRAINING_PASSES
 from amp_rewriter.training import LossScaleRule, ScalerState
 from amp_rewriter.training.passes import LOSS_REASON, OPTIMIZER_REASON, OUTSIDE_REASON
 from amp_rewriter.training.plan import VariableWrite
+from testkit.training_ir import _node, evaluate, tiny_step
 
 
 @pytest.fixture(autouse=True)
@@ -147,11 +147,11 @@ def test_the_written_update_is_the_step_function(rule):
     steps = [bool(s) for s in np.random.default_rng(7).random(200) < 0.7]
     state = rule.initial_state()
     for finite in steps:
-        leaves = {id(training.scale): np.float32(state.scale),
-                  id(training.good_steps.value): np.int32(state.good_steps),
-                  id(training.all_finite): np.bool_(finite)}
+        leaves = {training.scale: np.float32(state.scale),
+                  training.good_steps.value: np.int32(state.good_steps),
+                  training.all_finite: np.bool_(finite)}
         if training.bad_steps is not None:
-            leaves[id(training.bad_steps.value)] = np.int32(state.bad_steps)
+            leaves[training.bad_steps.value] = np.int32(state.bad_steps)
         written = ScalerState(
             float(evaluate(writes["scale"], leaves)), int(evaluate(writes["good_steps"], leaves)),
             int(evaluate(writes["bad_steps"], leaves)) if "bad_steps" in writes else 0)

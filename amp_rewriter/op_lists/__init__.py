@@ -370,7 +370,7 @@ class OpLists:
         """
         if target not in TARGETS:
             raise AmpError(f"unknown target {target!r} (expected fp16 or bf16)")
-        data = _read_list_file(fmt)
+        data = read_list_file(fmt)
         backend_profile = find_profile(fmt, backend, overrides)
         classes: dict[str, str] = {}
         reasons: dict[str, str] = {}
@@ -449,7 +449,8 @@ _LIST_CACHE: dict[str, dict] = {}
 _PROFILE_CACHE: dict[str, dict[str, BackendProfile]] = {}
 
 
-def _read_list_file(fmt: str) -> dict:
+def read_list_file(fmt: str) -> dict:
+    """The built-in op list of format `fmt` (op_lists/<fmt>.toml) as parsed TOML, read once."""
     if fmt not in _LIST_CACHE:
         path = _DATA_DIR / f"{fmt}.toml"
         _LIST_CACHE[fmt] = tomllib.loads(path.read_text())
@@ -486,7 +487,7 @@ def format_declarations() -> dict[str, FormatDeclaration]:
     names the file and the key)."""
     declared = {}
     for fmt in _list_formats():
-        table = _read_list_file(fmt).get("format", {})
+        table = read_list_file(fmt).get("format", {})
         refuse_unknown_keys(table, FORMAT_KEYS, f"{fmt}.toml [format]")
         declared[fmt] = FormatDeclaration(fmt, table["library"], tuple(table["suffixes"]),
                                           tuple(table.get("directory_files", ())))
@@ -499,7 +500,7 @@ def builtin_profiles(fmt: str) -> dict[str, BackendProfile]:
         source = f"{fmt}.toml"
         _PROFILE_CACHE[fmt] = {
             name: BackendProfile.from_table(name, table, source, fmt=fmt)
-            for name, table in _read_list_file(fmt).get("backends", {}).items()}
+            for name, table in read_list_file(fmt).get("backends", {}).items()}
     return _PROFILE_CACHE[fmt]
 
 
@@ -521,7 +522,7 @@ def find_profile(fmt: str, backend: str, overrides: Overrides | None = None) -> 
         raise AmpError(f"unknown backend {backend!r} for {fmt} (expected one of "
                        f"{', '.join(sorted(available))})")
     profile = available[backend]
-    runtimes = _read_list_file(fmt).get("runtimes", [])
+    runtimes = read_list_file(fmt).get("runtimes", [])
     if profile.runtime not in runtimes:
         raise AmpError(f"backend {backend} ({profile.source}) runs on {profile.runtime}; {fmt} "
                        f"models run on {', '.join(runtimes)}")
@@ -549,7 +550,7 @@ def backend_help() -> str:
             elif profile.default_for:
                 default = f" (default for {'/'.join(profile.default_for)})"
             names.append(f"{name}{default}")
-        parts.append(f"{_read_list_file(fmt).get('title', fmt)} {', '.join(names)}")
+        parts.append(f"{read_list_file(fmt).get('title', fmt)} {', '.join(names)}")
     return (f"the backend profile: whose kernels the op lists assume, and the runtime that "
             f"--validate, --auto and check run on: {'; '.join(parts)}; or a [backends.NAME] "
             f"profile of the --config file")

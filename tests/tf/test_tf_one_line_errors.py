@@ -16,8 +16,8 @@ from conftest import one_error_line  # noqa: E402
 from conftest import run_in_process as run  # noqa: E402
 from test_outputs import snapshot  # noqa: E402
 
-from models.tf_saved_models import export_tf1_simple_save  # noqa: E402
-from models.tf_training import build_training_graph  # noqa: E402
+from testkit.models.tf_saved_models import export_tf1_simple_save  # noqa: E402
+from testkit.models.tf_training import build_training_graph  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ tf = pytest.importorskip("tensorflow")
 
 from amp_rewriter.errors import AmpError  # noqa: E402
 from amp_rewriter.tf import LossScaleRule, check_tf_graph, rewrite_training_graph  # noqa: E402
-from models.tf_training import (  # noqa: E402
+from testkit.models.tf_training import (  # noqa: E402
     batch_norm_graph,
     build_training_graph,
     digits_data,

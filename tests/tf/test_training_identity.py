@@ -1,5 +1,5 @@
 """The training rewrite on the IR trains bit-identically to the rewrite it replaced: two of the
-cases of scripts/training_identity.py, run against the baseline commit (git archive)."""
+cases of testkit.training_identity (scripts/training_identity.py), run against the baseline commit (git archive)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,8 @@ CASES = "mlp-adam-ref-step-2-fp16,batch_norm-fp16"
 
 
 def _baseline_reachable() -> bool:
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from training_identity import BASELINE
-    finally:
-        sys.path.pop(0)
+    from testkit.training_identity import BASELINE
+
     if shutil.which("git") is None or not (REPO / ".git").exists():
         return False
     probe = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{BASELINE}^{{commit}}"],

@@ -10,7 +10,7 @@ tf = pytest.importorskip("tensorflow")
 
 from amp_rewriter.errors import AmpError  # noqa: E402
 from amp_rewriter.tf import rewrite_training_graph  # noqa: E402
-from models.tf_training import batches, build_training_graph, digits_data  # noqa: E402
+from testkit.models.tf_training import batches, build_training_graph, digits_data  # noqa: E402
 
 v1 = tf.compat.v1
 ONE_THREAD = v1.ConfigProto(intra_op_parallelism_threads=1, inter_op_parallelism_threads=1)

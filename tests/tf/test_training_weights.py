@@ -5,7 +5,6 @@ nearest. The long runs: scripts/training_weights.py (digits) and examples/tf2_we
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from conftest import one_error_line, run_in_process  # noqa: E402
 
 from amp_rewriter.errors import AmpError  # noqa: E402
 from amp_rewriter.tf import check_tf_graph, rewrite_training_graph  # noqa: E402
-from models.tf_training import (  # noqa: E402
+from testkit.models.tf_training import (  # noqa: E402
     build_training_graph,
     classic_sum_graph,
     digits_data,
@@ -160,18 +159,16 @@ def test_check_estimates_the_weights_of_a_random_initializer(tmp_path):
     assert {p["variable"] for p in tiny} == {"model/w1", "model/w2"}, tiny
 
 
-def test_the_digits_script_trains_16bit_weights_within_two_points_at_half_the_bytes(tmp_path):
-    import json
-    import runpy
+def test_digits_runs_train_16bit_weights_within_two_points_at_half_the_bytes():
+    """What scripts/training_weights.py checks, on one model for 60 steps."""
+    from testkit.models.tf_training import digits_data, train_and_measure
 
-    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts"
-                                / "training_weights.py"))
-    out = tmp_path / "weights.json"
-    code = script["main"](["--models", "mlp", "--optimizers", "adam", "--steps", "60",
-                           "--json", str(out)])
-    fp32, fp16, bf16 = json.loads(out.read_text())
-    assert code == 0, (fp32, fp16, bf16)
+    data = digits_data()
+    fp32, fp16, bf16 = (train_and_measure("mlp", "adam", weights, 60, data)
+                        for weights in (None, "fp16", "bf16"))
     assert fp16["checkpoint_weight_dtypes"] == ["float16"]
     assert bf16["checkpoint_weight_dtypes"] == ["bfloat16"]
     assert 2 * fp16["checkpoint_weight_bytes"] == fp32["checkpoint_weight_bytes"]
-    assert fp16["test_accuracy"] >= fp32["test_accuracy"] - 2
+    assert 2 * bf16["checkpoint_weight_bytes"] == fp32["checkpoint_weight_bytes"]
+    assert fp16["test_accuracy"] >= fp32["test_accuracy"] - 2, (fp32, fp16)
+    assert bf16["test_accuracy"] >= fp32["test_accuracy"] - 2, (fp32, bf16)

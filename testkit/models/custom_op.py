@@ -10,7 +10,7 @@ Input ``x`` float32 [N,16]; output ``y`` float32 [N,8]::
 the ``custom.fp32only`` domain at version 1. A converter knows nothing about this op, so it
 must leave the node alone and feed it fp32 tensors, while still converting the MatMuls around it.
 
-Run ``python -m models.custom_op OUT.onnx`` to write the model.
+Run ``python -m testkit.models.custom_op OUT.onnx`` to write the model.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import math
 import onnx
 from onnx import TensorProto, helper
 
-from models._common import (
+from testkit.models._common import (
     OPSET,
     finish_model,
     float_initializer,
@@ -41,7 +41,9 @@ def scaled_tanh_function() -> onnx.FunctionProto:
     """The model-local function ``ScaledTanh(X; alpha) = alpha * Tanh(X / alpha)``."""
     # A Constant whose value_float refers to the function attribute `alpha`.
     # Built by hand because helper.make_attribute_ref only gained `ref_attr_name` in recent onnx.
-    alpha_reference = onnx.AttributeProto(name="value_float", type=onnx.AttributeProto.FLOAT, ref_attr_name="alpha")
+    alpha_reference = onnx.AttributeProto(
+        name="value_float", type=onnx.AttributeProto.FLOAT, ref_attr_name="alpha"
+    )
     alpha_constant = helper.make_node("Constant", [], ["alpha"], name="alpha_constant")
     alpha_constant.attribute.append(alpha_reference)
     return helper.make_function(
@@ -64,9 +66,13 @@ def build_model(seed: int = 3) -> onnx.ModelProto:
     """Build the custom-op test model; ``seed`` fixes the weights."""
     rng = seeded_rng(seed)
     initializers = [
-        float_initializer("fc1.weight", normal_weights(rng, (IN_FEATURES, HIDDEN), math.sqrt(2.0 / IN_FEATURES))),
+        float_initializer(
+            "fc1.weight", normal_weights(rng, (IN_FEATURES, HIDDEN), math.sqrt(2.0 / IN_FEATURES))
+        ),
         float_initializer("fc1.bias", normal_weights(rng, (HIDDEN,), 0.05)),
-        float_initializer("fc2.weight", normal_weights(rng, (HIDDEN, OUT_FEATURES), math.sqrt(2.0 / HIDDEN))),
+        float_initializer(
+            "fc2.weight", normal_weights(rng, (HIDDEN, OUT_FEATURES), math.sqrt(2.0 / HIDDEN))
+        ),
         float_initializer("fc2.bias", normal_weights(rng, (OUT_FEATURES,), 0.05)),
     ]
     nodes = [
@@ -74,9 +80,16 @@ def build_model(seed: int = 3) -> onnx.ModelProto:
         helper.make_node("Add", ["fc1_matmul_out", "fc1.bias"], ["fc1_out"], name="fc1_add"),
         helper.make_node("Relu", ["fc1_out"], ["relu1_out"], name="relu1"),
         helper.make_node(
-            CUSTOM_OP, ["relu1_out"], ["custom_out"], name=CUSTOM_NODE_NAME, domain=CUSTOM_DOMAIN, alpha=1.5
+            CUSTOM_OP,
+            ["relu1_out"],
+            ["custom_out"],
+            name=CUSTOM_NODE_NAME,
+            domain=CUSTOM_DOMAIN,
+            alpha=1.5,
         ),
-        helper.make_node("MatMul", ["custom_out", "fc2.weight"], ["fc2_matmul_out"], name="fc2_matmul"),
+        helper.make_node(
+            "MatMul", ["custom_out", "fc2.weight"], ["fc2_matmul_out"], name="fc2_matmul"
+        ),
         helper.make_node("Add", ["fc2_matmul_out", "fc2.bias"], ["fc2_out"], name="fc2_add"),
         helper.make_node("Relu", ["fc2_out"], ["y"], name="relu2"),
     ]

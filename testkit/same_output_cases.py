@@ -18,19 +18,21 @@ starts with "." is skipped); the case's name is its folder's path relative to th
       "outputs": ["y", "z:1"],        # tf_graphdef / tf_meta: the fetches (null: the default)
       "env": {"TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD": "Relu"},   # optional
       "input": "path" | "proto",      # onnx only: pass the path (default) or an onnx.ModelProto
-      "output": "model.onnx",         # file kinds only: the output's file name (default: the input's)
+      "output": "model.onnx",         # file kinds only: the output's file name (default: the
+                                      # input's)
       "note": "free text"             # optional
     }
 
 `options` are the keyword arguments of the entry point; `config` in them names a TOML file in the
 case folder. How each kind is replayed (`replay_case`), and which bytes are compared:
 
-    onnx            amp_rewriter.convert(model, **options)               -> the ModelProto, serialized
-                                                                            deterministically
+    onnx            amp_rewriter.convert(model, **options)            -> the ModelProto, serialized
+                                                                         deterministically
     onnx_file       amp_rewriter.convert_file(model, out, **options)     -> every file written (the
                                                                             .onnx and its .data)
     tf_graphdef     amp_rewriter.tf.convert_graphdef(graph_def, outputs, **options) -> the GraphDef
-    tf_saved_model  amp_rewriter.tf.convert_saved_model(model, out, **options) -> every file written;
+    tf_saved_model  amp_rewriter.tf.convert_saved_model(model, out, **options) -> every file
+                                                                            written;
                                                                             fingerprint.pb with its
                                                                             random uuid cleared
     tf_meta         amp_rewriter.tf.convert_tf_file(model, out, outputs, **options) -> the file
@@ -44,18 +46,19 @@ folders replaced by <case> and <out>) instead. Every result also carries the dec
 report: node name -> precision (per type group when a node has several), reasons left out.
 
 This module imports neither amp_rewriter nor TensorFlow at module level (record_case imports onnx
-or TensorFlow only to serialize a proto or a tf.Graph), so a test suite can load it by path:
+or TensorFlow only to serialize a proto or a tf.Graph), so a test suite can import it before the
+code under test, and scripts/same_output.py can run this file by path under each code version:
 
-    spec = importlib.util.spec_from_file_location("same_output_cases", "scripts/same_output_cases.py")
-    cases = importlib.util.module_from_spec(spec); spec.loader.exec_module(cases)
-    cases.record_case("bench_out/same_output/cases/tests", "onnx", model_proto,
-                      {"target": "fp16", "backend": "ort-cuda"}, name="test_e2e/cnn_fp16")
+    from testkit import same_output_cases
+    same_output_cases.record_case("bench_out/same_output/cases/tests", "onnx", model_proto,
+                                  {"target": "fp16", "backend": "ort-cuda"},
+                                  name="test_e2e/cnn_fp16")
 
 `maybe_record(...)` does the same only when the environment variable named by `RECORD_ENV` is
 set (to the folder to record into), so a test-suite hook costs nothing otherwise.
 
-`python scripts/same_output_cases.py replay ROOT RESULTS.jsonl [--expect-root DIR] [--only ...]` is
-what scripts/same_output.py runs in a subprocess per code version.
+`python testkit/same_output_cases.py replay ROOT RESULTS.jsonl [--expect-root DIR] [--only ...]`
+is what scripts/same_output.py runs in a subprocess per code version.
 """
 
 from __future__ import annotations
@@ -358,6 +361,7 @@ def find_cases(root: str | os.PathLike, only: Iterable[str] | None = None,
 
 
 def part_of(name: str) -> str:
+    """The corpus part a case belongs to: the first folder of its name."""
     return name.split("/")[0]
 
 
@@ -365,6 +369,7 @@ def part_of(name: str) -> str:
 # Replaying
 # ------------------------------------------------------------------------------------------------
 def sha256(data: bytes) -> str:
+    """Hex SHA-256 of `data`: how results name output bytes."""
     return hashlib.sha256(data).hexdigest()
 
 
@@ -583,6 +588,7 @@ def _stray_modules(expect_root: Path) -> list[str]:
 
 
 def replay_main(argv: list[str]) -> int:
+    """`replay ROOT RESULTS.jsonl ...`: replay every case under ROOT into RESULTS."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="same_output_cases.py replay")
@@ -625,6 +631,7 @@ def replay_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """This file as a command (scripts/same_output.py runs it under each code version)."""
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] != "replay":
         print(__doc__.split("\n\n")[0], file=sys.stderr)

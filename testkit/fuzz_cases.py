@@ -44,7 +44,7 @@ def build_seeds(seed_dir: Path) -> None:
     from google.protobuf import text_format
 
     from amp_rewriter.formats.onnx.validate import random_inputs
-    from models import BUILDERS, many_weights, tf_graphs, tf_saved_models
+    from testkit.models import BUILDERS, many_weights, tf_graphs, tf_saved_models
 
     onnx_dir = seed_dir / "onnx"
     onnx_dir.mkdir(parents=True, exist_ok=True)
@@ -504,7 +504,8 @@ def _mutate_onnx(model: onnx.ModelProto, op: str, k: int, n: int) -> bytes | Non
     elif op == "invalid_utf8_name" and node is not None:
         node.name = "\x01PLACEHOLDER\x01"
         data = model.SerializeToString()
-        return data.replace(b"\x01PLACEHOLDER\x01", b"\xff\xfe\xc3(\xa0\xa1\xe2\x28\xa1\xf0\x28\x8c\xbc")
+        invalid_utf8 = b"\xff\xfe\xc3(\xa0\xa1\xe2\x28\xa1\xf0\x28\x8c\xbc"
+        return data.replace(b"\x01PLACEHOLDER\x01", invalid_utf8)
     elif op == "recursive_function":
         body = helper.make_node("Recurse", ["x"], ["y"], domain="local")
         function = helper.make_function("local", "Recurse", ["x"], ["y"], [body],
@@ -1106,10 +1107,12 @@ def _hostile_npz(case: Path, seeds: Seeds, k: int, tf: bool) -> str:
         np.savez(path, wrong_name=np.zeros(3, np.float32))
     elif variant == 2:
         with np.load(good) as data:
-            np.savez(path, allow_pickle=False, **{name: np.zeros(3, np.int64) for name in data.files})
+            np.savez(path, allow_pickle=False,
+                     **{name: np.zeros(3, np.int64) for name in data.files})
     elif variant == 3:
         with np.load(good) as data:
-            np.savez(path, allow_pickle=False, **{name: np.zeros((2, 2, 2), np.float32) for name in data.files})
+            np.savez(path, allow_pickle=False,
+                     **{name: np.zeros((2, 2, 2), np.float32) for name in data.files})
     elif variant == 4:
         _fifo(path)
     elif variant == 5:
@@ -1121,8 +1124,8 @@ def _hostile_npz(case: Path, seeds: Seeds, k: int, tf: bool) -> str:
         path.write_bytes(data[: len(data) // 2])
     else:
         with np.load(good) as data:
-            np.savez(path, allow_pickle=False, **{name: np.full(data[name].shape, np.nan, np.float32)
-                              for name in data.files})
+            np.savez(path, allow_pickle=False,
+                     **{name: np.full(data[name].shape, np.nan, np.float32) for name in data.files})
     return "inputs.npz"
 
 
@@ -1678,7 +1681,8 @@ def _calibration(recipe: dict, case: Path, seeds: Seeds) -> CaseFiles:
         elif op == "folder_with_dir_npz":
             (case / given / "dir.npz").mkdir()
     elif op == "nan_values":
-        np.savez(case / given, allow_pickle=False, **{name: np.full(array.shape, np.nan, array.dtype)})
+        np.savez(case / given, allow_pickle=False,
+                 **{name: np.full(array.shape, np.nan, array.dtype)})
     elif op == "wrong_dtype":
         np.savez(case / given, allow_pickle=False, **{name: array.astype(np.float64)})
     elif op == "missing_input":

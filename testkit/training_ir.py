@@ -9,24 +9,26 @@ those nodes) and `tiny_step` (a hand-built training step and its plan).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from amp_rewriter.ir import FP32, Graph, Model, Node, Value, decisions, present
+from amp_rewriter.ir.rounding import NEAREST
 from amp_rewriter.op_lists import OpLists
 from amp_rewriter.options import Options
 from amp_rewriter.passes import PassContext
 from amp_rewriter.passes.base import FormatRules
 from amp_rewriter.passes.rewrite.building import array_constant, fill_node
 from amp_rewriter.training import LossScaleRule
-from amp_rewriter.training.ops import SCALER_REASON, PendingNodes, StateVariable
+from amp_rewriter.training.ops import SCALER_REASON, PendingNodes, StateVariable, StoredVariable
 from amp_rewriter.training.passes import TrainingContext
 from amp_rewriter.training.plan import GradientExit, GradientSeed, TrainingPlan, VariableWrite
 
 #: numpy meaning of the ops IrTrainingOps makes (inputs as arrays -> the output).
-SEMANTICS: dict[str, Callable[..., np.ndarray]] = {
+SEMANTICS: dict[str, Callable[..., Any] | None] = {
     "Mul": lambda a, b: a * b,
     "Add": lambda a, b: a + b,
     "Reciprocal": lambda a: np.float32(1) / a,
@@ -41,6 +43,12 @@ SEMANTICS: dict[str, Callable[..., np.ndarray]] = {
     "Cast": lambda a: a,
     "ReadState": None,  # a leaf: its value comes from the state given to `evaluate`
 }
+
+
+def _dtype(value: Value) -> str:
+    if value.dtype is None:
+        raise ValueError(f"{value.name} has no dtype")
+    return value.dtype
 
 
 class IrTrainingOps(PendingNodes):
@@ -67,40 +75,43 @@ class IrTrainingOps(PendingNodes):
     def constant(self, value: np.ndarray, name: str) -> Value:
         return array_constant(self.model, self.graph, f"amp/{name}", np.asarray(value))
 
-    def cast(self, value: Value, dtype: str, name: str) -> Value:
+    def cast(self, value: Value, dtype: str, name: str, rounding: str = NEAREST,
+             key: Value | None = None) -> Value:
+        if rounding != NEAREST:
+            raise NotImplementedError("the tiny IR step rounds to nearest only")
         return value if value.dtype == dtype else self._out("Cast", [value], dtype, name)
 
-    def multiply(self, a, b, name):
-        return self._out("Mul", [a, b], a.dtype, name)
+    def multiply(self, a: Value, b: Value, name: str) -> Value:
+        return self._out("Mul", [a, b], _dtype(a), name)
 
-    def add(self, a, b, name):
-        return self._out("Add", [a, b], a.dtype, name)
+    def add(self, a: Value, b: Value, name: str) -> Value:
+        return self._out("Add", [a, b], _dtype(a), name)
 
-    def reciprocal(self, a, name):
-        return self._out("Reciprocal", [a], a.dtype, name)
+    def reciprocal(self, a: Value, name: str) -> Value:
+        return self._out("Reciprocal", [a], _dtype(a), name)
 
-    def maximum(self, a, b, name):
-        return self._out("Maximum", [a, b], a.dtype, name)
+    def maximum(self, a: Value, b: Value, name: str) -> Value:
+        return self._out("Maximum", [a, b], _dtype(a), name)
 
-    def at_least(self, a, b, name):
+    def at_least(self, a: Value, b: Value, name: str) -> Value:
         return self._out("AtLeast", [a, b], "bool", name)
 
-    def both(self, a, b, name):
+    def both(self, a: Value, b: Value, name: str) -> Value:
         return self._out("Both", [a, b], "bool", name)
 
-    def either(self, a, b, name):
+    def either(self, a: Value, b: Value, name: str) -> Value:
         return self._out("Either", [a, b], "bool", name)
 
-    def negate(self, a, name):
+    def negate(self, a: Value, name: str) -> Value:
         return self._out("Negate", [a], "bool", name)
 
-    def select(self, condition, if_true, if_false, name):
-        return self._out("Select", [condition, if_true, if_false], if_true.dtype, name)
+    def select(self, condition: Value, if_true: Value, if_false: Value, name: str) -> Value:
+        return self._out("Select", [condition, if_true, if_false], _dtype(if_true), name)
 
-    def is_finite(self, a, name):
+    def is_finite(self, a: Value, name: str) -> Value:
         return self._out("IsFinite", [a], "bool", name)
 
-    def all_finite(self, values, name):
+    def all_finite(self, values: list[Value], name: str) -> Value:
         return self._out("AllFinite", list(values), "bool", name)
 
     def state_variable(self, name: str, initial: np.ndarray) -> StateVariable:
@@ -114,6 +125,32 @@ class IrTrainingOps(PendingNodes):
         variable.writes.append(write)
         return write
 
+    # 16-bit weights and accumulation are tested through the formats, not on the tiny step.
+    def pack(self, values: list[Value], name: str) -> Value:
+        raise NotImplementedError("pack")
+
+    def zeros_like(self, value: Value, name: str) -> Value:
+        raise NotImplementedError("zeros_like")
+
+    def accumulator(self, like: Value, name: str) -> StateVariable:
+        raise NotImplementedError("accumulator")
+
+    def variable(self, value: Value, dtype: str) -> StoredVariable:
+        raise NotImplementedError("variable")
+
+    def stored_dtype(self, value: Value) -> str | None:
+        return None
+
+    def update_in_fp32(self, write: Node, variables: dict[int, StoredVariable]
+                       ) -> dict[int, Value]:
+        raise NotImplementedError("update_in_fp32")
+
+    def write_variable(self, variable: StoredVariable, value: Value, name: str) -> Node:
+        raise NotImplementedError("write_variable")
+
+    def store_variable(self, variable: StoredVariable) -> None:
+        raise NotImplementedError("store_variable")
+
     def gate(self, flag: Value, name: str) -> Node:
         return self._value("Gate", [flag], "bool", name)
 
@@ -124,22 +161,22 @@ class IrTrainingOps(PendingNodes):
         return self._value("Settle", [], "", name, waits=[gate, *writes], outputs=0)
 
 
-def evaluate(value: Value, leaves: Mapping[int, np.ndarray]) -> np.ndarray:
-    """`value` computed with `SEMANTICS` from constants and `leaves` (id(value) -> array)."""
-    if id(value) in leaves:
-        return leaves[id(value)]
+def evaluate(value: Value, leaves: Mapping[Value, np.ndarray]) -> np.ndarray:
+    """`value` computed with `SEMANTICS` from constants and `leaves` (value -> array)."""
+    if value in leaves:
+        return leaves[value]
     if value.const is not None:
         return np.asarray(value.const.numpy())
-    producer = present(value.producer) if value.producer is not None else None
-    if producer is None or SEMANTICS.get(producer.op_type) is None:
+    producer = value.producer
+    semantics = SEMANTICS.get(producer.op_type) if producer is not None else None
+    if producer is None or semantics is None:
         raise KeyError(f"{value.name}: no value given and no semantics for it")
     with np.errstate(over="ignore"):
-        return np.asarray(SEMANTICS[producer.op_type](
-            *[evaluate(present(v), leaves) for v in producer.inputs]))
+        return np.asarray(semantics(*[evaluate(present(v), leaves) for v in producer.inputs]))
 
 
 def _node(graph: Graph, name: str, op: str, inputs: list[Value], dtypes: list[str],
-          waits: list[Node] = ()) -> Node:
+          waits: Sequence[Node] = ()) -> Node:
     """A node of the model (as a loader makes one: with a handle, so not "added")."""
     node = Node(name, op, "", graph)
     node.handle = object()

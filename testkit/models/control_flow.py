@@ -14,7 +14,7 @@ Both branches can be exercised: pass ``x`` and ``-x``.
 Subgraphs reference the parent's initializers by name, so a converter that changes an
 initializer's dtype must also account for every subgraph that reads it.
 
-Run ``python -m models.control_flow OUT.onnx`` to write the model.
+Run ``python -m testkit.models.control_flow OUT.onnx`` to write the model.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from models._common import (
+from testkit.models._common import (
     finish_model,
     float_initializer,
     int64_initializer,
@@ -44,12 +44,14 @@ def _float_info(name: str) -> onnx.ValueInfoProto:
 
 
 def _branch_graph(name: str, weight: str, activation: str) -> onnx.GraphProto:
-    """An If branch: ``activation(MatMul(h, weight))`` where both operands live in the parent graph."""
+    """An If branch: ``activation(MatMul(h, weight))``, both operands from the parent graph."""
     matmul_out = f"{name}/matmul_out"
     return helper.make_graph(
         [
             helper.make_node("MatMul", ["h", weight], [matmul_out], name=f"{name}/matmul"),
-            helper.make_node(activation, [matmul_out], [f"{name}/out"], name=f"{name}/{activation.lower()}"),
+            helper.make_node(
+                activation, [matmul_out], [f"{name}/out"], name=f"{name}/{activation.lower()}"
+            ),
         ],
         name,
         inputs=[],
@@ -58,13 +60,20 @@ def _branch_graph(name: str, weight: str, activation: str) -> onnx.GraphProto:
 
 
 def _loop_body_graph() -> onnx.GraphProto:
-    """Loop body: ``state = Tanh(MatMul(state, W_loop) + branch_out)``; the condition passes through."""
+    """Loop body: ``state = Tanh(MatMul(state, W_loop) + branch_out)``; the condition passes
+    through."""
     return helper.make_graph(
         [
-            helper.make_node("Identity", ["body/cond_in"], ["body/cond_out"], name="body/keep_going"),
-            helper.make_node("MatMul", ["body/state_in", "loop.weight"], ["body/matmul_out"], name="body/matmul"),
+            helper.make_node(
+                "Identity", ["body/cond_in"], ["body/cond_out"], name="body/keep_going"
+            ),
+            helper.make_node(
+                "MatMul", ["body/state_in", "loop.weight"], ["body/matmul_out"], name="body/matmul"
+            ),
             # branch_out is an outer-scope tensor (not an initializer) captured by the body.
-            helper.make_node("Add", ["body/matmul_out", "branch_out"], ["body/add_out"], name="body/add"),
+            helper.make_node(
+                "Add", ["body/matmul_out", "branch_out"], ["body/add_out"], name="body/add"
+            ),
             # Tanh keeps the state bounded however many iterations run.
             helper.make_node("Tanh", ["body/add_out"], ["body/state_out"], name="body/tanh"),
         ],
@@ -92,7 +101,8 @@ def build_model(seed: int = 2) -> onnx.ModelProto:
         float_initializer("loop.weight", normal_weights(rng, (FEATURES, FEATURES), std)),
         float_initializer("zero", np.array(0.0)),
         int64_initializer("loop.trip_count", np.array(LOOP_TRIP_COUNT)),
-        # Loop's `cond` input must be given when trip count alone should decide; true means "run all trips".
+        # Loop's `cond` input must be given when trip count alone should decide; true means "run all
+        # trips".
         helper.make_tensor("loop.keep_going", TensorProto.BOOL, [], [True]),
     ]
     nodes = [

@@ -55,8 +55,9 @@ class GraphBuilder:
         self.ir_version = ir_version
         self.name = name
         self._parent = _parent
-        self._rng = np.random.default_rng(seed) if _parent is None else None
-        self._counter = [0] if _parent is None else _parent._counter
+        self._rng: np.random.Generator | None = (np.random.default_rng(seed) if _parent is None
+                                                  else None)
+        self._counter: list[int] = [0] if _parent is None else _parent._counter
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
@@ -95,6 +96,7 @@ class GraphBuilder:
     def weight(self, name: str, shape: Sequence[int], scale: float = 0.1) -> str:
         """A float32 initializer drawn from N(0, scale^2) with the builder's seeded generator."""
         rng = self._root()._rng
+        assert rng is not None  # the root builder owns the generator
         return self.const(name, (rng.standard_normal(tuple(shape)) * scale).astype(np.float32))
 
     def value_info_for(self, name: str, shape: Sequence[int | str | None] | None,
@@ -206,10 +208,12 @@ def count_casts(model: onnx.ModelProto) -> int:
 
 
 def casts(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """Every standard-domain Cast node of the model, subgraphs included."""
     return [n for n in all_nodes(model) if n.op_type == "Cast" and n.domain in ("", "ai.onnx")]
 
 
 def node_by_name(model: onnx.ModelProto, name: str) -> onnx.NodeProto:
+    """The node called `name`, in the main graph or a subgraph."""
     for node in all_nodes(model):
         if node.name == name:
             return node
@@ -217,6 +221,7 @@ def node_by_name(model: onnx.ModelProto, name: str) -> onnx.NodeProto:
 
 
 def initializer(model: onnx.ModelProto, name: str) -> onnx.TensorProto:
+    """The initializer called `name`, in the main graph or a subgraph."""
     for g in _all_graphs(model.graph):
         for tensor in g.initializer:
             if tensor.name == name:
@@ -225,6 +230,7 @@ def initializer(model: onnx.ModelProto, name: str) -> onnx.TensorProto:
 
 
 def producers(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+    """Tensor name -> the node that produces it, over every graph of the model."""
     return {out: n for n in all_nodes(model) for out in n.output if out}
 
 
@@ -242,6 +248,7 @@ def value_types(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def check(model: onnx.ModelProto) -> None:
+    """onnx's full checker (with shape inference): raises on an invalid model."""
     onnx.checker.check_model(model, full_check=True)
 
 

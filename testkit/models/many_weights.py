@@ -3,7 +3,7 @@
 (``--external-data per-tensor``): scripts/bench_external_layouts.py times them, the fuzzer's
 ``many_tensors`` family converts them.
 
-Run ``python -m models.many_weights OUT.onnx [COUNT]`` to write the model.
+Run ``python -m testkit.models.many_weights OUT.onnx [COUNT]`` to write the model.
 """
 
 from __future__ import annotations

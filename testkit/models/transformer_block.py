@@ -11,7 +11,7 @@ The additive mask is built exactly like HuggingFace BERT::
 float32 min overflows to -inf in fp16, which is the classic way a naive fp16 cast
 turns masked attention rows into NaN.
 
-Run ``python -m models.transformer_block OUT.onnx`` to write the model.
+Run ``python -m testkit.models.transformer_block OUT.onnx`` to write the model.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from models._common import (
+from testkit.models._common import (
     finish_model,
     float_initializer,
     int64_initializer,
@@ -54,8 +54,14 @@ def build_model(seed: int = 1) -> onnx.ModelProto:
         float_initializer("attn.scale", np.array(math.sqrt(HEAD_DIM))),
     ]
     for projection in ("query", "key", "value", "output"):
-        initializers.append(float_initializer(f"attn.{projection}.weight", normal_weights(rng, (HIDDEN, HIDDEN), 0.08)))
-        initializers.append(float_initializer(f"attn.{projection}.bias", normal_weights(rng, (HIDDEN,), 0.02)))
+        initializers.append(
+            float_initializer(
+                f"attn.{projection}.weight", normal_weights(rng, (HIDDEN, HIDDEN), 0.08)
+            )
+        )
+        initializers.append(
+            float_initializer(f"attn.{projection}.bias", normal_weights(rng, (HIDDEN,), 0.02))
+        )
     initializers += [
         float_initializer("attn_norm.gamma", 1.0 + normal_weights(rng, (HIDDEN,), 0.05)),
         float_initializer("attn_norm.beta", normal_weights(rng, (HIDDEN,), 0.02)),
@@ -86,7 +92,11 @@ def build_model(seed: int = 1) -> onnx.ModelProto:
         node("Sub", ["mask.one", "mask/unsqueeze"], "mask/invert"),
         node("Mul", ["mask/invert", "mask.min_value"], "mask/additive"),
     ]
-    for projection, perm in (("query", [0, 2, 1, 3]), ("key", [0, 2, 3, 1]), ("value", [0, 2, 1, 3])):
+    for projection, perm in (
+        ("query", [0, 2, 1, 3]),
+        ("key", [0, 2, 3, 1]),
+        ("value", [0, 2, 1, 3]),
+    ):
         prefix = f"attn.{projection}"
         nodes += linear(prefix, "hidden")
         nodes += [
@@ -151,7 +161,8 @@ MASK_NODES = ("mask/cast", "mask/unsqueeze", "mask/invert", "mask/additive")
 def build_stack(layers: int, seed: int = 1) -> onnx.ModelProto:
     """``layers`` copies of the block, one feeding the next (a deep encoder, as ALBERT shares its
     weights across layers: the model stays small however deep). The mask is built once; every
-    other node and activation of layer i is renamed ``layer.i/NAME``, the last output stays ``out``."""
+    other node and activation of layer i is renamed ``layer.i/NAME``, the last output stays
+    ``out``."""
     block = build_model(seed)
     shared = {init.name for init in block.graph.initializer} | {"attention_mask"}
     nodes = [n for n in block.graph.node if n.name in MASK_NODES]
@@ -161,7 +172,9 @@ def build_stack(layers: int, seed: int = 1) -> onnx.ModelProto:
         prefix = f"layer.{layer}/"
         last = layer == layers - 1
 
-        def renamed(name: str, prefix: str = prefix, previous: str = previous, last: bool = last) -> str:
+        def renamed(
+            name: str, prefix: str = prefix, previous: str = previous, last: bool = last
+        ) -> str:
             if name == "hidden":
                 return previous
             if name in shared or not name:
@@ -180,8 +193,13 @@ def build_stack(layers: int, seed: int = 1) -> onnx.ModelProto:
             copy.output[:] = [renamed(name) for name in original.output]
             nodes.append(copy)
         previous = renamed("out")
-    graph = helper.make_graph(nodes, f"transformer_stack_{layers}", list(block.graph.input),
-                              list(block.graph.output), list(block.graph.initializer))
+    graph = helper.make_graph(
+        nodes,
+        f"transformer_stack_{layers}",
+        list(block.graph.input),
+        list(block.graph.output),
+        list(block.graph.initializer),
+    )
     return finish_model(graph)
 
 

@@ -12,6 +12,9 @@ same arguments start from the same weights.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import tensorflow as tf
 
@@ -250,3 +253,33 @@ def train(graph: tf.Graph, steps: int = 300, batch: int = 64, loss: str = "loss:
         if end_hook is not None:
             end_hook(session)
     return losses, float(accuracy)
+
+
+def train_and_measure(model: str, optimizer: str, weights: str | None, steps: int, data) -> dict:
+    """Train `build_training_graph(model, optimizer)` for `steps` mini-batches of `data`
+    (`digits_data()`), its weights stored in `weights` (a 16-bit type, stochastic rounding) or
+    fp32 (None): the test accuracy and the checkpoint bytes and dtypes of the model's weights."""
+    import tensorflow as tf
+
+    from amp_rewriter.tf import rewrite_training_graph
+
+    graph = build_training_graph(model, optimizer)
+    if weights is not None:
+        graph = rewrite_training_graph(graph, target=weights, weights=weights).graph
+    with graph.as_default():
+        saver = tf.compat.v1.train.Saver()
+    x_train, y_train, x_test, y_test = data
+    with tf.compat.v1.Session(graph=graph) as session, tempfile.TemporaryDirectory() as tmp:
+        session.run("init")
+        for xb, yb in batches(x_train, y_train, 64, steps):
+            session.run("train", {"x:0": xb, "y:0": yb})
+        accuracy = float(session.run("accuracy:0", {"x:0": x_test, "y:0": y_test}))
+        path = saver.save(session, str(Path(tmp) / "ckpt"))
+        reader = tf.train.load_checkpoint(path)
+        names = [name for name in reader.get_variable_to_dtype_map()
+                 if name.startswith("model/") and "/" not in name[len("model/"):]]
+        weight_bytes = sum(reader.get_tensor(name).nbytes for name in names)
+        dtypes = sorted({reader.get_variable_to_dtype_map()[name].name for name in names})
+    return {"model": model, "optimizer": optimizer, "weights": weights or "fp32",
+            "steps": steps, "test_accuracy": round(100 * accuracy, 2),
+            "checkpoint_weight_bytes": weight_bytes, "checkpoint_weight_dtypes": dtypes}

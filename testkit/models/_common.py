@@ -67,11 +67,17 @@ def finish_model(
     return model
 
 
-def write_model_cli(build_model: Callable[[], onnx.ModelProto], argv: list[str] | None = None) -> int:
-    """Entry point shared by `python -m models.<name> OUT.onnx`: build the model and save it."""
+def write_model_cli(
+    build_model: Callable[[], onnx.ModelProto], argv: list[str] | None = None
+) -> int:
+    """Entry point shared by `python -m testkit.models.<name> OUT.onnx`: build the model and save
+    it."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print(f"usage: python -m models.<name> OUT.onnx (got {len(args)} arguments)", file=sys.stderr)
+        print(
+            f"usage: python -m testkit.models.<name> OUT.onnx (got {len(args)} arguments)",
+            file=sys.stderr,
+        )
         return 2
     out_path = Path(args[0])
     out_path.parent.mkdir(parents=True, exist_ok=True)
