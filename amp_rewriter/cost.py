@@ -66,33 +66,33 @@ class _Roots:
     `casts_by_reason` quadratic in the chain length."""
 
     def __init__(self) -> None:
-        #: id(group) -> (root group, hops to it); hops above MAX_HOPS for a cycle.
-        self._known: dict[int, tuple[TypeGroup, int]] = {}
+        #: group -> (root group, hops to it); hops above MAX_HOPS for a cycle.
+        self._known: dict[TypeGroup, tuple[TypeGroup, int]] = {}
 
     def root(self, group: TypeGroup) -> tuple[TypeGroup, int]:
         """The decision `group`'s propagation started from, and how many links away it is."""
         known = self._known
         path: list[TypeGroup] = []
-        on_path: set[int] = set()
+        on_path: set[TypeGroup] = set()
         current = group
-        while id(current) not in known:
+        while current not in known:
             if current.kind != decisions.PROPAGATION or current.via is None:
-                known[id(current)] = (current, 0)
+                known[current] = (current, 0)
                 break
-            if id(current) in on_path:  # a cycle: no root within reach
-                known[id(current)] = (current, MAX_HOPS + 1)
+            if current in on_path:  # a cycle: no root within reach
+                known[current] = (current, MAX_HOPS + 1)
                 break
             path.append(current)
-            on_path.add(id(current))
+            on_path.add(current)
             current = current.via
-        root, hops = known[id(current)]
+        root, hops = known[current]
         for link in reversed(path):
-            if id(link) not in known:
+            if link not in known:
                 hops = min(hops + 1, MAX_HOPS + 1)
-                known[id(link)] = (root, hops)
+                known[link] = (root, hops)
             else:
-                root, hops = known[id(link)]
-        return known[id(group)]
+                root, hops = known[link]
+        return known[group]
 
 
 def _why(group: TypeGroup | None, node: Node, roots: _Roots | None = None) -> str:

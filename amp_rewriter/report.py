@@ -321,7 +321,7 @@ def build_report(ctx: PassContext, original_nodes: Sequence[Node], results: list
     # Casts only: a set of every node would take ~100 MB at a million nodes.
     final_casts = [n for n in ctx.model.graph.walk_nodes() if n.op_type == "Cast"]
     new_casts = sum(1 for n in final_casts if n.created_by is not None)
-    final_ids = {id(n) for n in final_casts if n.created_by is None}
+    kept_casts: set[Node] = {n for n in final_casts if n.created_by is None}
     original_casts = [n for n in original_nodes if n.op_type == "Cast"]
     summary = {
         "nodes": len(entries),
@@ -332,7 +332,7 @@ def build_report(ctx: PassContext, original_nodes: Sequence[Node], results: list
         "low_precision_compute_ops": sum(low for low, _ in compute.values()),
         "compute_ops_by_type": dict(sorted(compute.items())),
         "casts_inserted": new_casts,
-        "casts_removed": sum(1 for n in original_casts if id(n) not in final_ids),
+        "casts_removed": sum(1 for n in original_casts if n not in kept_casts),
         "constants_converted": sum(1 for c in ctx.constants
                                    if c.action in ("converted", "clamped")),
         "constants_kept_fp32": kept,

@@ -140,16 +140,16 @@ def pin_training_path(ctx: PassContext) -> tuple[int, list[str]]:
     """Pin the loss, the optimizer path and what lies outside the forward and backward passes
     fp32, each with the plan's reason (a user's --keep-node and a loader's pins come first)."""
     plan = training_of(ctx).plan
-    reasons: dict[int, str] = {}
+    reasons: dict[Node, str] = {}
     loss_nodes = [*plan.differentiated] + ([plan.loss.producer] if plan.loss.producer else [])
     for nodes, reason in ((loss_nodes, LOSS_REASON), (plan.gradient_sums, GRADIENT_SUM_REASON),
                           (plan.optimizer_path, OPTIMIZER_REASON)):
         for node in nodes:
-            reasons.setdefault(id(node), reason)
-    compute = {id(node) for node in plan.compute}
+            reasons.setdefault(node, reason)
+    compute: set[Node] = set(plan.compute)
     pinned = 0
     for node in ctx.model.graph.nodes:
-        reason = reasons.get(id(node)) or (OUTSIDE_REASON if id(node) not in compute else "")
+        reason = reasons.get(node) or (OUTSIDE_REASON if node not in compute else "")
         if reason and not node.pin_reason:
             node.pin_reason, node.pin_kind, node.pin_barrier = reason, decisions.PIN, True
             pinned += 1
@@ -231,7 +231,7 @@ def fold_unscale_into_optimizer(ctx: PassContext) -> tuple[int, list[str]]:
     if mode != "optimizer":
         return 0, [f"1/scale multiplies the gradients: {reason}"]
     ops, factor = training.ops, _gradient_factor(training)
-    folded: dict[tuple[int, int], Value] = {}
+    folded: dict[tuple[Value, int], Value] = {}
     for write in training.plan.writes:
         fold = write.scale_fold
         if fold is None or not write.gradient_slots:
@@ -240,12 +240,12 @@ def fold_unscale_into_optimizer(ctx: PassContext) -> tuple[int, list[str]]:
         value = write.node.inputs[fold.slot]
         assert value is not None
         multiplier = float(np.float32(np.float64(factor) ** fold.power))
-        product = folded.get((id(value), fold.power))
+        product = folded.get((value, fold.power))
         if product is None:
             constant = ops.constant(np.asarray(multiplier, np.float32), "unscale/fold")
             product = ops.multiply(value, ops.cast(constant, _dtype(value), "unscale/fold"),
                                    "unscale/folded")
-            folded[(id(value), fold.power)] = product
+            folded[(value, fold.power)] = product
         write.node.set_input(fold.slot, product)
         training.folded.append((write.node.name, fold.what, multiplier))
     commit(training)
@@ -443,9 +443,9 @@ def release_step_results(ctx: PassContext) -> tuple[int, list[str]]:
     plan, gate, graph = training.plan, training.gate, ctx.model.graph
     if gate is None or not (plan.results or plan.caller_waits):
         return 0, []
-    skipped = {id(node) for node in nodes_after([gate])}
+    skipped = nodes_after([gate])
     writes = [write.node for write in plan.writes]
-    feeds_writes = {id(node) for node in nodes_before(writes)}
+    feeds_writes = nodes_before(writes)
 
     def settled() -> Node:
         if training.settled is None:
@@ -457,24 +457,24 @@ def release_step_results(ctx: PassContext) -> tuple[int, list[str]]:
     dropped = []
     if plan.caller_waits:
         dropped = sorted(key for key, node in graph.control_outputs.items()
-                         if id(node) in skipped and node is not plan.step)
+                         if node in skipped and node is not plan.step)
         for key in dropped:
             graph.remove_control_output(key)
         if dropped:
             plan.step.add_control_input(settled())
         pending.append(plan.step)
-    seen: set[int] = set()
+    seen: set[Node] = set()
     while pending:
         node = pending.pop()
-        if id(node) in seen or id(node) not in skipped:
+        if node in seen or node not in skipped:
             continue
-        seen.add(id(node))
+        seen.add(node)
         ctx.focus = node
-        if id(node) in feeds_writes:
+        if node in feeds_writes:
             raise AmpError(f"the step returns a value computed from {node.name!r}, which a "
                            f"variable update needs after another update: return it before the "
                            f"updates, or read the variable after the step")
-        waited = [n for n in node.control_inputs if id(n) in skipped]
+        waited = [n for n in node.control_inputs if n in skipped]
         if waited:
             for other in waited:
                 node.remove_control_input(other)

@@ -126,11 +126,11 @@ class TrainingPlan:
         that are not in the step's graph, seeds or gradients that are not float, readers that
         do not read their gradient, writes inside the forward or backward pass."""
         graph = self.step.graph
-        live = {id(node) for node in graph.nodes} if graph is not None else set()
+        live: set[Node] = set(graph.nodes) if graph is not None else set()
         found: list[str] = []
 
         def check_node(node: Node, role: str) -> None:
-            if id(node) not in live:
+            if node not in live:
                 found.append(f"{role} {node.name} is not a node of the step's graph")
 
         check_node(self.step, "the step")
@@ -147,12 +147,12 @@ class TrainingPlan:
                 check_node(reader, "gradient reader")
                 if slot >= len(reader.inputs) or reader.inputs[slot] is not exit_.value:
                     found.append(f"{reader.name} input {slot} does not read {exit_.value.name}")
-        compute = {id(node) for node in self.compute}
+        compute: set[Node] = set(self.compute)
         for write in self.writes:
             check_node(write.node, "write")
             if write.kind not in WRITE_KINDS:
                 found.append(f"write {write.node.name}: unknown kind {write.kind!r}")
-            if id(write.node) in compute:
+            if write.node in compute:
                 found.append(f"write {write.node.name} is inside the forward or backward pass")
         for writer, waiter in self.deferred:
             if not any(node is writer for node in waiter.control_inputs):
@@ -163,24 +163,24 @@ class TrainingPlan:
 def _walk(roots: Iterable[Node], neighbours: Callable[[Node], Iterable[Node]]) -> set[Node]:
     """`roots` and every node reached from them through `neighbours` (iterative: graphs are
     big)."""
-    seen: dict[int, Node] = {}
+    seen: set[Node] = set()
     stack = list(roots)
     while stack:
         node = stack.pop()
-        if id(node) not in seen:
-            seen[id(node)] = node
+        if node not in seen:
+            seen.add(node)
             stack.extend(neighbours(node))
-    return set(seen.values())
+    return seen
 
 
 def nodes_before(roots: Iterable[Node], data_only: bool = False,
-                 ignored: frozenset[int] = frozenset()) -> set[Node]:
+                 ignored: frozenset[Node] = frozenset()) -> set[Node]:
     """`roots` and everything they wait for, by data and control edges (or data edges only),
-    leaving out control edges from the nodes whose ids are `ignored`."""
+    leaving out control edges from the nodes in `ignored`."""
     def waited(node: Node) -> Iterator[Node]:
         yield from (v.producer for v in node.inputs if v is not None and v.producer is not None)
         if not data_only:
-            yield from (n for n in node.control_inputs if id(n) not in ignored)
+            yield from (n for n in node.control_inputs if n not in ignored)
     return _walk(roots, waited)
 
 

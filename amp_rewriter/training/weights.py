@@ -34,16 +34,16 @@ def rounding_key(seed: int, name: str, occurrence: int = 0) -> int:
     return zlib.crc32(f"{seed}:{name}:{occurrence}".encode())
 
 
-def _stored_variables(training: TrainingContext) -> dict[int, StoredVariable]:
+def _stored_variables(training: TrainingContext) -> dict[Value, StoredVariable]:
     """The variables the options store in 16 bits: each weight an optimizer updates, and with
-    `slots` the state its update keeps, by id of the value that names them."""
+    `slots` the state its update keeps, by the value that names them."""
     update, ops = training.update_options, training.ops
     weight_dtype, slot_dtype = update.weight_dtype, update.slot_dtype
-    stored: dict[int, StoredVariable] = {}
+    stored: dict[Value, StoredVariable] = {}
 
     def store(value: Value | None, dtype: str) -> None:
-        if value is not None and id(value) not in stored:
-            stored[id(value)] = ops.variable(value, dtype)
+        if value is not None and value not in stored:
+            stored[value] = ops.variable(value, dtype)
 
     for write in training.plan.writes:
         for value in write.node.inputs:  # a variable the caller made 16-bit: every write
@@ -60,22 +60,22 @@ def _stored_variables(training: TrainingContext) -> dict[int, StoredVariable]:
     return stored
 
 
-def _writes_of(writes: list[VariableWrite], stored: dict[int, StoredVariable]
+def _writes_of(writes: list[VariableWrite], stored: dict[Value, StoredVariable]
                ) -> list[tuple[VariableWrite, dict[int, StoredVariable]]]:
     """Each write that writes a stored variable, with its input slots that name one. A variable
     written twice in one step is refused: its second update would start from the first's
     rounded value, which the plan does not order."""
     found: list[tuple[VariableWrite, dict[int, StoredVariable]]] = []
-    writers: dict[int, list[str]] = {}
+    writers: dict[Value, list[str]] = {}
     for write in writes:
-        touched = {slot: stored[id(value)] for slot, value in enumerate(write.node.inputs)
-                   if value is not None and id(value) in stored}
+        touched = {slot: value for slot, value in enumerate(write.node.inputs)
+                   if value is not None and value in stored}
         if touched:
-            found.append((write, touched))
-            for variable in touched.values():
-                writers.setdefault(id(variable), []).append(write.node.name)
-    for variable in stored.values():
-        names = writers.get(id(variable), [])
+            found.append((write, {slot: stored[value] for slot, value in touched.items()}))
+            for value in touched.values():
+                writers.setdefault(value, []).append(write.node.name)
+    for value, variable in stored.items():
+        names = writers.get(value, [])
         if len(names) > 1:
             raise AmpError(f"16-bit variable {variable.name} is written by {len(names)} ops in "
                            f"one step ({', '.join(names)}): each needs its own fp32 update")

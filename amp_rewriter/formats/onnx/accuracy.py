@@ -565,7 +565,7 @@ class _ShadowBuilder:
         #: Where constants go as they are made (so the probe never holds them), if anywhere.
         self.spill = spill
         self.casts: dict[tuple[Path_, str, str, bool], str] = {}
-        self.constants: dict[tuple[Path_, int, str], str] = {}
+        self.constants: dict[tuple[Path_, Value, str], str] = {}
         self.count = 0
 
     def fresh(self, kind: str) -> str:
@@ -594,7 +594,7 @@ class _ShadowBuilder:
     def _constant(self, path: Path_, ref: Ref) -> str:
         """The converted node's constant as it reads it, as an initializer of the probe."""
         value: Value = ref.value
-        key = (path, id(value), ref.dtype or "")
+        key = (path, value, ref.dtype or "")
         name = self.constants.get(key)
         if name is not None:
             return name

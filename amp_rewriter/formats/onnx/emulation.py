@@ -151,7 +151,7 @@ def _emulate_nodes(model: onnx.ModelProto, base_dir: str | os.PathLike | None,
     opsets = model_opsets(emulated)
     f32 = onnx.TensorProto.FLOAT
     result = Emulation(emulated)
-    emulated_ids: set[int] = set()
+    emulated_nodes: set[Node] = set()
     # Inner graphs first: re-adding an outer node copies its body, so bodies must be final by then.
     for graph in reversed(list(ir_model.graph.walk_graphs())):
         proto = graph.handle
@@ -164,7 +164,7 @@ def _emulate_nodes(model: onnx.ModelProto, base_dir: str | os.PathLike | None,
                     or node.op_type in CONTROL_FLOW_OPS or node.op_type == "Cast":
                 nodes.append(node.handle)
                 continue
-            emulated_ids.add(id(node))
+            emulated_nodes.add(node)
             result.emulated.append(f"{node.name} ({node.qualified_op})")
             for slot in low_in:
                 value = node.inputs[slot]
@@ -190,7 +190,7 @@ def _emulate_nodes(model: onnx.ModelProto, base_dir: str | os.PathLike | None,
         del proto.value_info[:]  # the emulated values' types changed; onnxruntime infers them
         if graph.parent is None:
             _fp32_boundary(proto, ir_model.unique_name)
-    result.outputs = _how_outputs_were_computed(ir_model.graph, emulated_ids)
+    result.outputs = _how_outputs_were_computed(ir_model.graph, emulated_nodes)
     return result
 
 
@@ -236,30 +236,30 @@ def _fp32_boundary(graph: onnx.GraphProto, fresh: Callable[[str], str]) -> None:
         graph.node.extend(nodes)
 
 
-def _how_outputs_were_computed(graph: Graph, emulated_ids: set[int]
+def _how_outputs_were_computed(graph: Graph, emulated_nodes: set[Node]
                                ) -> dict[str, tuple[str, list[str]]]:
     """Output name -> (fp32, low-precision kernels or emulated; the emulated ops on its path)."""
     result = {}
     for output in graph.outputs:
-        seen: set[int] = set()
+        seen: set[Node] = set()
         emulated_ops: set[str] = set()
         low = output.dtype in _LOW_ELEM_TYPES
         stack = [output.producer] if output.producer is not None else []
         while stack:
             node = stack.pop()
-            if id(node) in seen:
+            if node in seen:
                 continue
-            seen.add(id(node))
+            seen.add(node)
             members = [node, *(inner for sub in node.subgraphs.values()
                                for inner in sub.walk_nodes())]
             for member in members:
-                if id(member) in emulated_ids:
+                if member in emulated_nodes:
                     emulated_ops.add(member.qualified_op)
                 ins, outs = _low_values(member)
                 low = low or bool(ins or outs)
                 for value in member.inputs:
                     if value is not None and value.producer is not None \
-                            and id(value.producer) not in seen:
+                            and value.producer not in seen:
                         stack.append(value.producer)
         if emulated_ops:
             result[output.name] = (EMULATED, sorted(emulated_ops))
@@ -285,7 +285,7 @@ def _emulate_whole_model(model: onnx.ModelProto, base_dir: str | os.PathLike | N
     # Inner graphs first: re-adding an outer node copies its body, so bodies must be final by then.
     for graph in reversed(list(ir_model.graph.walk_graphs())):
         proto: onnx.GraphProto = graph.handle
-        position = {id(node): index for index, node in enumerate(graph.nodes)}
+        position: dict[Node, int] = {node: index for index, node in enumerate(graph.nodes)}
         nodes: list[onnx.NodeProto] = []
         declared_inputs = {info.name: info for info in proto.input}
         #: node -> the casts of low-precision initializers it reads first: each cast runs right
@@ -296,8 +296,8 @@ def _emulate_whole_model(model: onnx.ModelProto, base_dir: str | os.PathLike | N
                 raw = f"{tensor.name}__amp_emulated"
                 cast = onnx.helper.make_node("Cast", [raw], [tensor.name], to=f32)
                 value = graph.values.get(tensor.name)
-                first = min((position[id(consumer)] for consumer, _ in value.uses
-                             if id(consumer) in position), default=None) \
+                first = min((position[consumer] for consumer, _ in value.uses
+                             if consumer in position), default=None) \
                     if value is not None else None
                 if first is not None:
                     widen_before.setdefault(first, []).append(cast)

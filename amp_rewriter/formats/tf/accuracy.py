@@ -40,7 +40,7 @@ from ...accuracy.runner import (
     ProbePlan,
 )
 from ...errors import AmpError, first_line
-from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, TARGET_DTYPES, Model, Node, ValueNames
+from ...ir import FLOAT_DTYPES, LOW_PRECISION_DTYPES, TARGET_DTYPES, Model, Node, Value, ValueNames
 from ...options import TfOptions
 from ...passes.base import Pin
 from ...report import Report
@@ -370,7 +370,7 @@ class _ShadowBuilder:
         self.probe = probe
         self.conversion = conversion
         self.casts: dict[tuple[str, str, bool], str] = {}
-        self.constants: dict[tuple[int, str], str] = {}
+        self.constants: dict[tuple[Value, str], str] = {}
         self.count = 0
 
     def fresh(self, kind: str) -> str:
@@ -397,7 +397,7 @@ class _ShadowBuilder:
         return name
 
     def _constant(self, ref: Ref) -> str:
-        key = (id(ref.value), ref.dtype or "")
+        key = (ref.value, ref.dtype or "")
         name = self.constants.get(key)
         if name is None:
             tensor = constant_as_read(ref)

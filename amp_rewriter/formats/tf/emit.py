@@ -179,21 +179,21 @@ class _Emitter:
         self.function = self.source.kind == "function"
         proto = self.source.proto
         self.opdefs = OpDefs(None if self.function else proto.library)
-        self.live = {id(node) for node in self.graph.nodes}
+        self.live: set[Node] = set(self.graph.nodes)
         kept = {node.name for node in self.graph.nodes if node.handle is not None}
         self.namer = _Namer(kept | set(self.source.arg_values)
                             | {value.name for value in self.graph.inputs})
-        self.node_names: dict[int, str] = {}
-        self.const_names: dict[int, str] = {}
+        self.node_names: dict[Node, str] = {}
+        self.const_names: dict[Value, str] = {}
         self.devices: dict[str, str] = {}  # original constant name -> its device
         #: Output ports of the nodes a pass added (how a function body names their outputs).
-        self.added_ports: dict[int, list[Port]] = {}
+        self.added_ports: dict[Node, list[Port]] = {}
 
     def node_name(self, node: Node) -> str:
-        name = self.node_names.get(id(node))
+        name = self.node_names.get(node)
         if name is None:
             name = node.name if node.handle is not None else self.namer.name(node.name)
-            self.node_names[id(node)] = name
+            self.node_names[node] = name
         return name
 
     def ref(self, value: Value) -> str:
@@ -202,13 +202,13 @@ class _Emitter:
         if producer is None:
             if value.is_graph_input and self.function:
                 return value.name
-            name = self.const_names[id(value)]
+            name = self.const_names[value]
             return f"{name}:output:0" if self.function else name
         name = self.node_name(producer)
         slot = value.producer_slot
         if self.function:
             if producer.handle is None:
-                port = self.added_ports[id(producer)][slot]
+                port = self.added_ports[producer][slot]
             else:
                 port = self.source.nodes[producer.name].outputs[slot]
             return f"{name}:{port.arg}:{port.index}"
@@ -218,14 +218,14 @@ class _Emitter:
         """Control inputs (`^name`) for `nodes`: a removed node (only a replaced constant's
         own list can still name one) stands for what it waited for."""
         refs: list[str] = []
-        seen: set[int] = set()
+        seen: set[Node] = set()
         stack = list(reversed(nodes))
         while stack:
             node = stack.pop()
-            if id(node) in seen:
+            if node in seen:
                 continue
-            seen.add(id(node))
-            if id(node) in self.live:
+            seen.add(node)
+            if node in self.live:
                 refs.append(f"^{self.node_name(node)}")
             else:
                 stack.extend(reversed(node.predecessors()))
@@ -306,11 +306,11 @@ class _Emitter:
             source = present(node.inputs[0])
             if source.producer is not None and source.producer.handle is not None:
                 nd.device = source.producer.handle.device
-        self.added_ports[id(node)] = expand_ports(nd, op_def, op_def.output_arg)
+        self.added_ports[node] = expand_ports(nd, op_def, op_def.output_arg)
         return nd
 
     def constant(self, value: Value) -> node_def_pb2.NodeDef:
-        nd = node_def_pb2.NodeDef(name=self.const_names[id(value)], op="Const")
+        nd = node_def_pb2.NodeDef(name=self.const_names[value], op="Const")
         assert value.const is not None
         nd.attr["dtype"].type = dtype_enum(_dtype(value))
         nd.attr["value"].tensor.CopyFrom(tensor_proto(value.const))
@@ -332,9 +332,9 @@ class _Emitter:
         # (that node is gone from the graph, so the name is free).
         for name, value in self.graph.initializers.items():
             if value.const is not None and value.const.handle is None:
-                self.const_names[id(value)] = self.namer.name(name)
+                self.const_names[value] = self.namer.name(name)
         out = [self.constant(v) for v in self.graph.initializers.values()
-               if id(v) in self.const_names]
+               if v in self.const_names]
         for node in self.graph.nodes:
             out.append(self.patch(node) if node.handle is not None else self.added(node))
         return out
@@ -361,9 +361,9 @@ def emit_function(model: Model) -> function_pb2.FunctionDef:
     emitter = _Emitter(model)
     out = function_pb2.FunctionDef()
     out.CopyFrom(original)
-    known = {id(value) for value in source.arg_values.values()}
+    known: set[Value] = set(source.arg_values.values())
     for value in model.graph.inputs:
-        if id(value) not in known:
+        if value not in known:
             out.signature.input_arg.add(name=value.name, type=dtype_enum(_dtype(value)))
     del out.node_def[:]
     out.node_def.extend(emitter.nodes())

@@ -452,20 +452,20 @@ class TfLoader:
 
         # Slots are gathered in lists and stored as tuples once: an AddN or ConcatV2 may have
         # thousands of inputs, and growing a tuple a slot at a time is quadratic.
-        slots: dict[tuple[int, bool], list[int]] = {}
+        slots: dict[tuple[TypeGroup, bool], list[int]] = {}
         for slot, port in enumerate(info.inputs):
             if port.group is not None:
                 group = group_for(port)
-                slots.setdefault((id(group), True), []).append(slot)
+                slots.setdefault((group, True), []).append(slot)
                 node.input_group[slot] = group
         for slot, port in enumerate(info.outputs):
             if port.group is not None:
                 group = group_for(port)
-                slots.setdefault((id(group), False), []).append(slot)
+                slots.setdefault((group, False), []).append(slot)
                 node.output_group[slot] = group
         for group in groups.values():
-            group.input_slots = tuple(slots.get((id(group), True), ()))
-            group.output_slots = tuple(slots.get((id(group), False), ()))
+            group.input_slots = tuple(slots.get((group, True), ()))
+            group.output_slots = tuple(slots.get((group, False), ()))
         for value in node.outputs:
             present(value).original_dtype = present(value).dtype
 

@@ -151,8 +151,8 @@ class _Traced:
 
     def __init__(self, owner: _RewrittenFunction, step: Any):
         self.owner, self.step = owner, step
-        #: id of a ConcreteFunction -> (it, its rewrite): the function is kept alive with it.
-        self.rewrites: dict[int, tuple[Any, RewrittenStep]] = {}
+        #: ConcreteFunction -> its rewrite.
+        self.rewrites: dict[Any, RewrittenStep] = {}
         self.function = tf.function(self.run, autograph=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -160,11 +160,10 @@ class _Traced:
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         concrete = trace(self.step, args, kwargs)
-        entry = self.rewrites.get(id(concrete))
-        if entry is None:
-            entry = (concrete, self.owner.rewrite(concrete))
-            self.rewrites[id(concrete)] = entry
-        outputs, extra = entry[1](args, kwargs, self.owner.state_handles())
+        rewritten = self.rewrites.get(concrete)
+        if rewritten is None:
+            rewritten = self.rewrites[concrete] = self.owner.rewrite(concrete)
+        outputs, extra = rewritten(args, kwargs, self.owner.state_handles())
         self.owner.after_step(extra)
         return outputs
 
@@ -176,8 +175,8 @@ class _Calls:
 
     step: Any
     direct: _Traced | None = None
-    #: id of a strategy -> (it, the whole-step function run by a merge_call from replicas).
-    hoisted: dict[int, tuple[Any, _Traced]] = field(default_factory=dict)
+    #: strategy -> the whole-step function run by a merge_call from replicas.
+    hoisted: dict[Any, _Traced] = field(default_factory=dict)
 
 
 class _RewrittenFunction(tf.Module):
@@ -203,16 +202,15 @@ class _RewrittenFunction(tf.Module):
 
     def _whole_step(self, strategy: Any, *args: Any, **kwargs: Any) -> Any:
         """Every replica's call at once (in a merge_call): `strategy.run` of the step."""
-        entry = self._calls.hoisted.get(id(strategy))
-        if entry is None:
+        whole_step = self._calls.hoisted.get(strategy)
+        if whole_step is None:
             per_replica = python_function(self._calls.step)
 
             def whole(*args: Any, **kwargs: Any) -> Any:
                 return strategy.run(per_replica, args=args, kwargs=kwargs)
 
-            entry = (strategy, _Traced(self, as_tf_function(whole)))
-            self._calls.hoisted[id(strategy)] = entry
-        return entry[1](*args, **kwargs)
+            whole_step = self._calls.hoisted[strategy] = _Traced(self, as_tf_function(whole))
+        return whole_step(*args, **kwargs)
 
     def rewrite(self, concrete: Any) -> RewrittenStep:
         """The rewritten body of a traced step (records its report)."""
@@ -248,14 +246,15 @@ def captured_variable_names(concrete: Any
     IR dtype of those the caller built in 16 bits (float16, bfloat16), by argument."""
     arguments = [arg.name for arg in concrete.function_def.signature.input_arg]
     captured = list(concrete.captured_inputs)
-    by_handle = {id(v.handle): v for v in concrete.graph.variables}
+    # handles are tensors, which do not hash: their refs do, by identity
+    by_handle = {v.handle.ref(): v for v in concrete.graph.variables}
     names: dict[str, str] = {}
     trainable: set[str] = set()
     sixteen: dict[str, str] = {}
     seen: dict[tuple[str, str], int] = {}
     first = len(arguments) - len(captured)
     for argument, handle in zip(arguments[first:], captured, strict=True):
-        variable = by_handle.get(id(handle))
+        variable = by_handle.get(handle.ref())
         if variable is None:
             continue
         full = variable.name.partition(":")[0]

@@ -190,7 +190,7 @@ def find_training_plan(model: Model, loss: str | None, train_op: str,
         raise AmpError(f"no gradients found in the ancestors of train op {train_op!r} "
                        f"(tf.gradients seeds its gradients with Fill(shape, 1) under a "
                        f"'gradients/' scope): not a training graph?")
-    in_scope = {id(n) for n in graph.nodes if any(n.name.startswith(s) for s in scopes)}
+    in_scope = {n for n in graph.nodes if any(n.name.startswith(s) for s in scopes)}
     differentiated = _differentiated(seeds, scopes, nodes)
     loss_node = nodes[loss] if loss is not None else _default_loss(differentiated, in_scope)
 
@@ -208,17 +208,17 @@ def find_training_plan(model: Model, loss: str | None, train_op: str,
     return plan
 
 
-def gradient_exits(nodes: Iterable[Node], in_scope: set[int]) -> list[GradientExit]:
-    """The gradients leaving the backward pass (the nodes whose ids are `in_scope`), each with
+def gradient_exits(nodes: Iterable[Node], in_scope: set[Node]) -> list[GradientExit]:
+    """The gradients leaving the backward pass (the nodes `in_scope`), each with
     every slot of a reader among `nodes` outside it that reads it, in name order."""
-    readers: dict[int, GradientExit] = {}
+    readers: dict[Value, GradientExit] = {}
     for node in nodes:
-        if id(node) in in_scope:
+        if node in in_scope:
             continue
         for slot, value in enumerate(node.inputs):
             if value is not None and value.producer is not None \
-                    and id(value.producer) in in_scope:
-                readers.setdefault(id(value), GradientExit(value, [])).readers.append(
+                    and value.producer in in_scope:
+                readers.setdefault(value, GradientExit(value, [])).readers.append(
                     (node, slot))
     return sorted(readers.values(), key=lambda e: (_producer(e.value).name,
                                                    e.value.producer_slot))
@@ -226,7 +226,7 @@ def gradient_exits(nodes: Iterable[Node], in_scope: set[int]) -> list[GradientEx
 
 def assemble_plan(step: Node, seeds: list[GradientSeed], exits: list[GradientExit],
                   loss_node: Node, differentiated: list[Node], writes: list[VariableWrite],
-                  in_scope: set[int], region: Iterable[Node] | None = None,
+                  in_scope: set[Node], region: Iterable[Node] | None = None,
                   initializers: list[Node] | None = None,
                   backward: Iterable[Node] = ()) -> TrainingPlan:
     """The plan from what a front end found: the forward and backward passes are what the
@@ -240,7 +240,7 @@ def assemble_plan(step: Node, seeds: list[GradientSeed], exits: list[GradientExi
     graph = present_graph(step)
     roots = [_producer(e.value) for e in exits] + [loss_node] + list(backward)
     deferred = _deferred_writes(roots, in_scope, [w.node for w in writes])
-    compute = nodes_before(roots, ignored=frozenset(id(writer) for writer, _ in deferred))
+    compute = nodes_before(roots, ignored=frozenset(writer for writer, _ in deferred))
     gated = [w for w in writes if w.node not in compute]
     if region is None:
         needed = nodes_before(w.node for w in gated)
@@ -272,26 +272,26 @@ def assemble_plan(step: Node, seeds: list[GradientSeed], exits: list[GradientExi
 def _linear_to_writes(frontier: list[GradientExit], writes: list[VariableWrite]) -> bool:
     """Whether every frontier gradient reaches only the writes' gradient inputs, and only
     through `_LINEAR_OPS` (a factor on the gradients then reaches the updates unchanged)."""
-    ends = {(id(w.node), slot) for w in writes for slot in w.gradient_slots}
-    derived: dict[int, Value] = {id(e.value): e.value for e in frontier}
-    stack = list(derived.values())
+    ends: set[tuple[Node, int]] = {(w.node, slot) for w in writes for slot in w.gradient_slots}
+    derived: dict[Value, None] = dict.fromkeys(e.value for e in frontier)
+    stack = list(derived)
     while stack:  # everything computed from the gradients before the writes
         for reader, slot in stack.pop().uses:
-            if (id(reader), slot) in ends:
+            if (reader, slot) in ends:
                 continue
             for output in reader.outputs:
-                if output is not None and id(output) not in derived:
-                    derived[id(output)] = output
+                if output is not None and output not in derived:
+                    derived[output] = None
                     stack.append(output)
-    for value in derived.values():
+    for value in derived:
         for reader, slot in value.uses:
-            if (id(reader), slot) in ends or reader.op_type in _LINEAR_OPS:
+            if (reader, slot) in ends or reader.op_type in _LINEAR_OPS:
                 continue
             if reader.op_type not in _SCALING_OPS:
                 return False
             if reader.op_type != "Mul" and slot != 0:
                 return False  # dividing by a gradient
-            if any(id(v) in derived for i, v in enumerate(reader.inputs)
+            if any(v in derived for i, v in enumerate(reader.inputs)
                    if i != slot and v is not None):
                 return False  # a gradient times a gradient
     return True
@@ -311,7 +311,7 @@ def _producer(value: Value) -> Node:
     return value.producer
 
 
-def _default_loss(differentiated: list[Node], in_scope: set[int]) -> Node:
+def _default_loss(differentiated: list[Node], in_scope: set[Node]) -> Node:
     """The one tensor the gradients are taken of, or the Identity that names it."""
     if len(differentiated) != 1:
         raise AmpError(f"give the loss (--loss NAME): gradients are taken of "
@@ -319,14 +319,14 @@ def _default_loss(differentiated: list[Node], in_scope: set[int]) -> Node:
     loss = differentiated[0]
     # tf.identity(loss, name="loss") has no gradient op of its own: name the Identity
     while loss.outputs:
-        readers = [c for c, _s in present(loss.outputs[0]).uses if id(c) not in in_scope]
+        readers = [c for c, _s in present(loss.outputs[0]).uses if c not in in_scope]
         if len(readers) != 1 or readers[0].op_type != "Identity":
             break
         loss = readers[0]
     return loss
 
 
-def _deferred_writes(roots: list[Node], in_scope: set[int], writes: list[Node]
+def _deferred_writes(roots: list[Node], in_scope: set[Node], writes: list[Node]
                      ) -> list[tuple[Node, Node]]:
     """(write, waiter): variable writes the passes wait for only through control edges.
 
@@ -337,7 +337,7 @@ def _deferred_writes(roots: list[Node], in_scope: set[int], writes: list[Node]
     """
     everything = nodes_before(roots)
     data = nodes_before(roots, data_only=True)
-    control_only = {n for n in everything - data if id(n) not in in_scope}
+    control_only = everything - data - in_scope
     writers = control_only & nodes_after(writes)  # writes, or waits for one
     deferred = []
     for node in sorted(everything - writers, key=lambda n: n.name):
@@ -347,7 +347,7 @@ def _deferred_writes(roots: list[Node], in_scope: set[int], writes: list[Node]
     return sorted(deferred, key=lambda pair: pair[0].name)
 
 
-def _gradient_sums(exits: list[GradientExit], in_scope: set[int]) -> list[Node]:
+def _gradient_sums(exits: list[GradientExit], in_scope: set[Node]) -> list[Node]:
     """The sums that add up the gradients of a variable read more than once (in scope)."""
     sums: list[Node] = []
     for exit_ in exits:
@@ -355,7 +355,7 @@ def _gradient_sums(exits: list[GradientExit], in_scope: set[int]) -> list[Node]:
         while node is not None and node.op_type == "Identity" and node.inputs \
                 and node.inputs[0] is not None and node.inputs[0].producer is not None:
             node = node.inputs[0].producer
-        if node is not None and node.op_type in _GRADIENT_SUM_OPS and id(node) in in_scope \
+        if node is not None and node.op_type in _GRADIENT_SUM_OPS and node in in_scope \
                 and node not in sums:
             sums.append(node)
     return sorted(sums, key=lambda n: n.name)

@@ -70,7 +70,7 @@ def _forward_scope(name: str) -> str | None:
     return rest.rpartition("/")[0] + "/" if "/" in rest else ""
 
 
-def _loss_of(seed: Node, readers: list[Node], nodes: list[Node], in_scope: set[int]) -> Node:
+def _loss_of(seed: Node, readers: list[Node], nodes: list[Node], in_scope: set[Node]) -> Node:
     """The target whose gradient `seed` seeds: the last float op of the seed's dtype made before
     the seed in the readers' forward scope (any scope when none fits)."""
     scopes = [s for s in (_forward_scope(r.name) for r in readers) if s is not None]
@@ -79,7 +79,7 @@ def _loss_of(seed: Node, readers: list[Node], nodes: list[Node], in_scope: set[i
     before = nodes[:nodes.index(seed)]
 
     def float_op(node: Node) -> bool:
-        return id(node) not in in_scope and node.op_type not in ("Const", "ReadVariableOp") \
+        return node not in in_scope and node.op_type not in ("Const", "ReadVariableOp") \
             and bool(node.outputs) and node.outputs[0] is not None \
             and node.outputs[0].dtype == dtype
 
@@ -95,16 +95,16 @@ def _loss_of(seed: Node, readers: list[Node], nodes: list[Node], in_scope: set[i
                    f"before it: is the loss a float tensor?")
 
 
-def _seeds(nodes: list[Node], in_scope: set[int]
+def _seeds(nodes: list[Node], in_scope: set[Node]
            ) -> tuple[list[GradientSeed], list[Node]]:
     """The slots that read a tape's seed, and the targets (losses) seeded, in order."""
     seeds: list[GradientSeed] = []
     losses: list[Node] = []
     for node in nodes:
-        if id(node) in in_scope or not node.outputs or node.outputs[0] is None:
+        if node in in_scope or not node.outputs or node.outputs[0] is None:
             continue
         uses = present(node.outputs[0]).uses
-        if not uses or any(id(reader) not in in_scope for reader, _slot in uses) \
+        if not uses or any(reader not in in_scope for reader, _slot in uses) \
                 or not _holds_ones(node):
             continue
         seeds.extend(GradientSeed(reader, slot) for reader, slot in uses)
@@ -130,7 +130,7 @@ def find_step_plan(model: Model, ops: TfTrainingOps, library: frozenset[str] = f
     or applies them where the plan cannot see (a nested function, tf.cond, a custom op)."""
     graph = model.graph
     nodes = list(graph.nodes)
-    in_scope = {id(n) for n in nodes if TAPE_SCOPE.search(n.name)}
+    in_scope = {n for n in nodes if TAPE_SCOPE.search(n.name)}
     seeds, losses = _seeds(nodes, in_scope)
     if not seeds:
         raise AmpError("the step takes no gradient with tf.GradientTape (no tape.gradient "
@@ -156,7 +156,7 @@ def find_step_plan(model: Model, ops: TfTrainingOps, library: frozenset[str] = f
     ops.commit()
     graph.set_control_output(STEP_KEY, step)
     plan = assemble_plan(step, seeds, exits, losses[0], losses, writes, in_scope,
-                         backward=[n for n in nodes if id(n) in in_scope])
+                         backward=[n for n in nodes if n in in_scope])
     if not any(write.node in readers for write in plan.writes):
         raise AmpError("the step takes gradients with tf.GradientTape but applies none of them: "
                        "no variable update (optimizer.apply_gradients, assign_sub, ...) reads "
