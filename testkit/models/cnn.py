@@ -47,6 +47,16 @@ def _conv_weights(
     return normal_weights(rng, (out_channels, in_channels, kernel, kernel), math.sqrt(2.0 / fan_in))
 
 
+def _conv_params(
+    rng: np.random.Generator, prefix: str, out_channels: int, in_channels: int
+) -> list[onnx.TensorProto]:
+    """Weight (3x3 kernels) and bias for one Conv."""
+    return [
+        float_initializer(f"{prefix}.weight", _conv_weights(rng, out_channels, in_channels, 3)),
+        float_initializer(f"{prefix}.bias", rng.normal(0.0, 0.05, out_channels)),
+    ]
+
+
 def _batch_norm_params(
     rng: np.random.Generator, prefix: str, channels: int
 ) -> list[onnx.TensorProto]:
@@ -70,33 +80,34 @@ def build_model(channels: int = 16, seed: int = 0) -> onnx.ModelProto:
     rng = seeded_rng(seed)
     wide = 2 * channels
     initializers = [
-        float_initializer("conv1.weight", _conv_weights(rng, channels, 3, 3)),
-        float_initializer("conv1.bias", rng.normal(0.0, 0.05, channels)),
+        *_conv_params(rng, "conv1", channels, 3),
         *_batch_norm_params(rng, "bn1", channels),
-        float_initializer("conv2.weight", _conv_weights(rng, wide, channels, 3)),
-        float_initializer("conv2.bias", rng.normal(0.0, 0.05, wide)),
+        *_conv_params(rng, "conv2", wide, channels),
         *_batch_norm_params(rng, "bn2", wide),
         float_initializer("resize.scales", [1.0, 1.0, 2.0, 2.0]),
-        float_initializer("conv3.weight", _conv_weights(rng, wide, wide, 3)),
-        float_initializer("conv3.bias", rng.normal(0.0, 0.05, wide)),
+        *_conv_params(rng, "conv3", wide, wide),
         float_initializer(
             "fc.weight", normal_weights(rng, (NUM_CLASSES, wide), 1.0 / math.sqrt(wide))
         ),
         float_initializer("fc.bias", rng.normal(0.0, 0.05, NUM_CLASSES)),
     ]
 
+    def conv(name: str, x: str) -> onnx.NodeProto:
+        # Padding one pixel keeps the 3x3 convolutions' spatial size.
+        return helper.make_node(
+            "Conv",
+            [x, f"{name}.weight", f"{name}.bias"],
+            [f"{name}_out"],
+            name=name,
+            pads=[1, 1, 1, 1],
+        )
+
     def batch_norm(name: str, x: str, prefix: str, y: str) -> onnx.NodeProto:
         params = [f"{prefix}.scale", f"{prefix}.bias", f"{prefix}.mean", f"{prefix}.var"]
         return helper.make_node("BatchNormalization", [x, *params], [y], name=name, epsilon=1e-5)
 
     nodes = [
-        helper.make_node(
-            "Conv",
-            ["image", "conv1.weight", "conv1.bias"],
-            ["conv1_out"],
-            name="conv1",
-            pads=[1, 1, 1, 1],
-        ),
+        conv("conv1", "image"),
         batch_norm("bn1", "conv1_out", "bn1", "bn1_out"),
         helper.make_node("Relu", ["bn1_out"], ["relu1_out"], name="relu1"),
         helper.make_node(
@@ -107,13 +118,7 @@ def build_model(channels: int = 16, seed: int = 0) -> onnx.ModelProto:
             kernel_shape=[2, 2],
             strides=[2, 2],
         ),
-        helper.make_node(
-            "Conv",
-            ["pool1_out", "conv2.weight", "conv2.bias"],
-            ["conv2_out"],
-            name="conv2",
-            pads=[1, 1, 1, 1],
-        ),
+        conv("conv2", "pool1_out"),
         batch_norm("bn2", "conv2_out", "bn2", "bn2_out"),
         helper.make_node("Relu", ["bn2_out"], ["relu2_out"], name="relu2"),
         # The empty input name is the "absent optional input" spelling of roi.
@@ -124,13 +129,7 @@ def build_model(channels: int = 16, seed: int = 0) -> onnx.ModelProto:
             name="upsample",
             mode="linear",
         ),
-        helper.make_node(
-            "Conv",
-            ["resize_out", "conv3.weight", "conv3.bias"],
-            ["conv3_out"],
-            name="conv3",
-            pads=[1, 1, 1, 1],
-        ),
+        conv("conv3", "resize_out"),
         helper.make_node("Relu", ["conv3_out"], ["relu3_out"], name="relu3"),
         helper.make_node("GlobalAveragePool", ["relu3_out"], ["gap_out"], name="global_pool"),
         helper.make_node("Flatten", ["gap_out"], ["flat_out"], name="flatten", axis=1),
