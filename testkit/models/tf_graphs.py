@@ -326,14 +326,18 @@ BUILDERS: dict[str, Callable[[], GraphAndOutputs]] = {
 }
 
 
-def meta_graph_with_saver(seed: int = 16) -> tf.compat.v1.MetaGraphDef:
+def meta_graph_with_saver(seed: int = 16, use_resource: bool = False) -> tf.compat.v1.MetaGraphDef:
     """A TF1 MetaGraphDef: a ref variable (get_variable), MatMul -> Relu -> `y`, `y` in an
-    `outputs` collection, a Saver (saver_def and save/restore ops)."""
+    `outputs` collection, a Saver (saver_def and save/restore ops).
+
+    `use_resource=True` makes the variable a resource one (VarHandleOp), what get_variable
+    gives by default under TensorFlow 2.
+    """
     w = _Weights(seed)
     graph = tf.Graph()
     with graph.as_default():
         x = v1.placeholder(tf.float32, [4, 8], name="x")
-        var = v1.get_variable("w", initializer=w(8, 8), use_resource=False)
+        var = v1.get_variable("w", initializer=w(8, 8), use_resource=use_resource)
         y = tf.identity(tf.nn.relu(tf.matmul(x, var, name="mm")), name="y")
         v1.add_to_collection("outputs", y)
         saver = v1.train.Saver()

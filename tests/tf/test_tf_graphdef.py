@@ -15,6 +15,7 @@ tf = pytest.importorskip("tensorflow")
 
 from amp_rewriter import cli  # noqa: E402
 from amp_rewriter.formats.tf import compare_graphdefs, convert_graphdef  # noqa: E402
+from testkit.models import tf_graphs  # noqa: E402
 
 v1 = tf.compat.v1
 RNG = np.random.default_rng(0)
@@ -61,16 +62,7 @@ def build(fn) -> tf.compat.v1.GraphDef:
 
 
 def test_matmul_conv_allow_relu_identity_clear():
-    def model():
-        x = v1.placeholder(tf.float32, [None, 8, 8, 3], name="x")
-        c = tf.nn.conv2d(x, weights(3, 3, 3, 4), 1, "SAME", name="conv")
-        r = tf.nn.relu(c, name="relu")
-        i = tf.identity(r, name="ident")
-        f = tf.reshape(i, [-1, 256], name="flat")
-        m = tf.matmul(f, weights(256, 5, scale=0.05), name="mm")
-        tf.identity(m, name="y")
-
-    c = Converted(build(model), ["y"])
+    c = Converted(*tf_graphs.conv_matmul())
     for name in ("conv", "relu", "ident", "flat", "mm"):
         assert c.precision(name) == "bf16", (name, c.entries[name])
     assert c.nodes["conv"].attr["T"].type == BF16
@@ -84,17 +76,7 @@ def test_matmul_conv_allow_relu_identity_clear():
 
 
 def test_sqrt_log_infer():
-    def model():
-        x = v1.placeholder(tf.float32, [4, 8], name="x")
-        a = tf.matmul(x, weights(8, 8), name="mm1")
-        s = tf.sqrt(tf.abs(a, name="abs"), name="sqrt")  # between allow ops: low
-        tf.identity(tf.matmul(s, weights(8, 8), name="mm2"), name="y1")
-        lg = tf.math.log(tf.abs(x) + 1.0, name="log_in")  # fed by fp32 only: stays fp32
-        tf.identity(lg, name="y2")
-        sig = tf.sigmoid(tf.matmul(x, weights(8, 8), name="mm3"), name="sig")
-        tf.math.log(sig, name="log_out")
-
-    c = Converted(build(model), ["y1", "y2", "log_out"])
+    c = Converted(*tf_graphs.sqrt_log_infer())
     assert c.precision("sqrt") == "bf16"
     assert c.precision("abs") == "bf16"
     assert c.precision("log_in") == "fp32"
@@ -107,19 +89,7 @@ def test_sqrt_log_infer():
 
 
 def test_exp_pow_deny_spread_through_infer_and_clear_until_allow():
-    def model():
-        x = v1.placeholder(tf.float32, [4, 8], name="x")
-        e = tf.exp(x * 0.1, name="exp")
-        r = tf.nn.relu(e, name="relu")           # clear: taint passes
-        s = tf.sqrt(r, name="sqrt")              # infer: taint passes
-        m = tf.matmul(s, weights(8, 8), name="mm")  # allow: absorbs it
-        t = tf.tanh(m, name="tanh")              # infer after allow: low again
-        p = tf.pow(tf.abs(x, name="abs_p"), 2.0, name="pow")
-        q = tf.sigmoid(p, name="sig")            # infer after deny: fp32
-        tf.identity(tf.matmul(t, weights(8, 8), name="mm2") + tf.matmul(q, weights(8, 8),
-                                                                            name="mm3"), name="y")
-
-    c = Converted(build(model), ["y"])
+    c = Converted(*tf_graphs.exp_pow_deny())
     for name in ("exp", "relu", "sqrt", "pow", "sig"):
         assert c.precision(name) == "fp32", (name, c.entries[name])
     assert "deny" in c.entries["sqrt"]["reason"]
@@ -129,26 +99,14 @@ def test_exp_pow_deny_spread_through_infer_and_clear_until_allow():
 
 
 def test_exp_deny_fp16_on_tf_gpu_lists():
-    def model():
-        x = v1.placeholder(tf.float32, [4, 8], name="x")
-        m = tf.matmul(x, weights(8, 8), name="mm")
-        s = tf.reduce_sum(m, axis=1, name="sum")  # deny in Grappler's fp16 list
-        tf.identity(tf.exp(s * 0.01, name="exp"), name="y")
-
-    c = Converted(build(model), ["y"], target="fp16", backend="tf-gpu")
+    c = Converted(*tf_graphs.reduce_sum_exp(), target="fp16", backend="tf-gpu")
     assert c.precision("mm") == "fp16"
     assert c.precision("sum") == "fp32" and c.precision("exp") == "fp32"
     assert c.nodes["mm"].attr["T"].type == FP16
 
 
 def test_add_between_allow_is_low_alone_is_fp32():
-    def model():
-        x = v1.placeholder(tf.float32, [4, 8], name="x")
-        a = tf.add(tf.matmul(x, weights(8, 8), name="mm1"), weights(8), name="add_mid")
-        tf.identity(tf.matmul(a, weights(8, 8), name="mm2"), name="y")
-        tf.identity(tf.add(x, 1.0, name="add_alone"), name="y2")
-
-    c = Converted(build(model), ["y", "y2"])
+    c = Converted(*tf_graphs.add_between_allow())
     assert c.precision("add_mid") == "bf16"
     assert c.precision("add_alone") == "fp32"
     assert c.nodes["add_mid"].attr["T"].type == BF16
@@ -157,18 +115,9 @@ def test_add_between_allow_is_low_alone_is_fp32():
 
 @pytest.mark.parametrize("target", ["bf16", "fp16"])
 def test_fused_batch_norm_t_low_u_fp32(target):
-    def model():
-        x = v1.placeholder(tf.float32, [2, 8, 8, 3], name="x")
-        c = tf.nn.conv2d(x, weights(3, 3, 3, 4), 1, "SAME", name="conv")
-        y, _, _ = v1.nn.fused_batch_norm(c, np.ones(4, np.float32) * 1.5, np.zeros(4, np.float32),
-                                         mean=weights(4), variance=np.ones(4, np.float32),
-                                         is_training=False, name="bn")
-        r = tf.nn.relu(y, name="relu")
-        tf.identity(tf.nn.conv2d(r, weights(3, 3, 4, 2), 1, "SAME", name="conv2"), name="y")
-
-    graph_def = build(model)
+    graph_def, outputs = tf_graphs.fused_batch_norm_v3()
     assert {n.op for n in graph_def.node} & {"FusedBatchNorm", "FusedBatchNormV3"}
-    c = Converted(graph_def, ["y"], target=target, backend="tf-cpu")
+    c = Converted(graph_def, outputs, target=target, backend="tf-cpu")
     bn = c.nodes["bn"]
     assert bn.op in ("FusedBatchNormV2", "FusedBatchNormV3")
     low = BF16 if target == "bf16" else FP16
@@ -181,16 +130,7 @@ def test_fused_batch_norm_t_low_u_fp32(target):
 
 
 def test_identity_n_and_add_n_list_attrs():
-    def model():
-        x = v1.placeholder(tf.float32, [4, 8], name="x")
-        m1 = tf.matmul(x, weights(8, 8), name="mm1")
-        m2 = tf.matmul(x, weights(8, 8), name="mm2")
-        s = tf.math.add_n([m1, m2, m1], name="addn")
-        a, b = tf.identity_n([s, x], name="idn")
-        tf.identity(tf.matmul(a, weights(8, 8), name="mm3"), name="y")
-        tf.identity(b, name="b_out")
-
-    c = Converted(build(model), ["y", "b_out"])
+    c = Converted(*tf_graphs.identity_n_add_n())
     assert c.precision("addn") == "bf16"
     assert c.nodes["addn"].attr["T"].type == BF16
     groups = {g["group"]: g["precision"] for g in c.entries["idn"]["groups"]}
@@ -200,27 +140,17 @@ def test_identity_n_and_add_n_list_attrs():
 
 
 def test_existing_casts_retargeted():
-    def model():
-        i = v1.placeholder(tf.int32, [4, 8], name="i")
-        f = tf.cast(i, tf.float32, name="to_float")
-        tf.matmul(f, weights(8, 8), name="mm")
-
-    c = Converted(build(model), ["mm"], keep_io_types=False)
+    c = Converted(*tf_graphs.existing_casts(), keep_io_types=False)
     assert c.nodes["to_float"].attr["DstT"].type == BF16  # retargeted, not followed by a cast
     assert not c.casts_to(BF16)
     c.run()
 
 
 def test_ref_variable_read_stays_fp32_and_gets_a_cast():
-    def model():
-        x = v1.placeholder(tf.float32, [4, 8], name="x")
-        w = v1.Variable(weights(8, 8), name="w", use_resource=False)
-        tf.identity(tf.matmul(x, w, name="mm"), name="y")
-
-    graph_def = build(model)
+    graph_def, outputs = tf_graphs.ref_variable()
     ops = {n.name: n.op for n in graph_def.node}
     assert ops["w"] == "VariableV2" and ops["w/read"] == "Identity"
-    c = Converted(graph_def, ["y"])
+    c = Converted(graph_def, outputs)
     assert c.precision("w/read") == "fp32"
     assert "ref variable" in c.entries["w/read"]["reason"]
     assert c.precision("mm") == "bf16"
@@ -230,30 +160,11 @@ def test_ref_variable_read_stays_fp32_and_gets_a_cast():
     c.run()
 
 
-@pytest.fixture
-def control_flow_v1():
-    v1.disable_control_flow_v2()
-    try:
-        yield
-    finally:
-        v1.enable_control_flow_v2()
-
-
-def test_v1_while_loop(control_flow_v1):
-    def model():
-        x = v1.placeholder(tf.float32, [4, 8], name="x")
-        w = tf.constant(weights(8, 8), name="w")
-
-        def body(i, h):
-            return i + 1, tf.tanh(tf.matmul(h, w, name="mm"), name="act")
-
-        _, h = v1.while_loop(lambda i, h: i < 3, body, [tf.constant(0), x], name="loop")
-        tf.identity(h, name="y")
-
-    graph_def = build(model)
+def test_v1_while_loop():
+    graph_def, outputs = tf_graphs.while_loop_v1()
     ops = {n.op for n in graph_def.node}
     assert {"Enter", "Merge", "Switch", "NextIteration", "Exit"} <= ops
-    c = Converted(graph_def, ["y"])
+    c = Converted(graph_def, outputs)
     by_op: dict[str, list[str]] = {}
     for e in c.report.nodes:
         by_op.setdefault(e["op"], []).append(e["name"])
@@ -272,30 +183,21 @@ def test_v1_while_loop(control_flow_v1):
 
 
 def test_fp16_on_cpu_runs():
-    def model():
-        x = v1.placeholder(tf.float32, [4, 8], name="x")
-        tf.identity(tf.nn.relu(tf.matmul(x, weights(8, 8), name="mm"), name="relu"), name="y")
-
-    c = Converted(build(model), ["y"], target="fp16", backend="tf-cpu")
+    c = Converted(*tf_graphs.mlp_relu(), target="fp16", backend="tf-cpu")
     assert c.precision("mm") == "fp16" and c.precision("relu") == "fp16"
     c.run(rtol=2e-2)
 
 
 def test_grappler_env_variables(monkeypatch):
-    def model():
-        x = v1.placeholder(tf.float32, [4, 8], name="x")
-        r = tf.nn.relu(tf.matmul(x, weights(8, 8), name="mm"), name="relu")
-        tf.identity(tf.matmul(r, weights(8, 8), name="mm2"), name="y")
-
-    graph_def = build(model)
+    graph_def, outputs = tf_graphs.two_matmuls_relu()
     monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_CLEARLIST_REMOVE", "Relu")
     monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD", "Relu")
-    c = Converted(graph_def, ["y"])
+    c = Converted(graph_def, outputs)
     assert c.precision("relu") == "fp32"
     assert "DENYLIST_ADD" in c.entries["relu"]["reason"]
     monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_DENYLIST_ADD", "")
     monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_ALLOWLIST_REMOVE", "MatMul")
-    c = Converted(graph_def, ["y"])
+    c = Converted(graph_def, outputs)
     assert c.precision("mm") == "fp32" and c.precision("relu") == "fp32"
 
 
@@ -379,18 +281,7 @@ def test_control_edges_on_removed_nodes_are_kept_valid():
     """A no-op Cast that fold_casts removes, and a constant replaced by its converted copy, may
     be the target of control edges: those edges move to what the removed node waited for (the
     cast's input; nothing for a constant, so waiting for it goes)."""
-    def model():
-        x = v1.placeholder(tf.float32, [4, 8], name="x")
-        same = tf.raw_ops.Cast(x=x, DstT=tf.float32, name="noop_cast")
-        w = tf.constant(weights(8, 8), name="w")
-        w2 = tf.constant(weights(8, 8), name="w2")
-        with tf.control_dependencies([same.op, w.op]):
-            m = tf.matmul(x, w2, name="mm")
-        tf.identity(m, name="y")
-        tf.identity(tf.sqrt(tf.abs(same)), name="y2")
-        tf.identity(tf.matmul(x, w, name="mm_w"), name="y3")
-
-    c = Converted(build(model), ["y", "y2", "y3"])
+    c = Converted(*tf_graphs.noop_cast_control_edges())
     assert "noop_cast" not in c.nodes
     assert c.nodes["w"].attr["dtype"].type == BF16
     controls = [i for i in c.nodes["mm"].input if i.startswith("^")]
@@ -401,13 +292,7 @@ def test_control_edges_on_removed_nodes_are_kept_valid():
 def test_fp16_overflowing_constant_keeps_its_consumer_fp32():
     """Const nodes are constants to the range guard: a -1e9 attention-style mask stays exact, the
     Add that reads it and the Softmax after it stay fp32, the MatMul goes fp16."""
-    def model():
-        x = v1.placeholder(tf.float32, [4, 8], name="x")
-        mask = np.where(np.tril(np.ones((4, 8))) > 0, 0.0, -1e9).astype(np.float32)
-        scores = tf.add(tf.matmul(x, weights(8, 8), name="mm"), mask, name="masked")
-        tf.identity(tf.nn.softmax(scores, name="probs"), name="y")
-
-    c = Converted(build(model), ["y"], target="fp16", backend="tf-gpu")
+    c = Converted(*tf_graphs.fp16_mask(), target="fp16", backend="tf-gpu")
     assert c.precision("mm") == "fp16"
     assert c.precision("masked") == "fp32" and c.precision("probs") == "fp32"
     assert "finite range" in c.entries["masked"]["reason"]
@@ -451,25 +336,14 @@ def test_a_divisor_that_partly_flushes_keeps_the_division_fp32():
         assert not comparison.nonfinite_new and comparison.relative < 2e-2, comparison
 
 
-def test_v1_while_loop_constant_inside_the_frame_keeps_its_control_input(control_flow_v1):
+def test_v1_while_loop_constant_inside_the_frame_keeps_its_control_input():
     """A Const inside a TF1 loop body is placed in the loop frame by a control input; its bf16
     copy needs the same one, or TF refuses the graph ("inputs from different frames")."""
-    def model():
-        x = v1.placeholder(tf.float32, [4, 8], name="x")
-        w = tf.constant(weights(8, 8), name="w")
-
-        def body(i, h):
-            scaled = tf.matmul(h, w, name="mm") * tf.constant(0.5, name="half")
-            return i + 1, tf.tanh(tf.matmul(scaled, w, name="mm2"), name="act")
-
-        _, h = v1.while_loop(lambda i, h: i < 3, body, [tf.constant(0), x], name="loop")
-        tf.identity(h, name="y")
-
-    graph_def = build(model)
+    graph_def, outputs = tf_graphs.while_loop_v1()
     frame_consts = {n.name: [i for i in n.input if i.startswith("^")] for n in graph_def.node
                     if n.op == "Const" and any(i.startswith("^") for i in n.input)}
     assert frame_consts  # TF gave the body's constants a control input into the frame
-    c = Converted(graph_def, ["y"])
+    c = Converted(graph_def, outputs)
     for name, controls in frame_consts.items():
         if name in c.nodes:
             assert [i for i in c.nodes[name].input if i.startswith("^")] == controls
@@ -493,14 +367,8 @@ def test_saved_model_without_its_variables_is_bad_input(tmp_path, amp_cli):
 
 def test_meta_graph_file_converts_and_keeps_collections(tmp_path, amp_cli):
     """A TF1 .meta (MetaGraphDef) converts in place of its graph; collections and saver stay."""
-    graph = tf.Graph()
-    with graph.as_default():
-        x = v1.placeholder(tf.float32, [4, 8], name="x")
-        w = v1.get_variable("w", initializer=weights(8, 8))
-        y = tf.identity(tf.nn.relu(tf.matmul(x, w, name="mm")), name="y")
-        v1.add_to_collection("outputs", y)
-        saver = v1.train.Saver()
-        meta = saver.export_meta_graph(str(tmp_path / "model.meta"))
+    meta = tf_graphs.meta_graph_with_saver(use_resource=True)
+    (tmp_path / "model.meta").write_bytes(meta.SerializeToString())
     result = amp_cli("convert", str(tmp_path / "model.meta"), str(tmp_path / "out.meta"),
                      "--outputs", "y", "--target", "bf16", "--validate")
     assert result.returncode == 0, result.stderr
