@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from testkit.models import BUILDERS
+from testkit.models._common import output_dir_argument
 
 
 def main(argv: list[str]) -> int:
     """Write all models into the directory given as the only argument."""
-    if len(argv) != 1:
-        print("usage: python -m testkit.models OUT_DIR", file=sys.stderr)
+    out_dir = output_dir_argument(argv, "python -m testkit.models OUT_DIR")
+    if out_dir is None:
         return 2
-    out_dir = Path(argv[0])
-    out_dir.mkdir(parents=True, exist_ok=True)
     for name, build_model in BUILDERS.items():
         (out_dir / f"{name}.onnx").write_bytes(build_model().SerializeToString())
     return 0

@@ -67,6 +67,19 @@ def finish_model(
     return model
 
 
+def output_dir_argument(args: list[str], usage: str) -> Path | None:
+    """Return the one OUT_DIR argument of a ``python -m testkit.models...`` command, created.
+
+    With any other number of arguments, print ``usage`` to stderr and return None (exit 2).
+    """
+    if len(args) != 1:
+        print(f"usage: {usage}", file=sys.stderr)
+        return None
+    out_dir = Path(args[0])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
+
+
 def write_model_cli(
     build_model: Callable[[], onnx.ModelProto], argv: list[str] | None = None
 ) -> int:

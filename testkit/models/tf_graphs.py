@@ -23,9 +23,10 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
+
+from testkit.models._common import output_dir_argument
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -347,11 +348,9 @@ def meta_graph_with_saver(seed: int = 16, use_resource: bool = False) -> tf.comp
 def main(argv: list[str] | None = None) -> int:
     """`python -m testkit.models.tf_graphs OUT_DIR`: write each graph there."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m testkit.models.tf_graphs OUT_DIR", file=sys.stderr)
+    out = output_dir_argument(args, "python -m testkit.models.tf_graphs OUT_DIR")
+    if out is None:
         return 2
-    out = Path(args[0])
-    out.mkdir(parents=True, exist_ok=True)
     for name, builder in BUILDERS.items():
         graph_def, outputs = builder()
         (out / f"{name}.pb").write_bytes(graph_def.SerializeToString(deterministic=True))
