@@ -16,6 +16,7 @@ keras = pytest.importorskip("keras")
 
 from amp_rewriter import cli  # noqa: E402
 from amp_rewriter.formats.tf import compare_saved_models, convert_saved_model, read_saved_model  # noqa: E402
+from testkit.models import tf_saved_models  # noqa: E402
 
 
 def _function_signatures(path: Path) -> dict[str, tuple]:
@@ -56,36 +57,12 @@ def _check_common(src: Path, dst: Path, report) -> None:
 
 @pytest.fixture(scope="module")
 def keras_cnn(tmp_path_factory) -> Path:
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((16, 16, 3), name="image")
-    x = keras.layers.Conv2D(8, 3, padding="same")(inputs)
-    x = keras.layers.BatchNormalization()(x)
-    x = keras.layers.ReLU()(x)
-    x = keras.layers.MaxPooling2D()(x)
-    x = keras.layers.DepthwiseConv2D(3, padding="same", activation="relu")(x)
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    outputs = keras.layers.Dense(5, activation="softmax")(x)
-    model = keras.Model(inputs, outputs)
-    path = tmp_path_factory.mktemp("cnn") / "saved"
-    model.export(str(path), verbose=False)
-    return path
+    return tf_saved_models.export_keras_cnn(tmp_path_factory.mktemp("cnn") / "saved")
 
 
 @pytest.fixture(scope="module")
 def keras_encoder(tmp_path_factory) -> Path:
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input((16,), dtype="int32", name="tokens")
-    x = keras.layers.Embedding(50, 32)(tokens)
-    attention = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8)(x, x)
-    x = keras.layers.LayerNormalization()(x + attention)
-    ff = keras.layers.Dense(64, activation="gelu")(x)
-    ff = keras.layers.Dense(32)(ff)
-    x = keras.layers.LayerNormalization()(x + ff)
-    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(x))
-    model = keras.Model(tokens, outputs)
-    path = tmp_path_factory.mktemp("encoder") / "saved"
-    tf.saved_model.save(model, str(path))
-    return path
+    return tf_saved_models.export_keras_encoder(tmp_path_factory.mktemp("encoder") / "saved")
 
 
 def test_keras_cnn_bf16(keras_cnn, tmp_path):
@@ -120,33 +97,8 @@ def test_keras_encoder_fp16_tf_gpu_lists_keep_reductions_fp32(keras_encoder, tmp
     assert _function_signatures(keras_encoder) == _function_signatures(dst)
 
 
-class _Nested(tf.Module):
-    """A module whose exported function calls another tf.function (a separate FunctionDef)."""
-
-    def __init__(self, vocab: Path):
-        super().__init__()
-        rng = np.random.default_rng(0)
-        self.w1 = tf.Variable(rng.standard_normal((8, 8)).astype(np.float32) * 0.3)
-        self.w2 = tf.Variable(rng.standard_normal((8, 4)).astype(np.float32) * 0.3)
-        self.vocab = tf.saved_model.Asset(str(vocab))
-
-    @tf.function(autograph=False)
-    def layer(self, x):
-        return tf.nn.relu(tf.matmul(x, self.w1))
-
-    @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32, name="x")],
-                 autograph=False)
-    def serve(self, x):
-        h = self.layer(x)
-        return {"y": tf.matmul(h, self.w2), "vocab_file": self.vocab.asset_path}
-
-
 def test_function_calls_and_assets(tmp_path):
-    vocab = tmp_path / "vocab.txt"
-    vocab.write_text("a\nb\n")
-    module = _Nested(vocab)
-    src = tmp_path / "nested"
-    tf.saved_model.save(module, str(src), signatures={"serving_default": module.serve})
+    src = tf_saved_models.export_nested_module(tmp_path / "nested")
     saved = read_saved_model(src)
     callers = [n for f in saved.meta_graphs[0].graph_def.library.function for n in f.node_def
                if n.op in ("StatefulPartitionedCall", "PartitionedCall")]
@@ -185,17 +137,7 @@ def test_cli_saved_model(keras_cnn, tmp_path, capsys):
 
 def test_tf1_saved_model_main_graph(tmp_path):
     """A TF1 SavedModel keeps its compute in the MetaGraph's own graph (ref variables, saver)."""
-    v1 = tf.compat.v1
-    src = tmp_path / "tf1"
-    graph = tf.Graph()
-    with graph.as_default():
-        x = v1.placeholder(tf.float32, [None, 8], name="x")
-        w = v1.Variable(np.random.default_rng(0).random((8, 8)).astype(np.float32), name="w",
-                        use_resource=False)
-        y = tf.identity(tf.nn.relu(tf.matmul(tf.matmul(x, w), w)), name="y")
-        with v1.Session() as session:
-            session.run(v1.global_variables_initializer())
-            v1.saved_model.simple_save(session, str(src), {"x": x}, {"y": y})
+    src = tf_saved_models.export_tf1_simple_save(tmp_path / "tf1")
     dst = tmp_path / "tf1_bf16"
     report = convert_saved_model(src, dst, target="bf16", backend="tf-cpu")
     entries = {e["name"]: e for e in report.nodes if e.get("graph") == "main graph"}
