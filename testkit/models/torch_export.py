@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import logging
 import os
@@ -169,47 +170,35 @@ def export_module(
     _check_opset(opset)
     output_path = Path(path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    export_arguments = (
-        module,
-        example_inputs,
-        output_path,
-        opset,
-        input_names,
-        output_names,
-        dynamic_axes,
+    export = _Export(
+        module, example_inputs, output_path, opset, input_names, output_names, dynamic_axes
     )
-    if torchscript:
-        with _quiet_export(), _single_threaded_torch(), torch.no_grad():
-            _export_with_torchscript(*export_arguments)
-            _validate_exported_model(output_path, opset)
-        _LOGGER.info(
-            "exported %s to %s at opset %d with the torchscript exporter",
-            type(module).__name__,
-            output_path,
-            opset,
-        )
-        return output_path
     with _quiet_export(), _single_threaded_torch(), torch.no_grad():
-        try:
-            _export_with_dynamo(*export_arguments)
+        if torchscript:
+            _export_with_torchscript(export)
             _validate_exported_model(output_path, opset)
-            exporter_used = "dynamo"
-        except Exception as dynamo_error:  # noqa: BLE001  (any failure here means: try the other exporter)
-            _LOGGER.info(
-                "dynamo export of %s at opset %d failed (%s); using the TorchScript exporter",
-                type(module).__name__,
-                opset,
-                str(dynamo_error).splitlines()[0] if str(dynamo_error) else repr(dynamo_error),
-            )
-            try:
-                _export_with_torchscript(*export_arguments)
-                _validate_exported_model(output_path, opset)
-            except Exception as torchscript_error:
-                raise RuntimeError(
-                    f"both ONNX exporters failed for {type(module).__name__} at opset {opset}: "
-                    f"dynamo: {dynamo_error!r}; torchscript: {torchscript_error!r}"
-                ) from torchscript_error
             exporter_used = "torchscript"
+        else:
+            try:
+                _export_with_dynamo(export)
+                _validate_exported_model(output_path, opset)
+                exporter_used = "dynamo"
+            except Exception as dynamo_error:  # noqa: BLE001  (any failure here means: try the other exporter)
+                _LOGGER.info(
+                    "dynamo export of %s at opset %d failed (%s); using the TorchScript exporter",
+                    type(module).__name__,
+                    opset,
+                    str(dynamo_error).splitlines()[0] if str(dynamo_error) else repr(dynamo_error),
+                )
+                try:
+                    _export_with_torchscript(export)
+                    _validate_exported_model(output_path, opset)
+                except Exception as torchscript_error:
+                    raise RuntimeError(
+                        f"both ONNX exporters failed for {type(module).__name__} at opset {opset}: "
+                        f"dynamo: {dynamo_error!r}; torchscript: {torchscript_error!r}"
+                    ) from torchscript_error
+                exporter_used = "torchscript"
     _LOGGER.info(
         "exported %s to %s at opset %d with the %s exporter",
         type(module).__name__,
@@ -220,54 +209,51 @@ def export_module(
     return output_path
 
 
-def _export_with_dynamo(
-    module: nn.Module,
-    example_inputs: tuple[torch.Tensor, ...],
-    output_path: Path,
-    opset: int,
-    input_names: Sequence[str],
-    output_names: Sequence[str],
-    dynamic_axes: dict[str, dict[int, str]],
-) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Export:
+    """What export_module hands to either exporter: the module, its example inputs, where the
+    ONNX file goes, the opset and the ONNX names and dynamic axes of inputs and outputs."""
+
+    module: nn.Module
+    example_inputs: tuple[torch.Tensor, ...]
+    output_path: Path
+    opset: int
+    input_names: Sequence[str]
+    output_names: Sequence[str]
+    dynamic_axes: dict[str, dict[int, str]]
+
+
+def _export_with_dynamo(export: _Export) -> None:
     program = torch.onnx.export(
-        module,
-        example_inputs,
+        export.module,
+        export.example_inputs,
         dynamo=True,
         # torch.onnx turns each named axis into Dim.DYNAMIC for torch.export, then gives the
         # ONNX dims these names (axes proven equal, like the two batch dims, share one name).
-        dynamic_shapes={name: dynamic_axes.get(name, {}) for name in input_names},
-        input_names=list(input_names),
-        output_names=list(output_names),
-        opset_version=opset,
+        dynamic_shapes={name: export.dynamic_axes.get(name, {}) for name in export.input_names},
+        input_names=list(export.input_names),
+        output_names=list(export.output_names),
+        opset_version=export.opset,
         verbose=False,
     )
     if program is None:  # only the TorchScript exporter returns None
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no program")
-    model = _convert_to_opset(program.model_proto, opset)
+    model = _convert_to_opset(program.model_proto, export.opset)
     _drop_stack_traces(model)
-    onnx.save(
-        model, str(output_path)
-    )  # one self-contained file: the tests pass models around by path
+    # One self-contained file: the tests pass models around by path.
+    onnx.save(model, str(export.output_path))
 
 
-def _export_with_torchscript(
-    module: nn.Module,
-    example_inputs: tuple[torch.Tensor, ...],
-    output_path: Path,
-    opset: int,
-    input_names: Sequence[str],
-    output_names: Sequence[str],
-    dynamic_axes: dict[str, dict[int, str]],
-) -> None:
+def _export_with_torchscript(export: _Export) -> None:
     torch.onnx.export(
-        module,
-        example_inputs,
-        str(output_path),
+        export.module,
+        export.example_inputs,
+        str(export.output_path),
         dynamo=False,
-        input_names=list(input_names),
-        output_names=list(output_names),
-        dynamic_axes=dynamic_axes,
-        opset_version=opset,
+        input_names=list(export.input_names),
+        output_names=list(export.output_names),
+        dynamic_axes=export.dynamic_axes,
+        opset_version=export.opset,
         do_constant_folding=True,
         verbose=False,
     )
