@@ -234,19 +234,6 @@ def producers(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
     return {out: n for n in all_nodes(model) for out in n.output if out}
 
 
-def value_types(model: onnx.ModelProto) -> dict[str, int]:
-    """elem type of every tensor of the main graph, after ONNX type inference."""
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
-    types: dict[str, int] = {}
-    for g in _all_graphs(inferred.graph):
-        for info in list(g.input) + list(g.output) + list(g.value_info):
-            if info.type.HasField("tensor_type"):
-                types.setdefault(info.name, info.type.tensor_type.elem_type)
-        for tensor in g.initializer:
-            types.setdefault(tensor.name, tensor.data_type)
-    return types
-
-
 def check(model: onnx.ModelProto) -> None:
     """onnx's full checker (with shape inference): raises on an invalid model."""
     onnx.checker.check_model(model, full_check=True)

@@ -54,9 +54,6 @@ code under test, and scripts/same_output.py can run this file by path under each
                                   {"target": "fp16", "backend": "ort-cuda"},
                                   name="test_e2e/cnn_fp16")
 
-`maybe_record(...)` does the same only when the environment variable named by `RECORD_ENV` is
-set (to the folder to record into), so a test-suite hook costs nothing otherwise.
-
 `python testkit/same_output_cases.py replay ROOT RESULTS.jsonl [--expect-root DIR] [--only ...]`
 is what scripts/same_output.py runs in a subprocess per code version.
 """
@@ -79,7 +76,8 @@ from typing import Any
 FORMAT = 1
 CASE_FILE = "case.json"
 KINDS = ("onnx", "onnx_file", "tf_graphdef", "tf_saved_model", "tf_meta", "tf_training")
-#: Environment variable: when set, maybe_record() records into the folder it names.
+#: Environment variable: when set, the test suite records its conversions into the folder it
+#: names (testkit.record_cases).
 RECORD_ENV = "AMP_REWRITER_RECORD_CASES"
 #: Grappler's list variables; cleared in the replay process unless a case sets them.
 GRAPPLER_ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
@@ -206,15 +204,6 @@ def record_case(directory: str | os.PathLike, kind: str, model: Any,
         return target
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def maybe_record(kind: str, model: Any, options: dict[str, Any] | None = None,
-                 **kwargs: Any) -> Path | None:
-    """record_case into the folder named by $AMP_REWRITER_RECORD_CASES, if it is set."""
-    directory = os.environ.get(RECORD_ENV)
-    if not directory:
-        return None
-    return record_case(directory, kind, model, options, **kwargs)
 
 
 def _clean_name(name: str) -> str:

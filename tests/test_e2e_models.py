@@ -283,7 +283,7 @@ def test_conversion_is_deterministic(converted, tmp_path: Path, amp_cli: CliRunn
 
 
 def test_bundled_example_is_current_and_small() -> None:
-    assert TINY_EXAMPLE_PATH.is_file(), "regenerate with models.cnn.write_tiny_example()"
+    assert TINY_EXAMPLE_PATH.is_file(), "regenerate with testkit.models.cnn.write_tiny_example()"
     example = TINY_EXAMPLE_PATH.read_bytes()
     assert len(example) < 300 * 1024
-    assert example == build_tiny_model().SerializeToString(), "stale: run models.cnn.write_tiny_example()"
+    assert example == build_tiny_model().SerializeToString(), "stale: run testkit.models.cnn.write_tiny_example()"

@@ -5,19 +5,13 @@ Tiny models and a few steps (the accuracy runs are scripts/tf2_training.py)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-# the user's train step as the examples write it (examples/digits_data.py)
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-import digits_data  # noqa: E402
+import digits_data  # noqa: E402  (examples/: the user's train step as the examples write it)
 
 from amp_rewriter.errors import AmpError  # noqa: E402
 from amp_rewriter.report import explain_text, load_report  # noqa: E402

@@ -6,7 +6,6 @@ checkpoint's bytes."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +13,6 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-sys.path.insert(0, str(EXAMPLES))
 
 import digits_data  # noqa: E402
 
