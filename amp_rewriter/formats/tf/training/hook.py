@@ -36,7 +36,9 @@ initial values.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -279,6 +281,29 @@ def _state_variable(initial: Any, dtype: tf.DType, name: str) -> tf.Variable:
             np.asarray(initial, dtype.as_numpy_dtype), trainable=False, name=name, dtype=dtype)
 
 
+#: Where frames are not the user's: this package, TensorFlow's and Keras's tracing, the stdlib.
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__ or "")) + os.sep
+                      for module in (sys.modules["amp_rewriter"], tf, contextlib))
+
+
+def _first_user_frame() -> int:
+    """The `stacklevel` that makes a warning raised by this function's caller point at the
+    user's line: a step's first call traces it deep inside TensorFlow, so a fixed level would
+    name a line of TensorFlow's or ours."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and (
+            frame.f_code.co_filename.startswith(_LIBRARY_DIRS + _keras_dirs())
+            or frame.f_code.co_filename.startswith("<")):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _keras_dirs() -> tuple[str, ...]:
+    keras = sys.modules.get("keras")
+    return (os.path.dirname(os.path.abspath(keras.__file__)) + os.sep,) \
+        if keras is not None and keras.__file__ else ()
+
+
 class MixedPrecisionStep(_RewrittenFunction):
     """A train step run in mixed precision with in-graph loss scaling (see the module
     docstring). `loss_scale` (float32), `good_steps` (int32) and `bad_steps` (int32, with
@@ -355,7 +380,8 @@ class MixedPrecisionStep(_RewrittenFunction):
                 f"weights={self.update.weights!r}: the step's trainable variables are float32, "
                 f"so they hold {self.update.weights} values but keep float32 storage (memory "
                 f"and checkpoints unchanged); build them in {wanted} (Keras: "
-                f"dtype={wanted!r}) for 16-bit storage", UserWarning, stacklevel=2)
+                f"dtype={wanted!r}) for 16-bit storage", UserWarning,
+                stacklevel=_first_user_frame())
 
     def state_handles(self) -> list[Any]:
         variables = {"scale": self.loss_scale, "good_steps": self.good_steps,
