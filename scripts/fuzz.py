@@ -39,11 +39,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 #: Whose amp_rewriter runs the cases: this checkout, or `--code DIR` (another version, to see
 #: which cases a change fixes). Read before anything imports amp_rewriter.
-CODE = next((Path(arg.split("=", 1)[1]) if "=" in arg else None
-             for arg in sys.argv if arg.startswith("--code")), None)
-if CODE is None and "--code" in sys.argv[:-1]:
-    CODE = Path(sys.argv[sys.argv.index("--code") + 1])
-CODE = (CODE or REPO).resolve()
+_code_argument = next((Path(arg.split("=", 1)[1]) if "=" in arg else None
+                       for arg in sys.argv if arg.startswith("--code")), None)
+if _code_argument is None and "--code" in sys.argv[:-1]:
+    _code_argument = Path(sys.argv[sys.argv.index("--code") + 1])
+CODE = (_code_argument or REPO).resolve()
 
 # The CLI's own default: TensorFlow's C++ log lines off. The CLI keeps a level the user set (the
 # test suite sets 2), and the cases must not depend on who runs them.
