@@ -1,6 +1,6 @@
 """Benchmark converter run time and peak memory on synthetic graphs of growing size.
 
-For each size, the synthetic transformer-like model (see ``synthetic_graph.py``) is built once and
+For each size, the synthetic transformer-like model (``testkit.synthetic``) is built once and
 saved; then each converter runs in its own fresh Python process on that file:
 
 * ``ours``:   ``amp_rewriter.convert(model, target="fp16", keep_io_types=True)``

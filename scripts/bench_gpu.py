@@ -222,7 +222,7 @@ def export_classic_gpt2(size: str, work: Path) -> Path:
 
 
 def _llama_config(dims: dict[str, int]) -> Any:
-    """The plain decoder's config (no KV cache; the cache variant is models.torch_export's)."""
+    """The plain decoder's config (no KV cache; the cache variant is testkit.models.torch_export's)."""
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],  # type: ignore[call-arg]  # attn_implementation: a config **kwarg transformers 5's signatures omit
@@ -654,7 +654,7 @@ def bench_model(model: str, args: argparse.Namespace, work: Path) -> tuple[list[
             bound[row.key] = BoundSession(session, feeds, args.device)
             for _ in range(args.warmup):
                 bound[row.key].run()
-            # bench_transformers' comparison: max|y - ref| / max|ref| per output, and the
+            # testkit.bench.output_errors: max|y - ref| / max|ref| per output, and the
             # non-finite values where the reference is finite.
             compared = output_errors(references[row.form], bound[row.key].outputs())
             row.relative_error = compared["worst_relative_error"]

@@ -1,7 +1,7 @@
 """How our conversion scales to very large graphs: time and peak memory at two sizes, one run.
 
 For each size (default 500k and 1M nodes) the synthetic transformer-like model of
-``synthetic_graph.py`` is built once (kept in ``--model-dir``); then, ``--repeats`` times, the
+``testkit.synthetic`` is built once (kept in ``--model-dir``); then, ``--repeats`` times, the
 sizes are measured in turn (interleaved, so a busy spell on a shared machine hits both), each
 measurement in a fresh Python process so its peak memory is its own:
 

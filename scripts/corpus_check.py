@@ -23,7 +23,7 @@ from testkit.onnx_corpus import (  # noqa: E402  (after the path set-up)
     SUITES,
     default_cache_dir,
     list_cases,
-    summarise,
+    summarize,
     sweep,
 )
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     listed = time.perf_counter()
     records = sweep(cases, options, args.jobs, args.timeout, args.verbose)
     elapsed = time.perf_counter() - started
-    text = summarise(records)
+    text = summarize(records)
     io_note = "" if args.keep_io_types else ", keep_io_types=False"
     print(f"\ntarget {args.target}, backend {args.backend}, mode {args.mode}{io_note}: "
           f"{len(records)} "

@@ -37,19 +37,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-#: Whose amp_rewriter runs the cases: this checkout, or `--code DIR` (another version, to see
-#: which cases a change fixes). Read before anything imports amp_rewriter.
-_code_argument = next((Path(arg.split("=", 1)[1]) if "=" in arg else None
-                       for arg in sys.argv if arg.startswith("--code")), None)
-if _code_argument is None and "--code" in sys.argv[:-1]:
-    _code_argument = Path(sys.argv[sys.argv.index("--code") + 1])
-CODE = (_code_argument or REPO).resolve()
 
 # The CLI's own default: TensorFlow's C++ log lines off. The CLI keeps a level the user set (the
 # test suite sets 2), and the cases must not depend on who runs them.
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 
-sys.path.insert(0, str(REPO))  # this checkout's testkit, whichever amp_rewriter runs the cases
+# This checkout's testkit, whichever amp_rewriter runs the cases (`--code`): testkit's fuzz modules
+# import no amp_rewriter, so main() can still put the chosen checkout first.
+sys.path.insert(0, str(REPO))
 from testkit import fuzz_cases  # noqa: E402
 from testkit.fuzz import (  # noqa: E402
     GIB,
@@ -64,11 +59,23 @@ from testkit.fuzz import (  # noqa: E402
     summarize,
 )
 
-sys.path.insert(0, str(CODE))  # CODE's amp_rewriter wins (testkit is already imported)
+
+def use_code(code: Path) -> None:
+    """Make `code`'s amp_rewriter the one every case imports (forked or spawned)."""
+    if not (code / "amp_rewriter" / "__init__.py").is_file():
+        raise SystemExit(f"fuzz: --code {code}: no amp_rewriter package there")
+    if "amp_rewriter" in sys.modules:  # a testkit module imported it: the choice would be ignored
+        raise SystemExit("fuzz: amp_rewriter was imported before --code could take effect")
+    sys.path.insert(0, str(code))
+    import amp_rewriter
+
+    origin = Path(amp_rewriter.__file__).resolve()
+    if code not in origin.parents:
+        raise SystemExit(f"fuzz: amp_rewriter imported from {origin}, not from {code}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--cases", type=int, default=None,
                         help="how many recipes to generate (default 300, or none with --replay)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
@@ -92,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spawn", action="store_true",
                         help="run each case as `python -m amp_rewriter` (slow) instead of forking")
     args = parser.parse_args(argv)
+    code = (args.code or REPO).resolve()
+    use_code(code)
 
     started = time.monotonic()
     work = args.work or Path(tempfile.mkdtemp(prefix="amp-fuzz-"))
@@ -109,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (seed_dir / "seeds.json").exists():
         build_seeds_in_child(seed_dir)
     seeds = fuzz_cases.Seeds.load(seed_dir)
-    runner = Runner(args.jobs, int(args.mem_cap * GIB), args.timeout, args.spawn, CODE)
+    runner = Runner(args.jobs, int(args.mem_cap * GIB), args.timeout, args.spawn, code)
     baseline = measure_baseline(runner, work, seeds)
 
     cases = []

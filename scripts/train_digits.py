@@ -4,7 +4,7 @@ training rewrites, and compare loss curves and test accuracy.
 For every (model, optimizer) pair, three runs start from the same seeded initial weights and see
 the same mini-batches:
 
-* ``fp32``: the graph from ``models.tf_training.build_training_graph`` as built;
+* ``fp32``: the graph from ``testkit.models.tf_training.build_training_graph`` as built;
 * ``fp16``: ``rewrite_training_graph(..., target="fp16")`` with its default dynamic loss scaling;
 * ``bf16``: ``rewrite_training_graph(..., target="bf16")`` (no loss scaling, the bf16 default).
 
@@ -39,9 +39,8 @@ from typing import BinaryIO
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# `models` is not an installed package: it is importable only from the checkout.
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+# `testkit` is not an installed package: it is importable only from the checkout.
+sys.path.insert(0, str(REPO_ROOT))
 
 #: absl's INFO lines ("I0000 00:00:17... 123 port.cc:153] ...") and the banner before them.
 _STARTUP_NOISE = re.compile(r"I\d{4} [\d:.]+\s+\d+ \S+:\d+\] "

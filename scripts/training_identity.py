@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="training_identity_") as tmp:
         work = Path(tmp)
         try:
-            baseline = args.baseline_dir or export_revision(args.baseline, work)
+            baseline = (args.baseline_dir.resolve() if args.baseline_dir
+                        else export_revision(args.baseline, work))
         except (subprocess.CalledProcessError, OSError) as exc:
             print(f"training_identity: cannot export {args.baseline}: {exc}", file=sys.stderr)
             return 2

@@ -14,7 +14,9 @@
 - `training_identity`: two versions of the TF1 training rewrite trained side by side;
 - `bench`: resident-set readings, sampled runs and output errors for the benchmark scripts.
 
-The command lines stay in scripts/ (each a thin argument parser over these modules). Nothing here
-imports amp_rewriter at module level where a module must run under another code version
-(`same_output_cases`, `training_identity`, `fuzz`).
+The command lines are in scripts/ (each a thin argument parser over these modules); the only ones
+here are the model writers (`python -m testkit.models...`, from the checkout's root) and the replay
+entry of `same_output_cases`, which scripts/same_output.py runs by path under each code version.
+The modules that must run under another code version (`same_output_cases`, `training_identity`,
+`fuzz`, `fuzz_cases`) import no amp_rewriter at module level; tests/test_architecture.py checks.
 """

@@ -813,7 +813,7 @@ def sweep(cases: list[tuple[str, str, str]], options: dict[str, Any], jobs: int 
     return [records[i] for i in range(total)]
 
 
-def summarise(records: list[dict[str, Any]]) -> str:
+def summarize(records: list[dict[str, Any]]) -> str:
     """Counts per outcome (bugs marked), split by suite, plus how many actually changed."""
     suites = sorted({r["suite"] for r in records}, key=lambda s: SUITES.index(s)
                     if s in SUITES else 99)

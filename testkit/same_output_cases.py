@@ -631,4 +631,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Run by path, Python put testkit/ itself first on sys.path: its modules (models, fuzz, ...)
+    # must not shadow names the replayed version imports.
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        del sys.path[0]
     sys.exit(main())

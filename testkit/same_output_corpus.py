@@ -117,9 +117,9 @@ def build_onnx(out: Path, tmp: Path) -> None:
 
 
 def build_real(out: Path, tmp: Path) -> None:
-    """Real architectures exported by torch (models/torch_export.py) at opsets 17 and 18: fp16 and
-    bf16 conversions, and convert_file of a copy with external data (the exports themselves are
-    single files)."""
+    """Real architectures exported by torch (testkit/models/torch_export.py) at opsets 17 and 18:
+    fp16 and bf16 conversions, and convert_file of a copy with external data (the exports
+    themselves are single files)."""
     import onnx
 
     from testkit.models import torch_export
@@ -174,7 +174,7 @@ def build_node(out: Path, tmp: Path) -> None:
 
 
 def build_tf(out: Path, tmp: Path) -> None:
-    """TF1 GraphDefs (models/tf_graphs.py) for every target/backend pair, option variants,
+    """TF1 GraphDefs (testkit/models/tf_graphs.py) for every target/backend pair, option variants,
     Grappler's list variables, a .meta file and a .pb -> .pbtxt file conversion."""
     from testkit.models import tf_graphs
 
@@ -250,8 +250,8 @@ def build_tf(out: Path, tmp: Path) -> None:
 
 
 def build_saved_model(out: Path, tmp: Path) -> None:
-    """SavedModels (models/tf_saved_models.py): Keras model.export and tf.saved_model.save, a
-    module with nested functions and an asset, a TF1 simple_save."""
+    """SavedModels (testkit/models/tf_saved_models.py): Keras model.export and
+    tf.saved_model.save, a module with nested functions and an asset, a TF1 simple_save."""
     from testkit.models import tf_saved_models
 
     record = cases_lib.record_case

@@ -175,8 +175,8 @@ def evaluate(value: Value, leaves: Mapping[Value, np.ndarray]) -> np.ndarray:
         return np.asarray(semantics(*[evaluate(present(v), leaves) for v in producer.inputs]))
 
 
-def _node(graph: Graph, name: str, op: str, inputs: list[Value], dtypes: list[str],
-          waits: Sequence[Node] = ()) -> Node:
+def model_node(graph: Graph, name: str, op: str, inputs: list[Value], dtypes: list[str],
+               waits: Sequence[Node] = ()) -> Node:
     """A node of the model (as a loader makes one: with a handle, so not "added")."""
     node = Node(name, op, "", graph)
     node.handle = object()
@@ -215,23 +215,23 @@ def tiny_step(towers: int = 1, batch_norm: bool = False) -> TinyStep:
     nodes: dict[str, Node] = {}
     x = graph.add_value(Value("x", graph, "float32"))
     graph.add_input(x)
-    nodes["w"] = _node(graph, "w", "Variable", [], ["float32"])
-    nodes["step_counter"] = _node(graph, "step_counter", "Variable", [], ["int64"])
-    nodes["init"] = _node(graph, "init", "Group", [], [], waits=[nodes["w"]])
+    nodes["w"] = model_node(graph, "w", "Variable", [], ["float32"])
+    nodes["step_counter"] = model_node(graph, "step_counter", "Variable", [], ["int64"])
+    nodes["init"] = model_node(graph, "init", "Group", [], [], waits=[nodes["w"]])
     w = present(nodes["w"].outputs[0])
     one = array_constant(model, graph, "one", np.asarray(1.0, np.float32))
     moving = None
     if batch_norm:
-        moving = _node(graph, "moving_mean/assign", "Assign", [w], [])
+        moving = model_node(graph, "moving_mean/assign", "Assign", [w], [])
     seeds, exits, losses, grads = [], [], [], []
     for tower in range(towers):
-        mm = _node(graph, f"t{tower}/mm", "MatMul", [x, w], ["float32"])
-        loss = _node(graph, f"t{tower}/loss", "Mean", [present(mm.outputs[0])], ["float32"])
-        fill = _node(graph, f"t{tower}/gradients/Fill", "Fill",
-                     [present(loss.outputs[0]), one], ["float32"],
-                     waits=[moving] if moving is not None and tower == 0 else [])
-        grad = _node(graph, f"t{tower}/gradients/mm_grad", "MatMulGrad",
-                     [present(fill.outputs[0]), x], ["float32"])
+        mm = model_node(graph, f"t{tower}/mm", "MatMul", [x, w], ["float32"])
+        loss = model_node(graph, f"t{tower}/loss", "Mean", [present(mm.outputs[0])], ["float32"])
+        fill = model_node(graph, f"t{tower}/gradients/Fill", "Fill",
+                          [present(loss.outputs[0]), one], ["float32"],
+                          waits=[moving] if moving is not None and tower == 0 else [])
+        grad = model_node(graph, f"t{tower}/gradients/mm_grad", "MatMulGrad",
+                          [present(fill.outputs[0]), x], ["float32"])
         seeds.append(GradientSeed(fill, 1))
         losses.append(loss)
         grads.append(grad)
@@ -240,24 +240,24 @@ def tiny_step(towers: int = 1, batch_norm: bool = False) -> TinyStep:
     summed = grads[0]
     aggregations = []
     if towers > 1:
-        summed = _node(graph, "sum_towers", "AddN", [present(g.outputs[0]) for g in grads],
-                       ["float32"])
+        summed = model_node(graph, "sum_towers", "AddN",
+                            [present(g.outputs[0]) for g in grads], ["float32"])
         aggregations.append(present(summed.outputs[0]))
         nodes["sum"] = summed
-    apply = _node(graph, "apply_w", "ApplyGradientDescent", [w, lr, present(summed.outputs[0])],
-                  ["float32"])
+    apply = model_node(graph, "apply_w", "ApplyGradientDescent",
+                       [w, lr, present(summed.outputs[0])], ["float32"])
     for grad in grads:
         value = present(grad.outputs[0])
         exits.append(GradientExit(value, list(value.uses)))
-    count = _node(graph, "count_step", "AssignAdd", [present(nodes["step_counter"].outputs[0]),
-                                                     array_constant(model, graph, "step_one",
-                                                                    np.asarray(1, np.int64))],
-                  ["int64"], waits=[apply])
+    step_one = array_constant(model, graph, "step_one", np.asarray(1, np.int64))
+    count = model_node(graph, "count_step", "AssignAdd",
+                       [present(nodes["step_counter"].outputs[0]), step_one], ["int64"],
+                       waits=[apply])
     writes = [VariableWrite(apply, "optimizer_update", 0, (2,)),
               VariableWrite(count, "step_counter", 0, ())]
     if moving is not None:
         writes.append(VariableWrite(moving, "assign", 0, ()))
-    train = _node(graph, "train", "Group", [], [], waits=[apply, count])
+    train = model_node(graph, "train", "Group", [], [], waits=[apply, count])
     nodes.update({"apply": apply, "count": count, "train": train})
     if moving is not None:
         nodes["moving"] = moving

@@ -211,3 +211,55 @@ def test_formats_are_declared_by_their_list_files(tmp_path, monkeypatch):
     monkeypatch.setattr(op_lists, "_LIST_CACHE", {})
     with pytest.raises(AmpError, match=r"mine\.toml \[format\]: unknown key\(s\) 'sufixes'"):
         op_lists.format_declarations()
+
+
+# -- testkit, scripts and tests ------------------------------------------------------------------
+
+SCRIPTS = sorted((REPO / "scripts").glob("*.py"))
+
+
+def _imported_private_names(path: Path) -> list[str]:
+    """`from amp_rewriter... / testkit... import _name` in `path`."""
+    return [f"{node.module}.{alias.name}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module
+            and node.module.split(".")[0] in ("amp_rewriter", "testkit")
+            for alias in node.names if alias.name.startswith("_")]
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_a_script_imports_no_other_script_and_no_private_name(path):
+    scripts = {p.stem for p in SCRIPTS}
+    assert not top_levels(imported_names(path)) & scripts
+    assert _imported_private_names(path) == []
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "tests").rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(REPO / "tests")))
+def test_a_test_edits_no_import_path_and_loads_no_file_by_path(path):
+    """Tests import testkit and examples/ through pytest's `pythonpath` (pyproject.toml)."""
+    assert _path_edits_and_loads(path.read_text()) == []
+
+
+def _path_edits_and_loads(source: str) -> list[str]:
+    """The calls in `source` that edit sys.path or load a module from a file."""
+    calls = [ast.unparse(node.func) for node in ast.walk(ast.parse(source))
+             if isinstance(node, ast.Call)]
+    return [call for call in calls if call.endswith(("sys.path.insert", "sys.path.append",
+                                                     "spec_from_file_location", "run_path"))]
+
+
+def test_the_path_edit_check_sees_them():
+    source = ("import sys, runpy, importlib.util\nsys.path.insert(0, 'x')\n"
+              "runpy.run_path('s.py')\nimportlib.util.spec_from_file_location('m', 'm.py')\n")
+    assert _path_edits_and_loads(source) == ["sys.path.insert", "runpy.run_path",
+                                             "importlib.util.spec_from_file_location"]
+
+
+def test_testkit_modules_run_under_another_version_import_no_amp_rewriter():
+    """same_output, training_identity and the fuzzer import this testkit, then the amp_rewriter
+    of the version they test: testkit must not have imported one already."""
+    loaded = loaded_modules("import testkit.same_output_cases, testkit.same_output_corpus, "
+                            "testkit.training_identity, testkit.fuzz, testkit.fuzz_cases, "
+                            "testkit.onnx_corpus")
+    assert "testkit" in top_levels(loaded)
+    assert "amp_rewriter" not in top_levels(loaded)

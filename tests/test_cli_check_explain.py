@@ -1,4 +1,4 @@
-"""`check` and `explain` through the CLI, on models built by models/."""
+"""`check` and `explain` through the CLI, on models built by testkit/models/."""
 
 from __future__ import annotations
 

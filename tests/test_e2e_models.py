@@ -1,4 +1,4 @@
-"""End-to-end tests: convert the test models in ``models/`` with the CLI and compare against fp32.
+"""End-to-end tests: convert the test models in ``testkit/models/`` with the CLI and compare against fp32.
 
 Each (model, target) pair is converted once per module (see ``converted``) and the
 individual tests inspect that one result, which keeps the suite to a handful of CLI runs.

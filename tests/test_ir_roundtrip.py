@@ -15,18 +15,16 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
+import amp_rewriter
+from amp_rewriter.formats.onnx import emit
+from amp_rewriter.formats.onnx.emit import emit_onnx, emit_onnx_parts
+from amp_rewriter.formats.onnx.load import load_onnx
+from amp_rewriter.ir import lint
+from amp_rewriter.passes.analysis.group_graph import GroupGraph
+from testkit.builder import GraphBuilder, assert_close, check, feeds_for, run
+from testkit.models import BUILDERS
 
-import amp_rewriter  # noqa: E402
-from amp_rewriter.formats.onnx import emit  # noqa: E402
-from amp_rewriter.formats.onnx.emit import emit_onnx, emit_onnx_parts  # noqa: E402
-from amp_rewriter.formats.onnx.load import load_onnx  # noqa: E402
-from amp_rewriter.ir import lint  # noqa: E402
-from amp_rewriter.passes.analysis.group_graph import GroupGraph  # noqa: E402
-from testkit.builder import GraphBuilder, assert_close, check, feeds_for, run  # noqa: E402
-from testkit.models import BUILDERS  # noqa: E402
-
+REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.onnx"))
 
 

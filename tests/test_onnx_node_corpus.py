@@ -1,6 +1,6 @@
 """A curated slice of the ONNX backend test corpus through convert + checker + onnxruntime.
 
-`scripts/onnx_corpus.py` sweeps the whole corpus (about 2000 models); this test keeps a
+`scripts/corpus_check.py` (testkit.onnx_corpus) sweeps the whole corpus (about 2000 models); this test keeps a
 representative 90 of them that pass today, so a regression in the loader, the passes or the
 emitter on any of these op types shows up in the normal test run:
 

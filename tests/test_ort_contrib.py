@@ -248,7 +248,7 @@ def test_optimize_gpt2_fuses_attention_in_the_classic_attention_export(capsys, t
     ids = torch.randint(0, 100, (2, 9))
     with torch.no_grad():
         expected = gpt2(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
-        classic = torch_export._GPT2WithClassicAttention(gpt2)(ids)  # noqa: SLF001
+        classic = torch_export.GPT2WithClassicAttention(gpt2)(ids)
     assert torch.allclose(classic, expected, atol=1e-6)
 
     dims = dict(vocab=100, hidden=32, layers=2, heads=4, ffn=64)

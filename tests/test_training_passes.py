@@ -13,7 +13,7 @@ from amp_rewriter.passes.pipeline import PIPELINES, TRAINING_PASSES
 from amp_rewriter.training import LossScaleRule, ScalerState
 from amp_rewriter.training.passes import LOSS_REASON, OPTIMIZER_REASON, OUTSIDE_REASON
 from amp_rewriter.training.plan import VariableWrite
-from testkit.training_ir import _node, evaluate, tiny_step
+from testkit.training_ir import evaluate, model_node, tiny_step
 
 
 @pytest.fixture(autouse=True)
@@ -73,8 +73,8 @@ def test_results_and_control_outputs_stop_waiting_for_the_gated_writes():
     # control outputs (a write among them)
     step = tiny_step()
     graph, nodes = step.model.graph, step.nodes
-    returned = _node(graph, "returned", "Identity", [step.plan.loss], ["float32"],
-                     waits=[nodes["count"]])
+    returned = model_node(graph, "returned", "Identity", [step.plan.loss], ["float32"],
+                        waits=[nodes["count"]])
     graph.add_output(returned.outputs[0])
     graph.set_control_output("apply", nodes["apply"])
     graph.set_control_output("step", nodes["train"])

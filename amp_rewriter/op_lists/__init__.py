@@ -450,7 +450,8 @@ _PROFILE_CACHE: dict[str, dict[str, BackendProfile]] = {}
 
 
 def read_list_file(fmt: str) -> dict:
-    """The built-in op list of format `fmt` (op_lists/<fmt>.toml) as parsed TOML, read once."""
+    """The built-in op list of format `fmt` (op_lists/<fmt>.toml) as parsed TOML, read once and
+    shared: copy it before changing anything in it."""
     if fmt not in _LIST_CACHE:
         path = _DATA_DIR / f"{fmt}.toml"
         _LIST_CACHE[fmt] = tomllib.loads(path.read_text())

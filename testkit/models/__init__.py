@@ -1,10 +1,16 @@
-"""Builders for small, deterministic fp32 ONNX models used to test amp-rewriter end to end.
+"""The test models: small, deterministic fp32 models built to test amp-rewriter end to end.
 
-Each module exposes ``build_model() -> onnx.ModelProto`` and can be run as
-``python -m testkit.models.<name> OUT.onnx``. ``python -m testkit.models OUT_DIR`` writes all of
-them.
+- ``cnn``, ``transformer_block``, ``control_flow``, ``custom_op``: hand-built ONNX graphs; each
+  exposes ``build_model() -> onnx.ModelProto`` and runs as
+  ``python -m testkit.models.<name> OUT.onnx``; ``python -m testkit.models OUT_DIR`` writes these
+  four. ``many_weights``: a chain of Adds, one weight each (external-data layouts);
+- ``torch_export``: real architectures exported by torch (BERT, GPT-2, MiniLM, ResNet, MobileNet);
+- ``tf_graphs`` (TF1 GraphDefs), ``tf_saved_models`` (SavedModels), ``tf_training`` (TF1 training
+  graphs on the digits data).
 
-``BUILDERS`` maps a model name to its builder (defaults give the canonical test model).
+The ``python -m`` commands run from the checkout's root (testkit is not installed).
+
+``BUILDERS`` maps an ONNX model's name to its builder (defaults give the canonical test model).
 It is created on first access (PEP 562) rather than at import time: importing the
 builder modules here would make ``python -m testkit.models.<name>`` warn that the module was
 already imported by its package before runpy executed it.

@@ -1,4 +1,5 @@
-"""``python -m testkit.models OUT_DIR``: write every test model to OUT_DIR/<name>.onnx."""
+"""``python -m testkit.models OUT_DIR``: write the hand-built ONNX test models (``BUILDERS``) to
+OUT_DIR/<name>.onnx."""
 
 from __future__ import annotations
 

@@ -37,4 +37,8 @@ def build_model(count: int = 300, side: int = 32) -> onnx.ModelProto:
 
 
 if __name__ == "__main__":
-    onnx.save(build_model(int(sys.argv[2]) if len(sys.argv) > 2 else 300), sys.argv[1])
+    count = sys.argv[2] if len(sys.argv) == 3 else "300"
+    if len(sys.argv) not in (2, 3) or not count.isdigit():
+        print("usage: python -m testkit.models.many_weights OUT.onnx [COUNT]", file=sys.stderr)
+        raise SystemExit(2)
+    onnx.save(build_model(int(count)), sys.argv[1])

@@ -203,8 +203,10 @@ EXPORTERS: dict[str, Callable[..., Path]] = {
 def main(argv: list[str] | None = None) -> int:
     """`python -m testkit.models.tf_saved_models OUT_DIR`: write each SavedModel there."""
     args = sys.argv[1:] if argv is None else argv
-    if not args:
-        print("usage: python -m testkit.models.tf_saved_models OUT_DIR [NAME ...]", file=sys.stderr)
+    unknown = [name for name in args[1:] if name not in EXPORTERS]
+    if not args or unknown:
+        print("usage: python -m testkit.models.tf_saved_models OUT_DIR [NAME ...], NAME one of "
+              + ", ".join(EXPORTERS), file=sys.stderr)
         return 2
     out, names = Path(args[0]), args[1:] or list(EXPORTERS)
     for name in names:

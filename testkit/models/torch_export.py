@@ -1,8 +1,8 @@
-"""Export real network architectures from PyTorch to fp32 ONNX, for end-to-end tests of amp-
-rewriter.
+"""Export real network architectures from PyTorch to fp32 ONNX, for end-to-end tests of
+amp-rewriter.
 
-The hand-built graphs elsewhere in ``models/`` are small and precise; these are the graphs that
-real users feed the tool: whatever ``torch.onnx.export`` emits for Hugging Face transformers
+The hand-built graphs elsewhere in ``testkit.models`` are small and precise; these are the graphs
+that real users feed the tool: whatever ``torch.onnx.export`` emits for Hugging Face transformers
 (BERT, GPT-2, the trained all-MiniLM-L6-v2 sentence encoder) and for the two classic CNN
 families (a bottleneck ResNet and MobileNetV2), at opset 17 or 18.
 
@@ -473,7 +473,7 @@ def export_gpt2(path: str | os.PathLike, opset: int, seed: int = DEFAULT_SEED) -
     return _export_text_model(model, ("last_hidden_state",), SMALL_VOCAB_SIZE, path, opset)
 
 
-class _GPT2WithClassicAttention(nn.Module):
+class GPT2WithClassicAttention(nn.Module):
     """GPT2Model's forward on its own modules and weights, with the attention written as
     transformers wrote it before 4.27: scores divided by sqrt(head_dim) and a causal mask taken
     by Where from a lower-triangular buffer. It computes the same function as GPT2Model on
@@ -527,7 +527,7 @@ def export_gpt2_classic_attention(dims: dict[str, int], path: str | os.PathLike)
     """A GPT-2 of the sizes in ``dims`` (vocab, hidden, layers, heads, ffn), random weights from
     torch's current seed, whose attention onnxruntime's transformer optimizer fuses
     (``optimize_model(model_type="gpt2")`` makes one Attention node per layer): the TorchScript
-    export at opset 17 of `_GPT2WithClassicAttention`. Input ``input_ids`` only (rows are not
+    export at opset 17 of `GPT2WithClassicAttention`. Input ``input_ids`` only (rows are not
     padded), output ``last_hidden_state``."""
     from transformers import GPT2Config, GPT2Model
 
@@ -546,7 +546,7 @@ def export_gpt2_classic_attention(dims: dict[str, int], path: str | os.PathLike)
     ids = torch.randint(0, dims["vocab"], (_EXAMPLE_BATCH, _EXAMPLE_SEQUENCE))
     axes = {"input_ids": {0: "batch", 1: "sequence"}}
     return export_module(
-        _GPT2WithClassicAttention(gpt2).eval(),
+        GPT2WithClassicAttention(gpt2).eval(),
         (ids,),
         path,
         17,

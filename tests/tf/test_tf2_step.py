@@ -1,7 +1,7 @@
 """The TF2 training hook on one device: `amp_rewriter.tf.mixed_precision` around a tf.function
 train step with tf.GradientTape (Keras 3 optimizers, plain assign_sub), against the fp32 step
 and keras.optimizers.LossScaleOptimizer; its report, its checkpoints, and its one-line errors.
-Tiny models and a few steps (the accuracy runs are scripts/tf2_training.py)."""
+Tiny models and a few steps (the accuracy runs are examples/tf2_custom_loop.py and its siblings)."""
 
 from __future__ import annotations
 
