@@ -226,14 +226,11 @@ class TrainingOptions:
     update: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.rule) - set(LossScaleRule.knobs()))
-        if unknown:
-            raise AmpError(f"loss scale: no option {unknown[0]!r} (options: "
-                           f"{', '.join(LossScaleRule.knobs())})")
-        unknown = sorted(set(self.update) - set(UpdateOptions.knobs()))
-        if unknown:
-            raise AmpError(f"update: no option {unknown[0]!r} (options: "
-                           f"{', '.join(UpdateOptions.knobs())})")
+        for what, given, knobs in (("loss scale", self.rule, LossScaleRule.knobs()),
+                                   ("update", self.update, UpdateOptions.knobs())):
+            unknown = sorted(set(given) - set(knobs))
+            if unknown:
+                raise AmpError(f"{what}: no option {unknown[0]!r} (options: {', '.join(knobs)})")
         self.rule = {name: value for name, value in self.rule.items() if value is not None}
         self.update = {name: value for name, value in self.update.items() if value is not None}
 

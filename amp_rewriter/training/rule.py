@@ -70,7 +70,7 @@ class LossScaleRule:
         hysteresis = _number(self.hysteresis, problems, "hysteresis")
         if initial is not None and not (math.isfinite(initial) and initial > 0):
             problems.append(f"the initial scale must be a finite number > 0, got {initial}")
-        if interval is not None and not _whole(interval):
+        if interval is not None and not whole_number(interval):
             problems.append(f"the growth interval must be an integer from 1 to "
                             f"{STEP_COUNT_MAX}, got {interval}")
         if growth is not None and not (math.isfinite(growth) and growth > 1):
@@ -79,7 +79,7 @@ class LossScaleRule:
             problems.append(f"the backoff factor must be in (0, 1), got {backoff}")
         if floor is not None and not (math.isfinite(floor) and floor > 0):
             problems.append(f"the minimum scale must be a finite number > 0, got {floor}")
-        if hysteresis is not None and not _whole(hysteresis):
+        if hysteresis is not None and not whole_number(hysteresis):
             problems.append(f"hysteresis must be an integer from 1 to {STEP_COUNT_MAX}, got "
                             f"{hysteresis}")
         if problems:
@@ -173,10 +173,17 @@ class LossScaleRule:
 STEP_COUNT_MAX = 2**31 - 1
 
 
-def _whole(value: float) -> bool:
-    """Whether `value` is a whole number of steps an int32 counter can reach (3.0 is; 1e23 or
-    inf is not: a graph could not even hold the constant)."""
-    return math.isfinite(value) and value == int(value) and 1 <= value <= STEP_COUNT_MAX
+def whole_number(value: Any, low: int = 1, high: int = STEP_COUNT_MAX) -> bool:
+    """Whether `value` is a whole number in [low, high]; by default a number of steps an int32
+    counter can reach (3.0 is; True, 2.5, 1e23 and inf are not: a graph could not even hold the
+    constant)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(number) and number == int(number) and low <= number <= high
 
 
 def _number(value: Any, problems: list[str], what: str) -> float | None:

@@ -23,7 +23,6 @@ accumulated.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,7 @@ from ..errors import AmpError
 from ..flags import flag_field
 from ..ir.dtypes import TARGET_DTYPES
 from ..ir.rounding import NEAREST, ROUNDING_MODES, STOCHASTIC
-from .rule import STEP_COUNT_MAX
+from .rule import STEP_COUNT_MAX, whole_number
 
 UNSCALE_MODES = ("auto", "gradients", "optimizer")
 #: The largest rounding seed (it is hashed with each variable's name into an int64 key).
@@ -81,10 +80,10 @@ class UpdateOptions:
         if self.unscale not in UNSCALE_MODES:
             problems.append(f"--unscale must be auto, gradients or optimizer, got "
                             f"{self.unscale!r}")
-        if not _whole(self.rounding_seed, 0, SEED_MAX):
+        if not whole_number(self.rounding_seed, 0, SEED_MAX):
             problems.append(f"--rounding-seed must be an integer from 0 to {SEED_MAX}, got "
                             f"{self.rounding_seed!r}")
-        if not _whole(self.accumulate, 1, STEP_COUNT_MAX):
+        if not whole_number(self.accumulate):
             problems.append(f"--accumulate must be an integer from 1 to {STEP_COUNT_MAX}, got "
                             f"{self.accumulate!r}")
         if problems:
@@ -123,13 +122,3 @@ class UpdateOptions:
         return {**dataclasses.asdict(self), "rounding": self.rounding_mode
                 if self.weights or self.slots else None}
 
-
-def _whole(value: Any, low: int, high: int) -> bool:
-    """Whether `value` is a whole number in [low, high] (3.0 is; True, 2.5 and inf are not)."""
-    if isinstance(value, bool):
-        return False
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return False
-    return math.isfinite(number) and number == int(number) and low <= number <= high

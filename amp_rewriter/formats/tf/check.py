@@ -21,6 +21,7 @@ from ...cost import model_cost
 from ...errors import AmpError
 from ...ir import TARGET_DTYPES, LazyTensor, Model
 from ...ir.dtypes import NUMPY_DTYPES
+from ...ir.rounding import ROUNDING_FORMATS
 from ...op_lists import Overrides
 from ...report import CheckResult, CheckRule
 from ...validation import (
@@ -384,9 +385,10 @@ def _learning_rate(nodes: dict, ref: str) -> float | None:
 
 def _half_ulp(magnitude: float, low: str) -> float:
     """Half the spacing of the 16-bit type `low` at `magnitude`."""
-    mantissa = 10 if low == "fp16" else 7
-    exponent = max(math.floor(math.log2(magnitude)), -14 if low == "fp16" else -126)
-    return 2.0 ** (exponent - mantissa) / 2
+    fmt = ROUNDING_FORMATS[TARGET_DTYPES[low]]
+    smallest_normal = fmt.smallest_normal_field - 127  # float32's exponent bias
+    exponent = max(math.floor(math.log2(magnitude)), smallest_normal)
+    return 2.0 ** (exponent - fmt.mantissa_bits) / 2
 
 
 def _check_swallowed_updates(meta: meta_graph_pb2.MetaGraphDef, result: CheckResult) -> None:

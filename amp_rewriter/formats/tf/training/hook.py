@@ -57,6 +57,7 @@ from ....report import Report
 from ....training import LossScaleRule
 from ....training.update import UpdateOptions
 from .step import RewrittenStep, rewrite_inference_function, rewrite_step_function
+from .storage import SIXTEEN_BITS
 
 #: What marks a summary as a scalar for TensorBoard (its scalars plugin).
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
@@ -232,8 +233,6 @@ class _RewrittenFunction(tf.Module):
 
 #: The loss scaler's state variables, which a MixedPrecisionStep makes up front.
 _SCALER_STATES = ("scale", "good_steps", "bad_steps")
-#: The 16-bit dtypes a caller may build variables in, and their IR names.
-_SIXTEEN_BITS = {tf.float16: "float16", tf.bfloat16: "bfloat16"}
 #: What a distribution strategy appends to a replica's copy of a variable's name.
 _REPLICA_SUFFIX = re.compile(r"/replica_\d+$")
 
@@ -268,8 +267,8 @@ def captured_variable_names(concrete: Any
         names[argument] = clean if occurrence == 0 else f"{clean}_{occurrence}"
         if variable.trainable:
             trainable.add(argument)
-        if variable.dtype in _SIXTEEN_BITS:
-            sixteen[argument] = _SIXTEEN_BITS[variable.dtype]
+        if variable.dtype.as_datatype_enum in SIXTEEN_BITS:
+            sixteen[argument] = variable.dtype.name  # TF's name is the IR's
     return names, frozenset(trainable), sixteen
 
 
@@ -290,10 +289,9 @@ def _first_user_frame() -> int:
     """The `stacklevel` that makes a warning raised by this function's caller point at the
     user's line: a step's first call traces it deep inside TensorFlow, so a fixed level would
     name a line of TensorFlow's or ours."""
+    not_the_users = (*_LIBRARY_DIRS, *_keras_dirs(), "<")  # "<": frozen and generated code
     frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and (
-            frame.f_code.co_filename.startswith(_LIBRARY_DIRS + _keras_dirs())
-            or frame.f_code.co_filename.startswith("<")):
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(not_the_users):
         frame, level = frame.f_back, level + 1
     return level
 
